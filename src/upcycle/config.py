@@ -1,0 +1,140 @@
+"""Run configuration as data (DESIGN principle 8): frozen keyword-only dataclasses, YAML recipes, `--set`.
+
+A recipe is a YAML mapping with the same nesting as the dataclasses; `--set a.b=v` overrides one key (the value
+is parsed as YAML, so `3`, `0.5`, `true`, `[1, 3]` and `null` mean what they say). Unknown keys and wrong types
+are refused with the key's dotted path, before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import UpcycleError
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    normalize_topk: bool = True            # renormalize the top-k weights to sum to 1 (exact copy preservation)
+    capacity_factor_train: float | None = None   # None = dropless
+    capacity_factor_eval: float | None = None
+    renormalize_after_drop: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    every: int = 1                         # block i (0-based) becomes MoE when (i + 1) % every == 0
+    layers: tuple[int, ...] | None = None  # explicit block indices (negative counts from the end); beats `every`
+    towers: tuple[str, ...] | None = None  # two-tower models (CLIP): "text", "vision"; None = every tower
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckConfig:
+    tolerance: float = 1e-4     # max |logit difference| allowed when the method promises preservation
+    sequences: int = 4          # held-out probe batch: sequences x tokens
+    tokens: int = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertConfig:
+    model: str = "default"      # "default" (embedded SmolLM2), a Hugging Face id, or a local folder
+    method: str = "copy"
+    method_args: dict = field(default_factory=dict)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    seed: int = 0
+    dtype: str = "float32"      # dtype the model is loaded and converted in
+    overwrite: bool = False
+
+
+def _coerce(value, hint, where: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except UpcycleError as e:
+                errors.append(str(e))
+        raise UpcycleError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, where + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise UpcycleError(f"{where} must be a list, got {value!r}")
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise UpcycleError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
+        raise UpcycleError(f"{where} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def build(cls, data: dict | None, where: str = ""):
+    """Build dataclass `cls` from a nested mapping, refusing unknown keys and wrong types."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise UpcycleError(f"{where or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = set(data) - set(names)
+    if unknown:
+        raise UpcycleError(f"unknown config key(s) {sorted(f'{where}{k}' for k in unknown)}; "
+                           f"valid keys here: {', '.join(where + n for n in names)}")
+    return cls(**{k: _coerce(v, hints[k], where + k) for k, v in data.items()})
+
+
+def set_override(data: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` to a nested mapping in place."""
+    if "=" not in assignment:
+        raise UpcycleError(f"--set expects key=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UpcycleError(f"--set {key}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_recipe(path: str | Path | None) -> dict:
+    """A YAML recipe as a nested mapping (empty when no path)."""
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UpcycleError(f"recipe {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise UpcycleError(f"recipe {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UpcycleError(f"recipe {path} must be a mapping at the top level")
+    return data
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict of a config (tuples as lists), for YAML/JSON output."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return plain(dataclasses.asdict(cfg))

@@ -1,0 +1,199 @@
+"""`upcycle convert`: dense model -> MoE model, checked against the dense model, written atomically.
+
+Data flow (DESIGN): validate everything (method, arguments, sizes, placement, output) -> record the dense
+model's outputs on a fixed held-out batch -> for each target block: extract the FFN, run the method, install
+the MoE layer -> run the batch again and compare -> refuse to write when a method that promises function
+preservation breaks it -> write the folder (temporary directory, renamed at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import __version__
+from .architectures import family_of
+from .assets import resolve_model_name
+from .checks import compare, count_parameters, make_probe, probe_output
+from .config import ConvertConfig, to_dict
+from .errors import UpcycleError
+from .io import atomic_directory, save
+from .methods import Method, get_method
+from .moe import MoELayer
+from .surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Conversion:
+    model: nn.Module
+    tokenizer: object | None
+    report: dict
+
+
+class PreservationError(UpcycleError):
+    """The method promised the dense function and the converted model does not reproduce it."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
+    """Checks that need no model: method, its arguments, expert counts, dtype."""
+    method = get_method(cfg.method)
+    args = method.resolve_args(cfg.method_args)
+    if cfg.moe.num_experts < 1:
+        raise UpcycleError(f"num_experts must be >= 1, got {cfg.moe.num_experts}")
+    if not 1 <= cfg.moe.top_k <= cfg.moe.num_experts:
+        raise UpcycleError(f"top_k must be between 1 and num_experts ({cfg.moe.num_experts}), got {cfg.moe.top_k}")
+    if cfg.dtype not in DTYPES:
+        raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if method.needs_calibration:
+        raise UpcycleError(f"method {method.name!r} needs calibration data")
+    return method, args
+
+
+def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
+    """A dense model (hub id, local folder, or 'default') and its tokenizer when it has one."""
+    import transformers
+
+    path = resolve_model_name(name)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unloadable models
+        raise UpcycleError(f"could not load model {name!r}: {e}") from None
+    family_of(config)   # unsupported architectures fail here, before the weights are read
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    cls = cls or (transformers.AutoModelForCausalLM if config.model_type not in ("bert", "clip")
+                  else transformers.AutoModel)
+    try:
+        model = cls.from_pretrained(path, dtype=DTYPES[dtype])
+    except Exception as e:
+        raise UpcycleError(f"could not load model {name!r}: {e}") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception:
+        tokenizer = None    # tiny test models and vision-only models have none: the probe uses random ids
+    return model.eval(), tokenizer
+
+
+def _heldout_texts() -> list[str] | None:
+    try:
+        from .text import wikipedia_split
+        return wikipedia_split()[1]
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
+                  progress: bool = True, phases: Phases | None = None) -> dict:
+    """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps)."""
+    method, args = validate(cfg)
+    family = family_of(model.config)
+    targets = plan_targets(model, cfg.placement)
+    timings = {}
+    bar = phases or Phases(3, progress)
+
+    t = time.perf_counter()
+    before = count_parameters(model)
+    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed)
+    dense_out = probe_output(model, probe)
+    timings["dense_probe"] = time.perf_counter() - t
+    bar("dense outputs recorded")
+
+    t = time.perf_counter()
+    layers = []
+    for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
+        block = model.get_submodule(target.path)
+        tcfg = tower_cfg(model, family, target)
+        dense = family.extract(block, tcfg)
+        init = method.fn(dense.map(lambda w: w.float()), num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
+                         generator=layer_generator(cfg.seed, target), **args)
+        layer = MoELayer.from_init(
+            init.experts, init.router_ED, top_k=cfg.moe.top_k, shared=init.shared, router_bias_E=init.router_bias_E,
+            dtype=dense.w_up.dtype, normalize_topk=cfg.moe.normalize_topk,
+            capacity_factor_train=cfg.moe.capacity_factor_train, capacity_factor_eval=cfg.moe.capacity_factor_eval,
+            renormalize_after_drop=cfg.moe.renormalize_after_drop, output_dropout=family.output_dropout(tcfg))
+        layer.train(block.training)
+        install(model, target.path, layer)
+        layers.append({"name": target.name, "block": target.path, **init.info})
+    track_padding_masks(model)
+    timings["upcycle"] = time.perf_counter() - t
+    bar(f"{len(targets)} layers upcycled")
+
+    t = time.perf_counter()
+    measured = compare(dense_out, probe_output(model, probe))
+    timings["check"] = time.perf_counter() - t
+    bar("preservation checked")
+
+    promised = method.preserves(args, cfg.moe.normalize_topk, cfg.moe.capacity_factor_eval is None)
+    passed = measured["max_abs_logit_diff"] <= cfg.check.tolerance
+    report = {
+        "upcycle_version": __version__, "method": method.name, "paper": method.paper, "method_args": args,
+        "source_model": cfg.model, "model_class": type(model).__name__, "model_type": model.config.model_type,
+        "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
+        "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe": to_dict(cfg.moe),
+        "parameters": {"before": before, "after": count_parameters(model)},
+        "max_abs_logit_diff": measured["max_abs_logit_diff"], "kl_to_dense": measured["kl_to_dense"],
+        "preservation": {"promised": promised, "tolerance": cfg.check.tolerance,
+                         "passed": passed if promised else None, "compared_output": measured["compared_output"],
+                         "compared_rows": measured["compared_rows"], "probe_source": probe.source,
+                         "probe_shape": list(probe.inputs["input_ids"].shape) if "input_ids" in probe.inputs
+                         else list(probe.inputs["pixel_values"].shape)},
+        "folded_scales": [],   # copy/noise/drop need none; methods that fold a scale list it here
+        "layers": layers, "seed": cfg.seed, "dtype": cfg.dtype, "timings_s": timings,
+    }
+    if promised and not passed:
+        raise PreservationError(
+            f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
+            f"is {measured['max_abs_logit_diff']:.3g} > tolerance {cfg.check.tolerance:g}; refusing to write "
+            f"(raise check.tolerance if this is rounding in a low-precision dtype)", report)
+    return report
+
+
+def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool = True) -> Conversion:
+    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically."""
+    validate(cfg)
+    if out is not None and Path(out).exists() and not cfg.overwrite:
+        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    phases = Phases(5 if out is not None else 4, progress)
+    t = time.perf_counter()
+    model, tokenizer = load_dense(cfg.model, cfg.dtype)
+    load_s = time.perf_counter() - t
+    phases("model loaded")
+    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=_heldout_texts() if tokenizer else None,
+                           progress=progress, phases=phases)
+    report["timings_s"] = {"load": load_s, **report["timings_s"]}
+    if out is not None:
+        t = time.perf_counter()
+        with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
+            save(model, tmp, tokenizer=tokenizer, extra={"run_config.yaml": yaml.safe_dump(to_dict(cfg))})
+            report["timings_s"]["write"] = time.perf_counter() - t
+            (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))   # last file written
+        phases(f"written to {out}")
+    phases.close()
+    return Conversion(model, tokenizer, report)
+
+
+class Phases:
+    """A progress bar whose steps are the conversion's phases (the per-layer phase has its own bar)."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = tqdm(total=total, desc="upcycle convert", unit="phase", disable=not progress)
+
+    def __call__(self, message: str) -> None:
+        self.bar.set_postfix_str(message)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

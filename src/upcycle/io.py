@@ -1,0 +1,109 @@
+"""The upcycle checkpoint format, and atomic output directories.
+
+An upcycle folder holds (DESIGN principle 7, for any architecture):
+  config.json            the dense base model's transformers config (unchanged)
+  upcycle_config.json    the MoE config: model class, and per MoE layer its block path and constructor spec
+  model.safetensors      all weights (tied tensors stored once)
+  run_config.yaml        the resolved run configuration        upcycle_report.json   what the run measured
+  tokenizer / generation config files, when the source had them
+
+`load(path)` rebuilds the base model from its config, installs empty MoE layers where the spec says, and loads
+the weights strictly: a missing or unexpected tensor is an error, not a silent re-initialization.
+Writing goes to a temporary sibling directory that is renamed into place at the end (principle 4), so an
+interrupted or failed run leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from .errors import UpcycleError
+from .moe import MoELayer
+from .surgery import install, moe_layers, track_padding_masks
+
+FORMAT_VERSION = 1
+MOE_CONFIG = "upcycle_config.json"
+WEIGHTS = "model.safetensors"
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike, *, overwrite: bool = False):
+    """Yield a temporary directory that becomes `out` only if the block finishes without an exception."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:          # KeyboardInterrupt and SystemExit too: never leave a partial folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "previous")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def moe_spec(model: nn.Module) -> dict:
+    """Everything `load` needs to rebuild the model's MoE layers."""
+    return {"format": "upcycle", "format_version": FORMAT_VERSION, "model_class": type(model).__name__,
+            # the block that holds each layer (install() takes the block; the layer sits at block.mlp etc.)
+            "layers": [{"block": path.rsplit(".", 1)[0], **layer.spec()} for path, layer in moe_layers(model).items()]}
+
+
+def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None, extra: dict | None = None) -> None:
+    """Write the upcycle format into an existing (temporary) directory. `extra`: filename -> text."""
+    directory = Path(directory)
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    (directory / MOE_CONFIG).write_text(json.dumps(moe_spec(model), indent=2))
+    save_model(model, str(directory / WEIGHTS))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    for name, text in (extra or {}).items():
+        (directory / name).write_text(text)
+
+
+def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked)."""
+    path = Path(path)
+    spec_file = path / MOE_CONFIG
+    if not spec_file.exists():
+        raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")
+    spec = json.loads(spec_file.read_text())
+    if spec.get("format_version") != FORMAT_VERSION:
+        raise UpcycleError(f"{path}: format version {spec.get('format_version')} is not {FORMAT_VERSION}")
+    config = transformers.AutoConfig.from_pretrained(path)
+    cls = getattr(transformers, spec["model_class"], None)
+    if cls is None:
+        raise UpcycleError(f"{path}: transformers has no class {spec['model_class']}")
+    model = cls(config)
+    for layer_spec in spec["layers"]:
+        layer_spec = dict(layer_spec)
+        block = layer_spec.pop("block")
+        install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
+    missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
+    if missing or unexpected:
+        raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")
+    model.tie_weights()
+    if dtype is not None:
+        model.to(dtype)
+    track_padding_masks(model)
+    return model.eval()
+

@@ -1,0 +1,48 @@
+"""`drop`: Drop-Upcycling (Nakamura et al., arXiv 2502.19261, ICLR 2025; METHODS §2.3).
+
+Each expert draws its own random subset of round(r * F) intermediate neurons. For those neurons the rows of
+W_up / W_gate and the columns of W_down are re-initialized from N(mu, sigma^2), where mu and sigma are the mean
+and std of the original matrix's entries; everything else is copied. The paper uses r = 0.5 (smaller r, such as
+0.25, was found better for CLIP). Our choice where the paper (on bias-free Llama FFNs) is silent: a dropped
+neuron's b_up / b_gate entries are re-drawn the same way from their bias vector's statistics; b_down, which
+belongs to no neuron, is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..errors import UpcycleError
+from ..ffn import FFNWeights
+from . import ExpertInit, random_router, register
+
+# tensor name -> the dimension that indexes intermediate neurons, in a single (unstacked) tensor
+NEURON_DIM = {"w_up": 0, "w_gate": 0, "b_up": 0, "b_gate": 0, "w_down": 1}
+
+
+@register("drop", paper="Nakamura et al. 2025, Drop-Upcycling, arXiv:2502.19261")
+def drop(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
+         ratio: float = 0.5, router_std: float = 0.02) -> ExpertInit:
+    """Copies of the dense FFN with a per-expert random fraction `ratio` of neurons re-initialized."""
+    if not 0.0 <= ratio <= 1.0:
+        raise UpcycleError(f"drop: ratio must be in [0, 1], got {ratio}")
+    F = ffn.intermediate_size
+    n_drop = round(ratio * F)
+    sources = {n: t for n, t in ffn.tensors().items() if n in NEURON_DIM}
+    stats = {n: (t.float().mean().item(), t.float().std().item() if t.numel() > 1 else 0.0)
+             for n, t in sources.items()}
+    stacks = {n: [] for n in sources}
+    for _ in range(num_experts):
+        neurons = torch.randperm(F, generator=generator)[:n_drop]
+        for name, w in sources.items():
+            mu, sigma = stats[name]
+            dim = NEURON_DIM[name]
+            shape = list(w.shape)
+            shape[dim] = n_drop
+            fresh = (torch.randn(shape, generator=generator, dtype=torch.float32) * sigma + mu).to(w.dtype)
+            stacks[name].append(w.index_copy(dim, neurons, fresh))
+    experts = replace(ffn.repeat(num_experts), **{n: torch.stack(s) for n, s in stacks.items()})
+    router = random_router(num_experts, ffn.hidden_size, router_std, generator)
+    return ExpertInit(experts=experts, router_ED=router, info={"dropped_neurons_per_expert": n_drop})

@@ -1,0 +1,42 @@
+"""`noise`: noise upcycling (Qwen2 technical report; as described by OLMoE and Drop-Upcycling; METHODS §2.2).
+
+    W_i = W + (1 - M_i) * eps_i,   eps_i ~ N(0, sigma^2),
+
+with M_i a random binary mask that keeps (1 - fraction) of the copied entries unperturbed. `std` is absolute,
+or relative to each matrix's own entry std when `relative_std` is true (the default: one setting then
+suits every layer whatever its scale). Weight matrices are perturbed, biases are copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..errors import UpcycleError
+from ..ffn import FFNWeights
+from . import ExpertInit, random_router, register
+
+
+@register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)")
+def noise(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
+          std: float = 0.01, relative_std: bool = True, fraction: float = 1.0,
+          router_std: float = 0.02) -> ExpertInit:
+    """Copies of the dense FFN plus Gaussian noise on a random `fraction` of each weight matrix's entries."""
+    if std < 0:
+        raise UpcycleError(f"noise: std must be >= 0, got {std}")
+    if not 0.0 <= fraction <= 1.0:
+        raise UpcycleError(f"noise: fraction must be in [0, 1], got {fraction}")
+    experts = ffn.repeat(num_experts)
+    perturbed = {}
+    for name in ("w_up", "w_gate", "w_down"):
+        w_E = getattr(experts, name)
+        if w_E is None:
+            continue
+        sigma = std * (getattr(ffn, name).float().std().item() if relative_std else 1.0)
+        eps = torch.randn(w_E.shape, generator=generator, dtype=torch.float32) * sigma
+        perturb = torch.rand(w_E.shape, generator=generator) < fraction   # 1 - M_i
+        perturbed[name] = (w_E.float() + eps * perturb).to(w_E.dtype)
+    router = random_router(num_experts, ffn.hidden_size, router_std, generator)
+    return ExpertInit(experts=replace(experts, **perturbed), router_ED=router)
+

@@ -1,0 +1,266 @@
+"""The Mixture-of-Experts layer that replaces a dense FFN (METHODS §1).
+
+Routing follows Switch/GShard top-k routing (Fedus et al. 2021; Lepikhin et al. 2020) with the choices the
+upcycling papers need: renormalized or raw top-k weights (CLIP-UP eq. 4), optional shared experts, optional
+expert capacity with first-come-first-serve dropping, and a selection-only bias (DeepSeek-V3 aux-loss-free
+balancing, METHODS §4.5) that changes which experts are chosen but never the combine weights.
+
+Shape suffixes (torchtitan's legend):
+  T tokens (batch x sequence flattened)   D model width      F expert intermediate width
+  E routed experts                         K experts per token (top-k)   S shared experts
+  N token-slots after dispatch (= T*K, minus dropped slots)
+
+Dispatch sorts token-slots by expert and runs one matmul chain per expert on a contiguous slice. Expert
+weights are stacked ([E, F, D]) and split with `unbind`, whose backward writes one stacked gradient; indexing
+the stacked parameter per expert (`w[e]`) would instead zero-fill a full [E, F, D] gradient per expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ffn import FFNWeights, activation_fn
+
+# The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
+# `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
+_PADDING_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("upcycle_mask", default=None)
+
+
+@contextlib.contextmanager
+def padding_mask(mask_BS: torch.Tensor | None):
+    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) inside this block."""
+    token = _PADDING_MASK.set(mask_BS)
+    try:
+        yield
+    finally:
+        _PADDING_MASK.reset(token)
+
+
+@dataclass
+class RoutingRecord:
+    """What one forward of one MoE layer decided; read by the losses and the analysis."""
+
+    logits_TE: torch.Tensor           # float32 router logits, still in the autograd graph
+    topk_ids_TK: torch.Tensor         # selected experts, best first
+    topk_weights_TK: torch.Tensor     # float32 combine weights as applied (0 for dropped slots)
+    kept_TK: torch.Tensor | None      # False where capacity dropped the slot; None when dropless
+    mask_T: torch.Tensor | None       # True for real tokens; None when the model has no padding mask
+
+    @property
+    def probs_TE(self) -> torch.Tensor:
+        return self.logits_TE.softmax(dim=-1)
+
+
+class Experts(nn.Module):
+    """E FFNs with stacked weights: `w_up` [E, F, D], `w_gate` [E, F, D] or absent, `w_down` [E, D, F]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, *,
+                 gated: bool, bias_up: bool = False, bias_gate: bool = False, bias_down: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        E, D, F_ = num_experts, hidden_size, intermediate_size
+        self.activation = activation
+        self.act = activation_fn(activation)
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype))
+
+        self.w_up = param(E, F_, D)
+        self.w_gate = param(E, F_, D) if gated else None
+        self.w_down = param(E, D, F_)
+        self.b_up = param(E, F_) if bias_up else None
+        self.b_gate = param(E, F_) if bias_gate else None
+        self.b_down = param(E, D) if bias_down else None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_up.shape[0]
+
+    @torch.no_grad()
+    def load_weights(self, weights: FFNWeights) -> None:
+        """Copy `weights` (same shapes and the same optional tensors) into the parameters."""
+        present = {n for n in ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down") if getattr(self, n) is not None}
+        if present != set(weights.tensors()):
+            raise ValueError(f"expert tensors {sorted(weights.tensors())} do not match the layer's {sorted(present)}")
+        for name, tensor in weights.tensors().items():
+            getattr(self, name).copy_(tensor)
+
+    def weights(self) -> FFNWeights:
+        """The stacked weights as a detached `FFNWeights` (for analysis and export)."""
+        return FFNWeights(activation=self.activation,
+                          **{n: getattr(self, n).detach() for n in ("w_up", "w_gate", "w_down", "b_up",
+                                                                    "b_gate", "b_down")
+                             if getattr(self, n) is not None})
+
+    def _per_expert(self) -> list[tuple]:
+        """(w_up, w_gate, w_down, b_up, b_gate, b_down) per expert, as views from one `unbind` per tensor."""
+        names = ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down")
+        split = [getattr(self, n).unbind(0) if getattr(self, n) is not None else [None] * self.num_experts
+                 for n in names]
+        return list(zip(*split, strict=True))
+
+    def _ffn(self, x: torch.Tensor, up, gate, down, b_up, b_gate, b_down) -> torch.Tensor:
+        h = F.linear(x, up, b_up)
+        h = self.act(F.linear(x, gate, b_gate)) * h if gate is not None else self.act(h)
+        return F.linear(h, down, b_down)
+
+    def forward_grouped(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `x_ND` are grouped by expert, `counts[e]` rows for expert e, in expert order."""
+        pieces = zip(x_ND.split(counts), counts, self._per_expert(), strict=True)
+        outs = [self._ffn(x_e, *p) for x_e, n, p in pieces if n > 0]
+        return torch.cat(outs) if outs else x_ND.new_zeros(0, self.w_down.shape[1])
+
+    def forward_each(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token: [E, T, D] (shared experts; dense ensembles for distillation)."""
+        return torch.stack([self._ffn(x_TD, *p) for p in self._per_expert()])
+
+
+def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
+                  mask_T: torch.Tensor | None = None) -> torch.Tensor:
+    """First-come-first-serve slots (Switch/GShard): top-1 choices in token order, then top-2, ...
+
+    Returns `kept_TK`, False where expert e already holds `capacity` slots. Padding slots are never kept
+    and take no capacity.
+    """
+    T, K = ids_TK.shape
+    ids_KT = ids_TK.t()
+    onehot_KTE = F.one_hot(ids_KT, num_experts)
+    if mask_T is not None:
+        onehot_KTE = onehot_KTE * mask_T.view(1, T, 1).to(onehot_KTE.dtype)
+    # position of each slot in its expert's queue, counting in (choice rank, token) order
+    position_KT = (onehot_KTE.reshape(K * T, num_experts).cumsum(0).view(K, T, num_experts) * onehot_KTE).sum(-1)
+    kept_KT = (position_KT >= 1) & (position_KT <= capacity)
+    return kept_KT.t()
+
+
+class MoELayer(nn.Module):
+    """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 activation: str, gated: bool, bias_up: bool = False, bias_gate: bool = False,
+                 bias_down: bool = False, normalize_topk: bool = True,
+                 capacity_factor_train: float | None = None, capacity_factor_eval: float | None = None,
+                 renormalize_after_drop: bool = False, num_shared_experts: int = 0,
+                 shared_intermediate_size: int | None = None, router_bias: bool = False,
+                 output_dropout: float = 0.0, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        for name, factor in (("capacity_factor_train", capacity_factor_train),
+                             ("capacity_factor_eval", capacity_factor_eval)):
+            if factor is not None and factor <= 0:
+                raise ValueError(f"{name} must be positive or None (dropless), got {factor}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.normalize_topk = normalize_topk
+        self.capacity_factor_train, self.capacity_factor_eval = capacity_factor_train, capacity_factor_eval
+        self.renormalize_after_drop = renormalize_after_drop
+        # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
+        self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=torch.float32)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, gated=gated,
+                               bias_up=bias_up, bias_gate=bias_gate, bias_down=bias_down, dtype=dtype)
+        self.shared_experts = (
+            Experts(num_shared_experts, hidden_size, shared_intermediate_size or intermediate_size, activation,
+                    gated=gated, bias_up=bias_up, bias_gate=bias_gate, bias_down=bias_down, dtype=dtype)
+            if num_shared_experts else None)
+        # Selection-only bias for aux-loss-free balancing; saved with the model (persistent buffer).
+        self.register_buffer("selection_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.dropout = nn.Dropout(output_dropout)
+        self.record_routing = True
+        self.last_record: RoutingRecord | None = None
+
+    def spec(self) -> dict:
+        """Constructor arguments that rebuild this layer's structure (saved in upcycle_config.json)."""
+        e, s = self.experts, self.shared_experts
+        return {"hidden_size": e.w_up.shape[2], "intermediate_size": e.w_up.shape[1],
+                "num_experts": self.num_experts, "top_k": self.top_k, "activation": e.activation,
+                "gated": e.w_gate is not None, "bias_up": e.b_up is not None, "bias_gate": e.b_gate is not None,
+                "bias_down": e.b_down is not None, "normalize_topk": self.normalize_topk,
+                "capacity_factor_train": self.capacity_factor_train,
+                "capacity_factor_eval": self.capacity_factor_eval,
+                "renormalize_after_drop": self.renormalize_after_drop,
+                "num_shared_experts": s.num_experts if s is not None else 0,
+                "shared_intermediate_size": s.w_up.shape[1] if s is not None else None,
+                "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p}
+
+    def capacity(self, num_tokens: int) -> int | None:
+        factor = self.capacity_factor_train if self.training else self.capacity_factor_eval
+        if factor is None:
+            return None
+        return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
+
+    def route(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None = None) -> RoutingRecord:
+        # .float() is a no-op on the float32 router; it guards against a model-wide .to(bfloat16).
+        bias = None if self.router.bias is None else self.router.bias.float()
+        logits_TE = F.linear(x_TD.float(), self.router.weight.float(), bias)
+        probs_TE = logits_TE.softmax(dim=-1)
+        if torch.any(self.selection_bias != 0):
+            ids_TK = (probs_TE.detach() + self.selection_bias).topk(self.top_k, dim=-1).indices
+            weights_TK = probs_TE.gather(-1, ids_TK)
+        else:
+            weights_TK, ids_TK = probs_TE.topk(self.top_k, dim=-1)
+        if self.normalize_topk:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        kept_TK = None
+        capacity = self.capacity(int(mask_T.sum()) if mask_T is not None else x_TD.shape[0])
+        if capacity is not None:
+            kept_TK = capacity_keep(ids_TK, self.num_experts, capacity, mask_T)
+            weights_TK = weights_TK * kept_TK
+            if self.renormalize_after_drop:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return RoutingRecord(logits_TE, ids_TK, weights_TK, kept_TK, mask_T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        T = x_TD.shape[0]
+        mask = _PADDING_MASK.get()
+        mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
+        record = self.route(x_TD, mask_T)
+
+        # Dispatch: sort token-slots by expert; dropped slots get id E so they sort last and are skipped.
+        ids_N = record.topk_ids_TK.reshape(-1)
+        if record.kept_TK is not None:
+            ids_N = torch.where(record.kept_TK.reshape(-1), ids_N, self.num_experts)
+        order_N = ids_N.argsort(stable=True)
+        counts = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        kept = sum(counts)
+        slots_N = order_N[:kept]
+        y_ND = self.experts.forward_grouped(x_TD.index_select(0, slots_N // self.top_k), counts)
+
+        # Combine: un-sort into [T, K, D] (dropped slots stay zero) and weight each token's K outputs.
+        y_TKD = x_TD.new_zeros(T * self.top_k, shape[-1]).index_copy(0, slots_N, y_ND)
+        y_TKD = y_TKD.view(T, self.top_k, shape[-1])
+        y_TD = torch.bmm(record.topk_weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts.forward_each(x_TD).sum(0)
+        if self.record_routing:
+            self.last_record = record
+        return self.dropout(y_TD).view(shape)
+
+    @classmethod
+    def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, top_k: int,
+                  shared: FFNWeights | None = None, router_bias_E: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None, **options) -> MoELayer:
+        """Build a layer from a method's output (stacked experts, router rows, optional shared experts)."""
+        layer = cls(hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size,
+                    num_experts=experts.num_experts, top_k=top_k, activation=experts.activation,
+                    gated=experts.gated, bias_up=experts.b_up is not None, bias_gate=experts.b_gate is not None,
+                    bias_down=experts.b_down is not None,
+                    num_shared_experts=shared.num_experts if shared is not None else 0,
+                    shared_intermediate_size=shared.intermediate_size if shared is not None else None,
+                    router_bias=router_bias_E is not None, dtype=dtype or experts.w_up.dtype, **options)
+        layer.experts.load_weights(experts)
+        if shared is not None:
+            layer.shared_experts.load_weights(shared)
+        with torch.no_grad():
+            layer.router.weight.copy_(router_ED)
+            if router_bias_E is not None:
+                layer.router.bias.copy_(router_bias_E)
+        return layer

@@ -1,0 +1,413 @@
+"""Text corpora for upcycle: a small Wikipedia dump and user-supplied text files.
+
+The Wikipedia corpus is the shortened English dump that ships inside the gensim
+wheel as test data (about 200 pages).  gensim itself is never imported: its
+compiled dependencies are not installed, so the wheel is used purely as a data
+package and the dump is located through the import system's metadata.
+
+The dump is parsed with the standard library only (``bz2`` + ``ElementTree``)
+and the MediaWiki markup is removed by a deliberately small, dependency-free
+stripper that aims for readable prose rather than a faithful rendering.
+"""
+
+from __future__ import annotations
+
+import bz2
+import errno
+import hashlib
+import html
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "Article",
+    "cache_dir",
+    "read_texts",
+    "strip_wiki_markup",
+    "wikipedia_articles",
+    "wikipedia_dump_path",
+    "wikipedia_split",
+]
+
+_DUMP_RELPATH = (
+    "test",
+    "test_data",
+    "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+)
+_INSTALL_HINT = "pip install --no-deps gensim==4.4.0"
+_CACHE_NAME = "enwiki-articles.jsonl"
+# Articles shorter than this after stripping are stubs, disambiguation pages
+# or near-empty leftovers; they add noise rather than prose.
+_MIN_ARTICLE_CHARS = 200
+
+
+# --------------------------------------------------------------------------
+# Locations
+# --------------------------------------------------------------------------
+
+
+def wikipedia_dump_path() -> pathlib.Path:
+    """Return the path of the shortened enwiki dump shipped in the gensim wheel.
+
+    Raises:
+        FileNotFoundError: gensim is not installed or lacks the test data.
+    """
+    # find_spec on a top-level name only consults the finders; it does not run
+    # gensim/__init__.py, which would fail because its deps are not installed.
+    try:
+        spec = importlib.util.find_spec("gensim")
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = pathlib.Path(location).joinpath(*_DUMP_RELPATH)
+        if candidate.is_file():
+            return candidate
+    where = ", ".join(locations) if locations else "no gensim package found"
+    raise FileNotFoundError(
+        f"Wikipedia test dump {_DUMP_RELPATH[-1]} not found ({where}); install the data with: {_INSTALL_HINT}"
+    )
+
+
+def cache_dir() -> pathlib.Path:
+    """Return (and create) the cache folder.
+
+    ``$UPCYCLE_CACHE`` wins, then ``$XDG_CACHE_HOME/upcycle``, then
+    ``~/.cache/upcycle``.  Empty variables count as unset, as the XDG spec asks.
+    """
+    explicit = os.environ.get("UPCYCLE_CACHE")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if explicit:
+        path = pathlib.Path(explicit).expanduser()
+    elif xdg:
+        path = pathlib.Path(xdg).expanduser() / "upcycle"
+    else:
+        path = pathlib.Path.home() / ".cache" / "upcycle"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------
+# Markup stripping
+# --------------------------------------------------------------------------
+
+_COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.DOTALL)
+_REF_SELF_CLOSING = re.compile(r"<ref\b[^<>]*/\s*>", re.IGNORECASE)
+_REF_PAIRED = re.compile(r"<ref\b[^<>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
+# Tags whose content is code, formulas or image lists, never prose; keeping
+# their inner text (as for ordinary tags) would leave LaTeX or file names.
+_NON_PROSE_BLOCK = re.compile(
+    r"<(math|chem|gallery|timeline|imagemap|score|syntaxhighlight|source|graph)"
+    r"\b[^<>]*>.*?</\1\s*>",
+    re.IGNORECASE | re.DOTALL,
+)
+# Only things that look like tags: a bare "<" in prose ("x < y") must survive.
+_HTML_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
+_TABLE_OPEN = re.compile(r"^[ \t:]*\{\|", re.MULTILINE)
+_TABLE_TOKEN = re.compile(r"^[ \t:]*(\{\||\|\})", re.MULTILINE)
+_DROPPED_LINK = re.compile(r"\s*(?:file|image|category)\s*:", re.IGNORECASE)
+# [[de:Foo]]-style interlanguage links are metadata, not text.
+_INTERLANGUAGE_LINK = re.compile(r"[a-z]{2,3}(?:-[a-z0-9]+)*:")
+_EXTERNAL_LINK = re.compile(r"\[(?:[a-z][a-z0-9+.-]*:)?//[^\s\[\]]+(?:[ \t]+([^\]\n]*))?\]", re.IGNORECASE)
+_QUOTES = re.compile(r"'{2,}")
+_HEADING = re.compile(r"^[ \t]*=+[ \t]*(.*?)[ \t]*=+[ \t]*$", re.MULTILINE)
+_LIST_MARKER = re.compile(r"^[ \t]*[*#:;]+[ \t]*", re.MULTILINE)
+_HORIZONTAL_RULE = re.compile(r"^[ \t]*-{4,}[ \t]*$", re.MULTILINE)
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_EMPTY_PARENS = re.compile(r"\([\s,;]*\)")
+_SPACE_BEFORE_PUNCT = re.compile(r"[ \t]+([,;.])(?=\s|$)")
+_RUNS_OF_SPACES = re.compile(r"[ \t]+")
+_LINE_EDGE_SPACES = re.compile(r"^ +| +$", re.MULTILINE)
+_MANY_NEWLINES = re.compile(r"\n{3,}")
+_BRACKET_CHARS = {"{": re.compile(r"[{}]"), "[": re.compile(r"[\[\]]")}
+
+
+def _balanced_end(text: str, start: int, open_ch: str, close_ch: str) -> int:
+    """Index just past the bracket group opening at ``start``, or -1 if unclosed.
+
+    Single characters are counted rather than ``{{``/``}}`` pairs so that
+    template parameters (``{{{1}}}``) and external links inside file captions
+    (``[[File:x|[http://a b]]]``) balance correctly.
+    """
+    depth = 0
+    for match in _BRACKET_CHARS[open_ch].finditer(text, start):
+        depth += 1 if match.group() == open_ch else -1
+        if depth == 0:
+            return match.end()
+    return -1
+
+
+def _replace_groups(text: str, opener: str, replace: Callable[[str], str]) -> str:
+    """Replace every balanced group starting with ``opener`` by ``replace(inner)``.
+
+    A group that never closes loses only its opener, so one stray ``{{`` does
+    not swallow the rest of the article.
+    """
+    open_ch, close_ch = opener[0], {"{": "}", "[": "]"}[opener[0]]
+    out: list[str] = []
+    pos = 0
+    while (start := text.find(opener, pos)) >= 0:
+        out.append(text[pos:start])
+        end = _balanced_end(text, start, open_ch, close_ch)
+        if end < 0:
+            pos = start + len(opener)
+            continue
+        out.append(replace(text[start + len(opener) : end - len(opener)]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _remove_tables(text: str) -> str:
+    """Drop ``{| ... |}`` tables, nested ones included (cells are rarely prose)."""
+    out: list[str] = []
+    pos = 0
+    while match := _TABLE_OPEN.search(text, pos):
+        out.append(text[pos : match.start()])
+        depth = 0
+        end = -1
+        for token in _TABLE_TOKEN.finditer(text, match.start()):
+            depth += 1 if token.group(1) == "{|" else -1
+            if depth == 0:
+                # The closing "|}" line may carry trailing junk; drop the line.
+                line_end = text.find("\n", token.end())
+                end = len(text) if line_end < 0 else line_end
+                break
+        if end < 0:
+            # Unclosed table: drop only its opening line, keep what follows.
+            line_end = text.find("\n", match.end())
+            end = len(text) if line_end < 0 else line_end
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _link_text(inner: str) -> str:
+    """Visible text of a ``[[...]]`` link given its inner content."""
+    if _DROPPED_LINK.match(inner) or _INTERLANGUAGE_LINK.match(inner):
+        return ""
+    target, _, label = inner.partition("|")
+    # "[[Foo (bar)|]]" (the pipe trick) and "[[Foo|]]" show the target.
+    shown = label if label.strip() else target
+    # Labels may themselves hold links in odd pages; a leading ":" only marks
+    # an inline link to a category or file page.
+    return _replace_groups(shown.lstrip(":"), "[[", _link_text)
+
+
+def strip_wiki_markup(text: str) -> str:
+    """Turn MediaWiki source into plain prose paragraphs.
+
+    Removes comments, references, templates, tables, file/category and
+    interlanguage links, external-link URLs, emphasis quotes, heading and list
+    markers and HTML tags (keeping their inner text), then decodes entities
+    and tidies whitespace.  It is a pragmatic approximation, not a parser.
+    """
+    # Comments first: they may hide any other markup, balanced or not.
+    text = _COMMENT.sub("", text)
+    text = _REF_SELF_CLOSING.sub("", text)
+    text = _REF_PAIRED.sub("", text)
+    text = _NON_PROSE_BLOCK.sub("", text)
+    # Templates before tables: templates often contain table syntax, and
+    # before links: template arguments contain links we do not want to keep.
+    text = _replace_groups(text, "{{", lambda _inner: "")
+    text = _remove_tables(text)
+    text = _replace_groups(text, "[[", _link_text)
+    text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
+    text = _HTML_TAG.sub("", text)
+    text = _QUOTES.sub("", text)
+    text = _HEADING.sub(r"\1", text)
+    text = _LIST_MARKER.sub("", text)
+    text = _HORIZONTAL_RULE.sub("", text)
+    text = _MAGIC_WORD.sub("", text)
+    # Entities last, so characters that authors escaped on purpose
+    # (&lt;, &#91;) come out as literal text instead of being parsed as markup.
+    text = html.unescape(text).replace("\xa0", " ")
+    # Removed templates leave "()" and " ," behind, e.g. "(born {{date}})".
+    text = _EMPTY_PARENS.sub("", text)
+    text = _RUNS_OF_SPACES.sub(" ", text)
+    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+    text = _LINE_EDGE_SPACES.sub("", text)
+    text = _MANY_NEWLINES.sub("\n\n", text)
+    return text.strip()
+
+
+# --------------------------------------------------------------------------
+# Dump parsing
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Article:
+    """One Wikipedia article as plain text."""
+
+    title: str
+    text: str
+
+
+def _local(tag: str) -> str:
+    """Tag name without its ``{namespace}``: export schema versions differ."""
+    return tag.rsplit("}", 1)[-1]
+
+
+def _iter_articles(path: pathlib.Path) -> Iterator[Article]:
+    with bz2.open(path, "rb") as stream:
+        root = None
+        for event, elem in ET.iterparse(stream, events=("start", "end")):
+            if root is None:
+                root = elem
+            if event != "end" or _local(elem.tag) != "page":
+                continue
+            title, ns, text, redirect = "", "0", "", False
+            for child in elem:
+                name = _local(child.tag)
+                if name == "title":
+                    title = child.text or ""
+                elif name == "ns":
+                    ns = (child.text or "").strip()
+                elif name == "redirect":
+                    redirect = True
+                elif name == "revision":
+                    # With full history the last revision is the current one.
+                    for part in child:
+                        if _local(part.tag) == "text":
+                            text = part.text or ""
+            # Processed pages are dropped from the tree so memory stays flat
+            # however long the dump is.
+            elem.clear()
+            root.clear()
+            if redirect or ns != "0":
+                continue
+            if text.lstrip()[:9].lower() == "#redirect":
+                continue
+            plain = strip_wiki_markup(text)
+            if len(plain) >= _MIN_ARTICLE_CHARS:
+                yield Article(title=title, text=plain)
+
+
+def wikipedia_articles(path: str | os.PathLike | None = None) -> list[Article]:
+    """Parse a MediaWiki XML ``.bz2`` dump into plain-text articles.
+
+    Redirects, pages outside the main namespace and articles shorter than 200
+    characters after stripping are skipped; dump order is kept.  ``path``
+    defaults to :func:`wikipedia_dump_path`.
+    """
+    dump = pathlib.Path(path) if path is not None else wikipedia_dump_path()
+    return list(_iter_articles(dump))
+
+
+def _articles_cache_path(path: str | os.PathLike | None) -> pathlib.Path:
+    if path is None:
+        return cache_dir() / _CACHE_NAME
+    # Another dump must not read (or overwrite) the bundled dump's cache.
+    digest = hashlib.sha256(str(pathlib.Path(path).resolve()).encode()).hexdigest()
+    return cache_dir() / f"enwiki-articles-{digest[:12]}.jsonl"
+
+
+def _read_article_cache(cache: pathlib.Path) -> list[Article] | None:
+    try:
+        with cache.open(encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        articles = [Article(title=row["title"], text=row["text"]) for row in rows]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        # A damaged cache is only a lost shortcut: rebuild it from the dump.
+        return None
+    return articles or None
+
+
+def _write_article_cache(cache: pathlib.Path, articles: list[Article]) -> None:
+    # Write-then-rename so a crash or a concurrent reader never sees half a file.
+    fd, tmp_name = tempfile.mkstemp(dir=cache.parent, prefix=cache.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            for article in articles:
+                row = {"title": article.title, "text": article.text}
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp_name, cache)
+    except BaseException:
+        pathlib.Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def wikipedia_split(
+    heldout_every: int = 10, path: str | os.PathLike | None = None
+) -> tuple[list[str], list[str]]:
+    """Split the dump's articles into ``(train_texts, heldout_texts)``.
+
+    Article ``i`` (0-based, dump order after filtering) is held out when
+    ``i % heldout_every == heldout_every - 1``.  Splitting whole articles keeps
+    held-out text unseen during training.  Parsed articles are cached as JSONL
+    in :func:`cache_dir` and reused on later calls.
+    """
+    if heldout_every < 2:
+        raise ValueError(f"heldout_every must be >= 2, got {heldout_every}")
+    cache = _articles_cache_path(path)
+    articles = _read_article_cache(cache)
+    if articles is None:
+        articles = wikipedia_articles(path)
+        _write_article_cache(cache, articles)
+    train: list[str] = []
+    heldout: list[str] = []
+    for i, article in enumerate(articles):
+        target = heldout if i % heldout_every == heldout_every - 1 else train
+        target.append(article.text)
+    return train, heldout
+
+
+# --------------------------------------------------------------------------
+# User text files
+# --------------------------------------------------------------------------
+
+_BLANK_LINES = re.compile(r"\n(?:[ \t]*\n)+")
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """Read documents from a user text file.
+
+    ``.jsonl``: one JSON object per non-empty line, its string ``text`` field
+    is a document.  Anything else: UTF-8 text, documents separated by blank
+    lines.  Whitespace-only documents are dropped.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: a malformed JSONL line, undecodable bytes, or no text.
+    """
+    file = pathlib.Path(path)
+    try:
+        # utf-8-sig: editors on Windows often prepend a BOM to UTF-8 files.
+        content = file.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "text file not found", str(file)) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not valid UTF-8 ({exc})") from exc
+
+    if file.suffix.lower() == ".jsonl":
+        texts = []
+        # split("\n") rather than splitlines(): JSON may legally contain raw
+        # U+2028 and similar characters that splitlines() would break on.
+        for lineno, line in enumerate(content.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{file}:{lineno}: invalid JSON ({exc})") from exc
+            text = row.get("text") if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f'{file}:{lineno}: expected a JSON object with a string "text" field')
+            if text.strip():
+                texts.append(text)
+    else:
+        texts = [doc.strip() for doc in _BLANK_LINES.split(content) if doc.strip()]
+
+    if not texts:
+        raise ValueError(f"{file}: contains no text")
+    return texts

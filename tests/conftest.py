@@ -1,0 +1,49 @@
+"""Tiny random Hugging Face models of every supported family, built offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "clip")
+DECODERS = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM),
+            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}
+
+
+def make_tiny(kind: str, *, layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A 4-block random model of `kind` (hidden 32, FFN 64, vocab 128), in eval mode."""
+    torch.manual_seed(seed)
+    if kind in DECODERS:
+        config_cls, model_cls = DECODERS[kind]
+        model = model_cls(config_cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif kind == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
+                                               bos_token_id=1, eos_token_id=2))
+    elif kind == "bert":
+        model = T.BertModel(T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
+                                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64))
+    elif kind == "clip":
+        model = T.CLIPModel(T.CLIPConfig(
+            text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, max_position_embeddings=32, bos_token_id=1, eos_token_id=2),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, image_size=16, patch_size=8)))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_path(tmp_path_factory, family):
+    """A tiny model of each family saved as a local folder (what users pass as MODEL)."""
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    make_tiny(family).save_pretrained(path)
+    return path

@@ -1,0 +1,198 @@
+"""The MoE layer against a naive per-token reference, and its routing semantics (METHODS §1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from upcycle.ffn import FFNWeights
+from upcycle.moe import MoELayer, capacity_keep, padding_mask
+
+
+def random_layer(*, E=4, K=2, D=8, F=12, gated=True, bias=False, shared=0, seed=0, **options) -> MoELayer:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    experts = FFNWeights(w_up=w(E, F, D), w_down=w(E, D, F), w_gate=w(E, F, D) if gated else None,
+                         b_up=w(E, F) if bias else None, b_gate=w(E, F) if bias and gated else None,
+                         b_down=w(E, D) if bias else None, activation="silu" if gated else "gelu")
+    shared_w = None
+    if shared:
+        # shared experts have the routed experts' structure (gating, biases): both come from one dense FFN
+        shared_w = FFNWeights(w_up=w(shared, F, D), w_down=w(shared, D, F),
+                              w_gate=w(shared, F, D) if gated else None, b_up=w(shared, F) if bias else None,
+                              b_gate=w(shared, F) if bias and gated else None, b_down=w(shared, D) if bias else None,
+                              activation=experts.activation)
+    return MoELayer.from_init(experts, w(E, D), top_k=K, shared=shared_w, **options)
+
+
+def live(module) -> FFNWeights:
+    """The module's parameters as FFNWeights, still attached to autograd (unlike .weights())."""
+    names = ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down")
+    return FFNWeights(activation=module.activation, **{n: getattr(module, n) for n in names
+                                                       if getattr(module, n) is not None})
+
+
+def reference(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token by token: y = sum_{i in topk} g~_i E_i(x) + sum_s E_s(x)."""
+    experts = live(layer.experts)
+    out = []
+    for x in x_TD:
+        probs = torch.softmax(x.float() @ layer.router.weight.float().T, -1)
+        weights, ids = probs.topk(layer.top_k)
+        if layer.normalize_topk:
+            weights = weights / weights.sum()
+        y = sum(wi * experts.expert(int(i))(x[None])[0] for wi, i in zip(weights, ids, strict=True))
+        if layer.shared_experts is not None:
+            shared = live(layer.shared_experts)
+            y = y + sum(shared.expert(s)(x[None])[0] for s in range(shared.num_experts))
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("bias,shared", [(False, 0), (True, 1), (False, 2)])
+def test_forward_matches_per_token_reference(gated, normalize, bias, shared):
+    layer = random_layer(gated=gated, bias=bias, shared=shared, normalize_topk=normalize)
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y.view(-1, 8), reference(layer, x.view(-1, 8)), atol=1e-6, rtol=1e-5)
+
+
+def test_gradients_match_reference():
+    layer = random_layer(bias=True, shared=1)
+    x = torch.randn(17, 8, generator=torch.Generator().manual_seed(2))
+    layer(x).square().sum().backward()
+    ours = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    reference(layer, x).square().sum().backward()
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_no_per_expert_indexing_of_stacked_weights_in_backward():
+    """Indexing w[e] per expert makes backward zero-fill a full [E, F, D] gradient per expert; unbind does not."""
+    layer = random_layer(E=8)
+    y = layer(torch.randn(32, 8))
+    seen, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack += [n for n, _ in node.next_functions]
+    names = {type(n).__name__ for n in seen}
+    assert "UnbindBackward0" in names
+    assert not names & {"SelectBackward0", "IndexBackward0"}
+
+
+def test_copy_of_one_ffn_is_the_dense_ffn():
+    g = torch.Generator().manual_seed(3)
+    dense = FFNWeights(w_up=torch.randn(12, 8, generator=g), w_gate=torch.randn(12, 8, generator=g),
+                       w_down=torch.randn(8, 12, generator=g), activation="silu")
+    layer = MoELayer.from_init(dense.repeat(4), torch.randn(4, 8, generator=g), top_k=2)
+    x = torch.randn(50, 8, generator=g)
+    torch.testing.assert_close(layer(x), dense(x), atol=1e-5, rtol=1e-5)
+
+
+def test_routing_record():
+    layer = random_layer(E=4, K=2).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    layer(x)
+    rec = layer.last_record
+    assert rec.logits_TE.dtype == torch.float32 and rec.logits_TE.shape == (6, 4)
+    assert rec.topk_ids_TK.shape == (6, 2) and rec.kept_TK is None and rec.mask_T is None
+    torch.testing.assert_close(rec.topk_weights_TK.sum(-1), torch.ones(6))
+    assert torch.equal(rec.topk_ids_TK, rec.probs_TE.topk(2).indices)
+    assert rec.logits_TE.requires_grad
+
+
+def test_raw_topk_weights_are_softmax_probabilities():
+    layer = random_layer(normalize_topk=False)
+    layer(torch.randn(10, 8))
+    rec = layer.last_record
+    torch.testing.assert_close(rec.topk_weights_TK, rec.probs_TE.gather(-1, rec.topk_ids_TK))
+
+
+def test_capacity_first_come_first_serve_top1_before_top2():
+    # token t's (top-1, top-2): t0 (0,1) t1 (0,1) t2 (1,0) t3 (0,2); capacity 2 per expert.
+    ids = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 2]])
+    kept = capacity_keep(ids, num_experts=3, capacity=2)
+    # top-1 pass: expert 0 gets t0, t1 (full) -> t3's top-1 dropped; expert 1 gets t2.
+    # top-2 pass: t0 -> expert 1 (2nd slot), t1 -> expert 1 (full: dropped), t2 -> expert 0 (full), t3 -> 2.
+    assert kept.tolist() == [[True, True], [True, False], [True, False], [False, True]]
+
+
+def test_capacity_ignores_padding():
+    ids = torch.tensor([[0], [0], [0]])
+    kept = capacity_keep(ids, num_experts=2, capacity=1, mask_T=torch.tensor([False, True, True]))
+    assert kept.view(-1).tolist() == [False, True, False]
+
+
+def test_capacity_drop_gives_zero_and_renormalization():
+    layer = random_layer(E=2, K=1, capacity_factor_eval=0.5)   # capacity ceil(0.5 * T * 1 / 2)
+    layer.eval()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 10.0   # everyone prefers expert 0
+    x = torch.randn(8, 8).abs() + 0.1
+    y = layer(x)
+    cap = math.ceil(0.5 * 8 * 1 / 2)
+    kept = layer.last_record.kept_TK.view(-1)
+    assert kept.tolist() == [True] * cap + [False] * (8 - cap)
+    assert torch.all(y[~kept] == 0)                        # a dropped token gets no FFN output
+    layer.train()
+    assert layer.last_record is not None and layer.capacity(8) is None   # separate train factor (None)
+
+
+def test_renormalize_after_drop():
+    layer = random_layer(E=3, K=2, capacity_factor_eval=0.4, renormalize_after_drop=True).eval()
+    layer(torch.randn(20, 8, generator=torch.Generator().manual_seed(4)))
+    rec = layer.last_record
+    partial = rec.kept_TK.any(-1)
+    torch.testing.assert_close(rec.topk_weights_TK[partial].sum(-1), torch.ones(int(partial.sum())))
+    assert torch.all(rec.topk_weights_TK[~rec.kept_TK] == 0)
+
+
+def test_padding_mask_is_recorded():
+    layer = random_layer()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    with padding_mask(mask):
+        layer(torch.randn(2, 3, 8))
+    assert layer.last_record.mask_T.tolist() == [True, True, False, True, False, False]
+    layer(torch.randn(2, 3, 8))
+    assert layer.last_record.mask_T is None
+
+
+def test_selection_bias_changes_choice_not_weights():
+    layer = random_layer(E=4, K=1, normalize_topk=False)
+    x = torch.randn(30, 8)
+    layer(x)
+    probs = layer.last_record.probs_TE.detach()
+    layer.selection_bias[3] = 10.0
+    layer(x)
+    rec = layer.last_record
+    assert torch.all(rec.topk_ids_TK == 3)
+    torch.testing.assert_close(rec.topk_weights_TK[:, 0], probs[:, 3])
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="top_k"):
+        random_layer(E=2, K=3)
+    with pytest.raises(ValueError, match="capacity_factor_train"):
+        random_layer(capacity_factor_train=0.0)
+
+
+def test_spec_rebuilds_the_same_structure():
+    layer = random_layer(bias=True, shared=1, capacity_factor_train=2.0, normalize_topk=False)
+    rebuilt = MoELayer(**layer.spec())
+    assert {n: p.shape for n, p in rebuilt.state_dict().items()} == {n: p.shape for n, p in layer.state_dict().items()}
+    rebuilt.load_state_dict(layer.state_dict())
+    x = torch.randn(9, 8)
+    torch.testing.assert_close(rebuilt(x), layer(x))
