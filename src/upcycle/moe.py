@@ -10,9 +10,10 @@ Shape suffixes (torchtitan's legend):
   E routed experts                         K experts per token (top-k)   S shared experts
   N token-slots after dispatch (= T*K, minus dropped slots)
 
-Dispatch sorts token-slots by expert and runs one matmul chain per expert on a contiguous slice. Expert
-weights are stacked ([E, F, D]) and split with `unbind`, whose backward writes one stacked gradient; indexing
-the stacked parameter per expert (`w[e]`) would instead zero-fill a full [E, F, D] gradient per expert.
+Dispatch sorts token-slots by expert; `grouped_ffn` then gathers each expert's tokens, runs its FFN and adds
+the weighted output per token, and its backward writes each expert's weight gradient straight into one
+stacked gradient (it never indexes the stacked parameter under autograd, which would zero-fill a full
+[E, F, D] gradient per expert).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ffn import FFNWeights, activation_fn
+from .grouped_ffn import grouped_ffn
 
 # The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
 # `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
@@ -59,67 +61,87 @@ class RoutingRecord:
 
 
 class Experts(nn.Module):
-    """E FFNs with stacked weights: `w_up` [E, F, D], `w_gate` [E, F, D] or absent, `w_down` [E, D, F]."""
+    """E FFNs with stacked weights, held as one input projection and one output projection per expert.
+
+    Gated experts keep gate and up fused, `w_gate_up` [E, 2F, D] (gate rows first), so each expert needs one
+    input matmul (the layout transformers' Mixtral/Qwen-MoE experts and vLLM use); plain experts keep
+    `w_up` [E, F, D]. `w_down` is [E, D, F]. `weights()` gives the canonical unfused view.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, *,
-                 gated: bool, bias_up: bool = False, bias_gate: bool = False, bias_down: bool = False,
+                 gated: bool, bias_in: bool = False, bias_down: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         E, D, F_ = num_experts, hidden_size, intermediate_size
-        self.activation = activation
+        self.activation, self.gated, self.intermediate_size = activation, gated, F_
         self.act = activation_fn(activation)
+        in_rows = 2 * F_ if gated else F_
+        self.in_name = "w_gate_up" if gated else "w_up"
+        self.register_parameter(self.in_name, nn.Parameter(torch.zeros(E, in_rows, D, dtype=dtype)))
+        self.register_parameter("b_" + self.in_name[2:],
+                                nn.Parameter(torch.zeros(E, in_rows, dtype=dtype)) if bias_in else None)
+        self.w_down = nn.Parameter(torch.zeros(E, D, F_, dtype=dtype))
+        self.b_down = nn.Parameter(torch.zeros(E, D, dtype=dtype)) if bias_down else None
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype))
+    @property
+    def w_in(self) -> torch.Tensor:
+        return getattr(self, self.in_name)
 
-        self.w_up = param(E, F_, D)
-        self.w_gate = param(E, F_, D) if gated else None
-        self.w_down = param(E, D, F_)
-        self.b_up = param(E, F_) if bias_up else None
-        self.b_gate = param(E, F_) if bias_gate else None
-        self.b_down = param(E, D) if bias_down else None
+    @property
+    def b_in(self) -> torch.Tensor | None:
+        return getattr(self, "b_" + self.in_name[2:])
 
     @property
     def num_experts(self) -> int:
-        return self.w_up.shape[0]
+        return self.w_down.shape[0]
 
     @torch.no_grad()
     def load_weights(self, weights: FFNWeights) -> None:
-        """Copy `weights` (same shapes and the same optional tensors) into the parameters."""
-        present = {n for n in ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down") if getattr(self, n) is not None}
-        if present != set(weights.tensors()):
-            raise ValueError(f"expert tensors {sorted(weights.tensors())} do not match the layer's {sorted(present)}")
-        for name, tensor in weights.tensors().items():
-            getattr(self, name).copy_(tensor)
+        """Copy canonical (unfused) stacked weights in; a missing gate or up bias is a zero bias."""
+        if weights.gated != self.gated or weights.w_down.shape != self.w_down.shape:
+            raise ValueError(f"experts of shape {tuple(weights.w_down.shape)} (gated={weights.gated}) do not fit "
+                             f"{tuple(self.w_down.shape)} (gated={self.gated})")
+        has_in_bias = any(b is not None for b in (weights.b_up, weights.b_gate))
+        if has_in_bias != (self.b_in is not None) or (weights.b_down is not None) != (self.b_down is not None):
+            raise ValueError("expert biases do not match the layer's")
+        F_ = self.intermediate_size
+        parts = [(weights.w_gate, weights.b_gate, slice(0, F_)), (weights.w_up, weights.b_up, slice(F_, 2 * F_))] \
+            if self.gated else [(weights.w_up, weights.b_up, slice(0, F_))]
+        for w, b, rows in parts:
+            self.w_in[:, rows].copy_(w)
+            if self.b_in is not None:
+                self.b_in[:, rows].copy_(b if b is not None else torch.zeros_like(self.b_in[:, rows]))
+        self.w_down.copy_(weights.w_down)
+        if self.b_down is not None:
+            self.b_down.copy_(weights.b_down)
 
-    def weights(self) -> FFNWeights:
-        """The stacked weights as a detached `FFNWeights` (for analysis and export)."""
-        return FFNWeights(activation=self.activation,
-                          **{n: getattr(self, n).detach() for n in ("w_up", "w_gate", "w_down", "b_up",
-                                                                    "b_gate", "b_down")
-                             if getattr(self, n) is not None})
+    def weights(self, detach: bool = True) -> FFNWeights:
+        """Canonical stacked weights (views, gate and up unfused) for methods, analysis and export."""
+        def view(t):
+            return None if t is None else t.detach() if detach else t
 
-    def _per_expert(self) -> list[tuple]:
-        """(w_up, w_gate, w_down, b_up, b_gate, b_down) per expert, as views from one `unbind` per tensor."""
-        names = ("w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down")
-        split = [getattr(self, n).unbind(0) if getattr(self, n) is not None else [None] * self.num_experts
-                 for n in names]
-        return list(zip(*split, strict=True))
+        F_, w_in, b_in, b_down = self.intermediate_size, view(self.w_in), view(self.b_in), view(self.b_down)
+        if not self.gated:
+            return FFNWeights(w_up=w_in, b_up=b_in, w_down=view(self.w_down), b_down=b_down,
+                              activation=self.activation)
+        return FFNWeights(w_gate=w_in[:, :F_], w_up=w_in[:, F_:], w_down=view(self.w_down), b_down=b_down,
+                          b_gate=None if b_in is None else b_in[:, :F_], b_up=None if b_in is None else b_in[:, F_:],
+                          activation=self.activation)
 
-    def _ffn(self, x: torch.Tensor, up, gate, down, b_up, b_gate, b_down) -> torch.Tensor:
-        h = F.linear(x, up, b_up)
-        h = self.act(F.linear(x, gate, b_gate)) * h if gate is not None else self.act(h)
-        return F.linear(h, down, b_down)
+    def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
+                counts: list[int]) -> torch.Tensor:
+        """y[t] = sum of weights_N[s] * expert_s(x[t]) over token t's slots; slots sorted by expert."""
+        return grouped_ffn(x_TD, tokens_N, weights_N, counts, self.act, self.gated, self.w_in, self.b_in,
+                           self.w_down, self.b_down)
 
-    def forward_grouped(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows of `x_ND` are grouped by expert, `counts[e]` rows for expert e, in expert order."""
-        pieces = zip(x_ND.split(counts), counts, self._per_expert(), strict=True)
-        outs = [self._ffn(x_e, *p) for x_e, n, p in pieces if n > 0]
-        return torch.cat(outs) if outs else x_ND.new_zeros(0, self.w_down.shape[1])
-
-    def forward_each(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token: [E, T, D] (shared experts; dense ensembles for distillation)."""
-        return torch.stack([self._ffn(x_TD, *p) for p in self._per_expert()])
+    def forward_dense(self, x_TD: torch.Tensor, weights_TE: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every token, summed with `weights_TE` (1 when None): shared experts, and the dense
+        all-expert ensemble a distillation teacher computes."""
+        E, T = self.num_experts, x_TD.shape[0]
+        tokens_N = torch.arange(T, device=x_TD.device).repeat(E)
+        weights_N = (torch.ones(E * T, device=x_TD.device) if weights_TE is None
+                     else weights_TE.t().reshape(-1))
+        return self.forward(x_TD, tokens_N, weights_N, [T] * E)
 
 
 def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
@@ -144,8 +166,8 @@ class MoELayer(nn.Module):
     """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 activation: str, gated: bool, bias_up: bool = False, bias_gate: bool = False,
-                 bias_down: bool = False, normalize_topk: bool = True,
+                 activation: str, gated: bool, bias_in: bool = False, bias_down: bool = False,
+                 normalize_topk: bool = True,
                  capacity_factor_train: float | None = None, capacity_factor_eval: float | None = None,
                  renormalize_after_drop: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None, router_bias: bool = False,
@@ -164,10 +186,11 @@ class MoELayer(nn.Module):
         # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
         self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=torch.float32)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, gated=gated,
-                               bias_up=bias_up, bias_gate=bias_gate, bias_down=bias_down, dtype=dtype)
+                               bias_in=bias_in, bias_down=bias_down, dtype=dtype)
+        # shared experts have the routed experts' structure: both come from one dense FFN
         self.shared_experts = (
             Experts(num_shared_experts, hidden_size, shared_intermediate_size or intermediate_size, activation,
-                    gated=gated, bias_up=bias_up, bias_gate=bias_gate, bias_down=bias_down, dtype=dtype)
+                    gated=gated, bias_in=bias_in, bias_down=bias_down, dtype=dtype)
             if num_shared_experts else None)
         # Selection-only bias for aux-loss-free balancing; saved with the model (persistent buffer).
         self.register_buffer("selection_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -178,15 +201,15 @@ class MoELayer(nn.Module):
     def spec(self) -> dict:
         """Constructor arguments that rebuild this layer's structure (saved in upcycle_config.json)."""
         e, s = self.experts, self.shared_experts
-        return {"hidden_size": e.w_up.shape[2], "intermediate_size": e.w_up.shape[1],
+        return {"hidden_size": e.w_down.shape[1], "intermediate_size": e.intermediate_size,
                 "num_experts": self.num_experts, "top_k": self.top_k, "activation": e.activation,
-                "gated": e.w_gate is not None, "bias_up": e.b_up is not None, "bias_gate": e.b_gate is not None,
-                "bias_down": e.b_down is not None, "normalize_topk": self.normalize_topk,
+                "gated": e.gated, "bias_in": e.b_in is not None, "bias_down": e.b_down is not None,
+                "normalize_topk": self.normalize_topk,
                 "capacity_factor_train": self.capacity_factor_train,
                 "capacity_factor_eval": self.capacity_factor_eval,
                 "renormalize_after_drop": self.renormalize_after_drop,
                 "num_shared_experts": s.num_experts if s is not None else 0,
-                "shared_intermediate_size": s.w_up.shape[1] if s is not None else None,
+                "shared_intermediate_size": s.intermediate_size if s is not None else None,
                 "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p}
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -230,16 +253,10 @@ class MoELayer(nn.Module):
             ids_N = torch.where(record.kept_TK.reshape(-1), ids_N, self.num_experts)
         order_N = ids_N.argsort(stable=True)
         counts = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts].tolist()
-        kept = sum(counts)
-        slots_N = order_N[:kept]
-        y_ND = self.experts.forward_grouped(x_TD.index_select(0, slots_N // self.top_k), counts)
-
-        # Combine: un-sort into [T, K, D] (dropped slots stay zero) and weight each token's K outputs.
-        y_TKD = x_TD.new_zeros(T * self.top_k, shape[-1]).index_copy(0, slots_N, y_ND)
-        y_TKD = y_TKD.view(T, self.top_k, shape[-1])
-        y_TD = torch.bmm(record.topk_weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        slots_N = order_N[: sum(counts)]
+        y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts.forward_each(x_TD).sum(0)
+            y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
         if self.record_routing:
             self.last_record = record
         return self.dropout(y_TD).view(shape)
@@ -251,7 +268,7 @@ class MoELayer(nn.Module):
         """Build a layer from a method's output (stacked experts, router rows, optional shared experts)."""
         layer = cls(hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size,
                     num_experts=experts.num_experts, top_k=top_k, activation=experts.activation,
-                    gated=experts.gated, bias_up=experts.b_up is not None, bias_gate=experts.b_gate is not None,
+                    gated=experts.gated, bias_in=experts.b_up is not None or experts.b_gate is not None,
                     bias_down=experts.b_down is not None,
                     num_shared_experts=shared.num_experts if shared is not None else 0,
                     shared_intermediate_size=shared.intermediate_size if shared is not None else None,

@@ -1,0 +1,77 @@
+"""The same guarantees on real weights: the embedded SmolLM2-135M (Llama) and all-MiniLM-L6-v2 (BERT)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import upcycle
+from upcycle.checks import make_probe, probe_output
+from upcycle.config import CheckConfig, ConvertConfig, build
+from upcycle.convert import convert, load_dense, upcycle_model
+from upcycle.surgery import moe_layers
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_copy_preserves_and_round_trips(tmp_path):
+    cfg = build(ConvertConfig, {"model": "default", "method": "copy", "moe": {"num_experts": 8, "top_k": 2},
+                                "placement": {"every": 2}})
+    out = tmp_path / "smollm2-moe"
+    result = convert(cfg, out, progress=False)
+    r = json.loads((out / "upcycle_report.json").read_text())
+    assert r["model_type"] == "llama" and r["num_moe_layers"] == 15 and r["moe_layers"][0] == "text.1"
+    assert r["preservation"]["probe_source"] == "held-out text" and r["preservation"]["compared_rows"] == 512
+    assert r["max_abs_logit_diff"] <= 1e-4 and r["kl_to_dense"] < 1e-9
+    # parameters: 7 extra copies of a 3 x 576 x 1536 SwiGLU FFN per MoE layer, plus an 8 x 576 router
+    ffn, router = 3 * 576 * 1536, 8 * 576
+    before, after = r["parameters"]["before"], r["parameters"]["after"]
+    assert before["total"] == 134_515_008
+    assert after["total"] == before["total"] + 15 * (7 * ffn + router)
+    assert after["active_per_token"] == before["total"] + 15 * (ffn + router)
+
+    loaded = upcycle.load(out)
+    probe = make_probe(loaded, result.tokenizer, ["The quick brown fox jumps over the lazy dog. " * 40],
+                       CheckConfig(sequences=2, tokens=64), seed=0)
+    assert torch.equal(probe_output(loaded, probe).values_NC, probe_output(result.model, probe).values_NC)
+    text = result.tokenizer.decode(loaded.generate(**result.tokenizer("The capital of France is", return_tensors="pt"),
+                                                   max_new_tokens=5, do_sample=False)[0])
+    assert text.startswith("The capital of France is")
+
+
+@pytest.mark.parametrize("method", ["noise", "drop"])
+def test_smollm2_perturbing_methods_are_deterministic(method):
+    model, tokenizer = load_dense("default")
+    cfg = build(ConvertConfig, {"method": method, "moe": {"num_experts": 4, "top_k": 2},
+                                "placement": {"layers": [3, 20]}, "check": {"sequences": 1, "tokens": 32}})
+    states = []
+    for _ in range(2):
+        m = model if not states else load_dense("default")[0]
+        report = upcycle_model(m, cfg, progress=False)
+        assert report["kl_to_dense"] > 0
+        states.append({k: v.clone() for name, layer in moe_layers(m).items() for k, v in layer.state_dict().items()})
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_minilm_bert_copy_preserves_and_round_trips(tmp_path):
+    cfg = build(ConvertConfig, {"model": "minilm", "method": "copy", "moe": {"num_experts": 4, "top_k": 2}})
+    out = tmp_path / "minilm-moe"
+    result = convert(cfg, out, progress=False)
+    r = result.report
+    assert r["model_type"] == "bert" and r["num_moe_layers"] == 6
+    assert r["preservation"]["compared_output"] == "last_hidden_state" and r["kl_to_dense"] is None
+    assert r["max_abs_logit_diff"] <= 1e-4
+    loaded = upcycle.load(out)
+    probe = make_probe(loaded, result.tokenizer, ["Sparse experts add capacity at the same compute. " * 30],
+                       CheckConfig(sequences=2, tokens=64), seed=0)
+    assert torch.equal(probe_output(loaded, probe).values_NC, probe_output(result.model, probe).values_NC)
+
+
+def test_minilm_drop_reports_drift(tmp_path):
+    cfg = build(ConvertConfig, {"model": "minilm", "method": "drop", "method_args": {"ratio": 0.25},
+                                "moe": {"num_experts": 4, "top_k": 1}, "placement": {"every": 2}})
+    r = convert(cfg, tmp_path / "o", progress=False).report
+    assert r["num_moe_layers"] == 3 and r["max_abs_logit_diff"] > 1e-3
