@@ -153,6 +153,11 @@ def test_model_path_that_does_not_load(tmp_path):
             convert(cfg(bad), None, progress=False)
 
 
+def test_missing_probe_text_is_refused(tmp_path):
+    with pytest.raises(UpcycleError, match="check.text: no file"):
+        convert(cfg(tmp_path, check__text=str(tmp_path / "nope.txt")), None, progress=False)
+
+
 def test_existing_output_is_refused_unless_overwrite(tmp_path):
     model_dir, out = tmp_path / "m", tmp_path / "out"
     make_tiny("gpt2").save_pretrained(model_dir)

@@ -59,6 +59,19 @@ def test_forward_matches_per_token_reference(gated, normalize, bias, shared):
     torch.testing.assert_close(y.view(-1, 8), reference(layer, x.view(-1, 8)), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("small_batch_path", [True, False])
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_inference_paths_match_reference(monkeypatch, small_batch_path, gated, bias):
+    """No grad: small batches take one grouped_mm per projection, large ones the per-expert loop."""
+    import upcycle.grouped_ffn as kernel
+    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if small_batch_path else 0)
+    layer = random_layer(E=5, gated=gated, bias=bias, shared=1)
+    layer.selection_bias[2] = -10.0       # an expert with no token (an empty group)
+    x = torch.randn(23, 8, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference(layer, x), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("freeze", [False, True])
 def test_gradients_match_reference(gated, freeze):

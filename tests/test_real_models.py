@@ -23,7 +23,8 @@ def test_smollm2_copy_preserves_and_round_trips(tmp_path):
     result = convert(cfg, out, progress=False)
     r = json.loads((out / "upcycle_report.json").read_text())
     assert r["model_type"] == "llama" and r["num_moe_layers"] == 15 and r["moe_layers"][0] == "text.1"
-    assert r["preservation"]["probe_source"] == "held-out text" and r["preservation"]["compared_rows"] == 512
+    assert r["preservation"]["probe_source"] == "held-out Wikipedia (embedded)"
+    assert r["preservation"]["compared_rows"] == 512
     assert r["max_abs_logit_diff"] <= 1e-4 and r["kl_to_dense"] < 1e-9
     # parameters: 7 extra copies of a 3 x 576 x 1536 SwiGLU FFN per MoE layer, plus an 8 x 576 router
     ffn, router = 3 * 576 * 1536, 8 * 576
@@ -70,8 +71,36 @@ def test_minilm_bert_copy_preserves_and_round_trips(tmp_path):
     assert torch.equal(probe_output(loaded, probe).values_NC, probe_output(result.model, probe).values_NC)
 
 
-def test_minilm_drop_reports_drift(tmp_path):
+def test_minilm_drop_reports_drift_on_a_user_text_file(tmp_path):
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text("\n".join(json.dumps({"text": f"Sentence number {i} about mixtures of experts."})
+                               for i in range(100)))
     cfg = build(ConvertConfig, {"model": "minilm", "method": "drop", "method_args": {"ratio": 0.25},
-                                "moe": {"num_experts": 4, "top_k": 1}, "placement": {"every": 2}})
+                                "moe": {"num_experts": 4, "top_k": 1}, "placement": {"every": 2},
+                                "check": {"text": str(probe)}})
     r = convert(cfg, tmp_path / "o", progress=False).report
     assert r["num_moe_layers"] == 3 and r["max_abs_logit_diff"] > 1e-3
+    assert r["preservation"]["probe_source"] == f"text file {probe}"
+
+
+def test_minilm_same_seed_same_bytes(tmp_path):
+    outs = []
+    for i in range(2):
+        cfg = build(ConvertConfig, {"model": "minilm", "method": "noise", "seed": 3,
+                                    "moe": {"num_experts": 4, "top_k": 2}, "placement": {"layers": [2]}})
+        convert(cfg, tmp_path / str(i), progress=False)
+        outs.append((tmp_path / str(i) / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_smollm2_bad_input(tmp_path):
+    model, _ = load_dense("default")
+    for data, message in (({"placement": {"layers": [30]}}, r"out of range.*30 blocks"),
+                          ({"placement": {"every": 31}}, "matched zero layers"),
+                          ({"moe": {"num_experts": 4, "top_k": 8}}, "top_k must be between")):
+        with pytest.raises(upcycle.UpcycleError, match=message):
+            upcycle_model(model, build(ConvertConfig, data), progress=False)
+    assert not moe_layers(model)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(upcycle.UpcycleError, match="already exists"):
+        convert(build(ConvertConfig, {}), tmp_path / "exists", progress=False)

@@ -42,8 +42,10 @@ def _max_positions(config) -> int | None:
     return None
 
 
-def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: CheckConfig, seed: int) -> Probe:
-    """A deterministic batch: held-out text through the model's tokenizer when both exist, else seeded ids."""
+def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: CheckConfig, seed: int,
+               text_source: str = "held-out text") -> Probe:
+    """A deterministic batch: `texts` through the model's tokenizer when both exist (and the text is long
+    enough), else seeded random ids."""
     cfg = model.config
     text_cfg = getattr(cfg, "text_config", cfg)
     length = check.tokens
@@ -59,7 +61,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
                 break
         if len(flat) >= check.sequences * length:
             ids = torch.tensor(flat[: check.sequences * length]).view(check.sequences, length)
-            source = "held-out text"
+            source = text_source
     if ids is None:
         ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

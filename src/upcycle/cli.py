@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--towers", help="for CLIP: text, vision, or text,vision")
     c.add_argument("--seed", type=int)
     c.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
+    c.add_argument("--probe-text", dest="probe_text",
+                   help="text or JSONL file for the preservation check (default: held-out Wikipedia)")
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
@@ -51,7 +53,7 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
     data = load_recipe(args.config)
     flags = {"method": args.method, "seed": args.seed, "dtype": args.dtype, "overwrite": args.overwrite,
              "moe.num_experts": args.num_experts, "moe.top_k": args.top_k, "placement.every": args.every,
-             "placement.layers": args.layers,
+             "placement.layers": args.layers, "check.text": args.probe_text,
              "placement.towers": args.towers.split(",") if args.towers else None}
     data["model"] = args.model
     for key, value in flags.items():

@@ -40,6 +40,7 @@ class CheckConfig:
     tolerance: float = 1e-4     # max |logit difference| allowed when the method promises preservation
     sequences: int = 4          # held-out probe batch: sequences x tokens
     tokens: int = 128
+    text: str | None = None     # probe text file (.txt or .jsonl with "text"); default: held-out Wikipedia
 
 
 @dataclass(frozen=True, kw_only=True)

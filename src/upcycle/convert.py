@@ -87,16 +87,23 @@ def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | N
     return model.eval(), tokenizer
 
 
-def _heldout_texts() -> list[str] | None:
+def probe_texts(cfg: ConvertConfig) -> list[str] | None:
+    """The user's probe text file, else the embedded held-out Wikipedia split (None if not installed)."""
+    from .text import read_texts, wikipedia_split
+
+    if cfg.check.text is not None:
+        try:
+            return read_texts(cfg.check.text)
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"check.text: {e}") from None
     try:
-        from .text import wikipedia_split
         return wikipedia_split()[1]
     except (FileNotFoundError, OSError):
         return None
 
 
 def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
-                  progress: bool = True, phases: Phases | None = None) -> dict:
+                  text_source: str = "held-out text", progress: bool = True, phases: Phases | None = None) -> dict:
     """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps)."""
     method, args = validate(cfg)
     family = family_of(model.config)
@@ -106,7 +113,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
 
     t = time.perf_counter()
     before = count_parameters(model)
-    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed)
+    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, text_source)
     dense_out = probe_output(model, probe)
     timings["dense_probe"] = time.perf_counter() - t
     bar("dense outputs recorded")
@@ -166,13 +173,16 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     validate(cfg)
     if out is not None and Path(out).exists() and not cfg.overwrite:
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    if cfg.check.text is not None and not Path(cfg.check.text).is_file():
+        raise UpcycleError(f"check.text: no file {cfg.check.text}")
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
     model, tokenizer = load_dense(cfg.model, cfg.dtype)
     load_s = time.perf_counter() - t
     phases("model loaded")
-    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=_heldout_texts() if tokenizer else None,
-                           progress=progress, phases=phases)
+    source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
+    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg) if tokenizer else None,
+                           text_source=source, progress=progress, phases=phases)
     report["timings_s"] = {"load": load_s, **report["timings_s"]}
     if out is not None:
         t = time.perf_counter()

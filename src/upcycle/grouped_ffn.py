@@ -68,6 +68,7 @@ def _expert_ffn(act, gated, x_nD, w_in, b_in, w_down, b_down):
 
 
 def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, keep: list | None):
+    """Per-expert loop: gather the expert's tokens, run its FFN, add the weighted output."""
     y_TD = x_TD.new_zeros(x_TD.shape[0], w_down.shape[1])
     for e, rows in _segments(counts):
         idx = tokens_N[rows]
@@ -77,6 +78,28 @@ def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_do
             keep.append((pre, y))       # per-expert tensors: small allocations the allocator can recycle
         y_TD.index_add_(0, idx, y * weights_N[rows, None].to(y.dtype))
     return y_TD
+
+
+# Below this size of the slots' input-projection output, inference runs as one `grouped_mm` call per
+# projection: the per-expert Python loop costs more than the matmuls on small batches (decode steps, short
+# prompts), while above it the loop's bounded working set wins (benchmarks/moe_layer.py, CPU).
+SMALL_BATCH_BYTES = 16 * 2**20
+
+
+def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
+    """All experts at once with torch's grouped matmul (inference on small batches, CPU)."""
+    offsets = torch.tensor(counts, device=x_TD.device).cumsum(0).to(torch.int32)
+    expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_TD.device),
+                                       torch.tensor(counts, device=x_TD.device))
+    pre = torch.nn.functional.grouped_mm(x_TD[tokens_N], w_in.transpose(-2, -1), offs=offsets)
+    if b_in is not None:
+        pre += b_in[expert_N]
+    h, _ = _hidden(act, pre, gated)
+    y = torch.nn.functional.grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
+    if b_down is not None:
+        y += b_down[expert_N]
+    y *= weights_N[:, None].to(y.dtype)
+    return x_TD.new_zeros(x_TD.shape[0], w_down.shape[1]).index_add_(0, tokens_N, y)
 
 
 class GroupedFFN(torch.autograd.Function):
@@ -135,4 +158,8 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     tensors = (x_TD, weights_N, w_in, b_in, w_down, b_down)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return GroupedFFN.apply(*args)
-    return _run(*args, keep=None)     # inference: nothing kept for a backward
+    # inference: nothing kept for a backward
+    small = tokens_N.numel() * w_in.shape[1] * w_in.element_size() <= SMALL_BATCH_BYTES
+    if small and x_TD.device.type == "cpu" and hasattr(torch.nn.functional, "grouped_mm"):
+        return _run_grouped_mm(*args)
+    return _run(*args, keep=None)
