@@ -59,12 +59,9 @@ def test_forward_matches_per_token_reference(gated, normalize, bias, shared):
     torch.testing.assert_close(y.view(-1, 8), reference(layer, x.view(-1, 8)), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("small_batch_path", [True, False])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
-def test_inference_paths_match_reference(monkeypatch, small_batch_path, gated, bias):
+def test_inference_paths_match_reference(kernel_path, gated, bias):
     """No grad: small batches take one grouped_mm per projection, large ones the per-expert loop."""
-    import upcycle.grouped_ffn as kernel
-    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if small_batch_path else 0)
     layer = random_layer(E=5, gated=gated, bias=bias, shared=1)
     layer.selection_bias[2] = -10.0       # an expert with no token (an empty group)
     x = torch.randn(23, 8, generator=torch.Generator().manual_seed(6))
@@ -74,7 +71,7 @@ def test_inference_paths_match_reference(monkeypatch, small_batch_path, gated, b
 
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("freeze", [False, True])
-def test_gradients_match_reference(gated, freeze):
+def test_gradients_match_reference(kernel_path, gated, freeze):
     layer = random_layer(E=6, gated=gated, bias=True, shared=1, seed=5)
     frozen = (f"experts.{layer.experts.in_name}", "experts.b_down") if freeze else ()
     for name in frozen:
@@ -96,23 +93,33 @@ def test_gradients_match_reference(gated, freeze):
     torch.testing.assert_close(ours["x"], x.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_no_per_expert_indexing_of_stacked_weights_in_backward():
+@pytest.fixture(params=["small-batch grouped_mm", "per-expert loop"])
+def kernel_path(request, monkeypatch):
+    """Run a test through both expert paths (grouped_ffn picks one by batch size)."""
+    import upcycle.grouped_ffn as kernel
+    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if request.param.startswith("small") else 0)
+    return request.param
+
+
+def test_no_per_expert_indexing_of_stacked_weights_in_backward(kernel_path):
     """Indexing w[e] per expert makes backward zero-fill a full [E, F, D] gradient per expert (and unbind
-    stacks E copies): the stacked expert weights must be reached only through the grouped kernel's backward."""
+    stacks E copies): each stacked expert tensor must feed exactly one backward node."""
     layer = random_layer(E=8, bias=True)
     y = layer(torch.randn(32, 8))
-    expert_params = {id(p) for p in layer.experts.parameters()}
-    consumers, seen, stack = set(), set(), [y.grad_fn]
+    expert_params = {id(p): n for n, p in layer.experts.named_parameters()}
+    consumers, seen, stack = {}, set(), [y.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         for child, _ in node.next_functions:
-            if child is not None and id(getattr(child, "variable", None)) in expert_params:
-                consumers.add(type(node).__name__)
+            name = expert_params.get(id(getattr(child, "variable", None)))
+            if name is not None:
+                consumers.setdefault(name, []).append(type(node).__name__)
             stack.append(child)
-    assert consumers == {"GroupedFFNBackward"}
+    assert set(consumers) == set(expert_params.values())
+    assert all(len(nodes) == 1 for nodes in consumers.values()), consumers
 
 
 def test_copy_of_one_ffn_is_the_dense_ffn():

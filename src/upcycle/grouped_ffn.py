@@ -80,14 +80,15 @@ def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_do
     return y_TD
 
 
-# Below this size of the slots' input-projection output, inference runs as one `grouped_mm` call per
-# projection: the per-expert Python loop costs more than the matmuls on small batches (decode steps, short
-# prompts), while above it the loop's bounded working set wins (benchmarks/moe_layer.py, CPU).
+# Below this size of the slots' input-projection output, a batch runs as one `grouped_mm` call per
+# projection (autograd's grouped_mm backward also writes stacked gradients): on small batches (decode steps,
+# short sequences) the per-expert Python loop costs more than the matmuls; above it, the loop's bounded
+# working set wins (measured with benchmarks/moe_layer.py on CPU: 512 vs 2048 tokens at D=576, F=1536).
 SMALL_BATCH_BYTES = 16 * 2**20
 
 
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
-    """All experts at once with torch's grouped matmul (inference on small batches, CPU)."""
+    """All experts at once with torch's grouped matmul; differentiable by autograd (small batches, CPU)."""
     offsets = torch.tensor(counts, device=x_TD.device).cumsum(0).to(torch.int32)
     expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_TD.device),
                                        torch.tensor(counts, device=x_TD.device))
@@ -156,10 +157,12 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring)."""
     args = (x_TD.contiguous(), tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down)
     tensors = (x_TD, weights_N, w_in, b_in, w_down, b_down)
+    size = w_in.element_size()
+    small = tokens_N.numel() * w_in.shape[1] * size <= SMALL_BATCH_BYTES
+    # grouped_mm wants every row stride to be a multiple of 16 bytes
+    aligned = all(d * size % 16 == 0 for d in (w_in.shape[1], w_in.shape[2], w_down.shape[2]))
+    if small and aligned and x_TD.device.type == "cpu" and hasattr(torch.nn.functional, "grouped_mm"):
+        return _run_grouped_mm(*args)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return GroupedFFN.apply(*args)
-    # inference: nothing kept for a backward
-    small = tokens_N.numel() * w_in.shape[1] * w_in.element_size() <= SMALL_BATCH_BYTES
-    if small and x_TD.device.type == "cpu" and hasattr(torch.nn.functional, "grouped_mm"):
-        return _run_grouped_mm(*args)
-    return _run(*args, keep=None)
+    return _run(*args, keep=None)     # inference: nothing kept for a backward
