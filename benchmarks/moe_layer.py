@@ -2,7 +2,8 @@
 
 Setting (issue #2): E=8 experts, top-k=2, SmolLM2's D=576 / F=1536 SwiGLU, float32, N tokens in {512, 4096,
 16384}. For each N every implementation gets the same input and the same weights (so the same routing), and
-the repetitions are interleaved round-robin so that machine noise hits all of them alike; we report medians.
+the repetitions are interleaved round-robin (rotated each time, so none always follows the same one) so
+that machine noise hits all of them alike; we report medians.
 
   dense_x_k          one dense SwiGLU FFN on the N tokens, time x k: the FLOP-equivalent baseline
   upcycle            upcycle.moe.MoELayer
@@ -96,9 +97,10 @@ def measure(n_tokens: int, reps: int, min_seconds: float) -> dict:
         warm = {name: timed(fn, x.clone().requires_grad_(backward), backward) for name, fn in impls.items()}
         # short calls are noisier: repeat them until each implementation has run about `min_seconds`
         n_reps = max(reps, math.ceil(min_seconds / min(warm.values())))
-        for _ in range(n_reps):
-            for name, fn in impls.items():
-                times[name].append(timed(fn, x.clone().requires_grad_(backward), backward))
+        names = list(impls)
+        for rep in range(n_reps):       # round-robin, rotated each repetition so no one always runs first
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                times[name].append(timed(impls[name], x.clone().requires_grad_(backward), backward))
         med = {name: statistics.median(t) for name, t in times.items()}
         baseline = K * med["dense"]
         result[mode] = {

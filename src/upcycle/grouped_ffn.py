@@ -89,9 +89,10 @@ SMALL_BATCH_BYTES = 16 * 2**20
 
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
     """All experts at once with torch's grouped matmul; differentiable by autograd (small batches, CPU)."""
-    offsets = torch.tensor(counts, device=x_TD.device).cumsum(0).to(torch.int32)
-    expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_TD.device),
-                                       torch.tensor(counts, device=x_TD.device))
+    counts_E = torch.tensor(counts, device=x_TD.device)
+    offsets = counts_E.cumsum(0, dtype=torch.int32)
+    if b_in is not None or b_down is not None:
+        expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_TD.device), counts_E)
     pre = torch.nn.functional.grouped_mm(x_TD[tokens_N], w_in.transpose(-2, -1), offs=offsets)
     if b_in is not None:
         pre += b_in[expert_N]
