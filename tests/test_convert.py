@@ -78,12 +78,11 @@ def test_written_folder_round_trips_to_identical_logits(tiny_path, tmp_path, fam
                                atol=0, rtol=0)
 
 
-def test_same_seed_same_bytes(tmp_path):
-    model_dir = tmp_path / "m"
-    make_tiny("qwen3").save_pretrained(model_dir)
+@pytest.mark.parametrize("method", ["noise", "drop"])
+def test_same_seed_same_bytes(tiny_path, tmp_path, method):
     outs = []
     for i, seed in enumerate([5, 5, 6]):
-        convert(cfg(model_dir, method="noise", seed=seed), tmp_path / f"o{i}", progress=False)
+        convert(cfg(tiny_path, method=method, seed=seed), tmp_path / f"o{i}", progress=False)
         outs.append((tmp_path / f"o{i}" / "model.safetensors").read_bytes())
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
@@ -238,3 +237,20 @@ def test_cli_methods_lists_arguments_and_papers(capsys):
     text = capsys.readouterr().out
     for needle in ("copy:", "noise:", "drop:", "2212.05055", "2502.19261", "method_args.ratio=<float>"):
         assert needle in text
+
+
+def test_a_method_failing_on_a_later_layer_leaves_the_model_untouched(monkeypatch):
+    model = make_tiny("llama")
+    copy = registry.METHODS["copy"]
+    calls = []
+
+    def flaky(ffn, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise UpcycleError("third layer failed")
+        return copy.fn(ffn, **kwargs)
+
+    monkeypatch.setitem(registry.METHODS, "copy", registry.Method(**{**copy.__dict__, "fn": flaky}))
+    with pytest.raises(UpcycleError, match="third layer"):
+        upcycle_model(model, cfg(), progress=False)
+    assert not moe_layers(model)

@@ -226,3 +226,18 @@ def test_spec_rebuilds_the_same_structure():
     rebuilt.load_state_dict(layer.state_dict())
     x = torch.randn(9, 8)
     torch.testing.assert_close(rebuilt(x), layer(x))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_new", "sigmoid", "linear"])
+def test_any_named_activation_trains(kernel_path, activation):
+    """The kernel takes the activation's derivative from autograd, so every ACT2FN name works."""
+    g = torch.Generator().manual_seed(8)
+    experts = FFNWeights(w_up=torch.randn(3, 12, 8, generator=g), w_gate=torch.randn(3, 12, 8, generator=g),
+                         w_down=torch.randn(3, 8, 12, generator=g), activation=activation)
+    layer = MoELayer.from_init(experts, torch.randn(3, 8, generator=g), top_k=2)
+    x = torch.randn(10, 8, generator=g)
+    layer(x).square().sum().backward()
+    ours = layer.experts.w_gate_up.grad.clone()
+    layer.zero_grad()
+    reference(layer, x).square().sum().backward()
+    torch.testing.assert_close(ours, layer.experts.w_gate_up.grad, atol=1e-4, rtol=1e-4)

@@ -119,7 +119,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     bar("dense outputs recorded")
 
     t = time.perf_counter()
-    layers = []
+    layers, built = [], []
     for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
         block = model.get_submodule(target.path)
         tcfg = tower_cfg(model, family, target)
@@ -131,9 +131,11 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
             dtype=dense.w_up.dtype, normalize_topk=cfg.moe.normalize_topk,
             capacity_factor_train=cfg.moe.capacity_factor_train, capacity_factor_eval=cfg.moe.capacity_factor_eval,
             renormalize_after_drop=cfg.moe.renormalize_after_drop, output_dropout=family.output_dropout(tcfg))
-        layer.train(block.training)
-        install(model, target.path, layer)
+        built.append((target, layer.train(block.training)))
         layers.append({"name": target.name, "block": target.path, **init.info})
+    # Install only once every layer is built: a method failing on any layer leaves the model untouched.
+    for target, layer in built:
+        install(model, target.path, layer)
     track_padding_masks(model)
     timings["upcycle"] = time.perf_counter() - t
     bar(f"{len(targets)} layers upcycled")

@@ -29,17 +29,22 @@ import torch
 
 def _hidden(act, pre_nI: torch.Tensor, gated: bool, grad_h: torch.Tensor | None = None):
     """h from the input projection; with `grad_h`, also d loss / d pre (laid out like pre)."""
-    F_ = pre_nI.shape[1] // 2 if gated else pre_nI.shape[1]
-    a = pre_nI[:, :F_]
+    # split(), not slicing: under autograd (small-batch path) its backward is one cat, where each slice's
+    # backward would zero-fill a full-size gradient
+    a, up = pre_nI.split(pre_nI.shape[1] // 2, dim=1) if gated else (pre_nI, None)
+    F_ = a.shape[1]
     if grad_h is None:
-        return (act(a) * pre_nI[:, F_:] if gated else act(a)), None
+        h = act(a)
+        if gated:   # in place into act's fresh output, except where autograd may need that output (sigmoid,
+            #          tanh) or act returned its input ("linear")
+            h = h * up if h.requires_grad or h.data_ptr() == a.data_ptr() else h.mul_(up)
+        return h, None
     with torch.enable_grad():
         leaf = a.detach().requires_grad_(True)
         act_a = act(leaf)
     if not gated:
         (grad_pre,) = torch.autograd.grad(act_a, leaf, grad_h)
         return act_a.detach(), grad_pre
-    up = pre_nI[:, F_:]
     grad_pre = torch.empty_like(pre_nI)
     (grad_pre[:, :F_],) = torch.autograd.grad(act_a, leaf, grad_h * up)
     act_a = act_a.detach()
@@ -74,9 +79,13 @@ def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_do
         idx = tokens_N[rows]
         pre, y = _expert_ffn(act, gated, x_TD[idx], w_in[e], None if b_in is None else b_in[e], w_down[e],
                              None if b_down is None else b_down[e])
+        weights = weights_N[rows, None].to(y.dtype)
         if keep is not None:
             keep.append((pre, y))       # per-expert tensors: small allocations the allocator can recycle
-        y_TD.index_add_(0, idx, y * weights_N[rows, None].to(y.dtype))
+            y = y * weights             # y itself is kept (unweighted) for the combine weights' gradient
+        else:
+            y.mul_(weights)
+        y_TD.index_add_(0, idx, y)
     return y_TD
 
 
