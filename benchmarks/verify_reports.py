@@ -4,7 +4,8 @@ For each upcycle folder given, this reloads the dense source model with plain tr
 model with `upcycle.load`, rebuilds the probe batch from the tokenizer directly (the first sequences x
 tokens ids of the held-out Wikipedia split), and recomputes
   - max |logit difference| and mean token KL(dense || MoE) with torch.nn.functional.kl_div,
-  - total parameters by summing the tensors stored in model.safetensors, and active parameters per token
+  - total parameters by summing the tensors stored in model.safetensors (less the MoE layers'
+    `selection_bias` buffers; tied embeddings are stored once), and active parameters per token
     as total - sum over MoE layers of (E - k) x one expert's parameters,
 then compares them with upcycle_report.json.
 
@@ -51,7 +52,8 @@ def verify(folder: Path) -> dict:
     max_diff = (z_dense - z_moe).abs().max().item()
 
     with safe_open(folder / "model.safetensors", "pt") as f:
-        total = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        # parameters only: the stored `selection_bias` of each MoE layer is a buffer (aux-free balancing)
+        total = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("selection_bias"))
     inactive = 0
     for layer in spec["layers"]:
         d, f_, gated = layer["hidden_size"], layer["intermediate_size"], layer["gated"]

@@ -254,3 +254,13 @@ def test_a_method_failing_on_a_later_layer_leaves_the_model_untouched(monkeypatc
     with pytest.raises(UpcycleError, match="third layer"):
         upcycle_model(model, cfg(), progress=False)
     assert not moe_layers(model)
+
+
+def test_output_has_ordinary_permissions(tmp_path):
+    model_dir, out = tmp_path / "m", tmp_path / "out"
+    make_tiny("qwen2").save_pretrained(model_dir)
+    convert(cfg(model_dir), out, progress=False)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

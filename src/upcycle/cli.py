@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from .convert import convert
 
+        if args.quiet:
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
         cfg = convert_config(args)
         result = convert(cfg, args.out, progress=not args.quiet)
     except UpcycleError as e:

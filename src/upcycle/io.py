@@ -46,6 +46,7 @@ def atomic_directory(out: str | os.PathLike, *, overwrite: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _default_permissions(tmp)
     except BaseException:          # KeyboardInterrupt and SystemExit too: never leave a partial folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -56,6 +57,15 @@ def atomic_directory(out: str | os.PathLike, *, overwrite: bool = False):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def _default_permissions(directory: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only files; give the output the permissions of a plain mkdir."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def moe_spec(model: nn.Module) -> dict:
