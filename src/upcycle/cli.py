@@ -42,8 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
+    c.add_argument("--export", choices=["upcycle", "hf"],
+                   help="upcycle (default; any architecture) or hf: a stock transformers MoE class where one fits")
+    c.add_argument("--export-class", dest="export_class", choices=["auto", "qwen2_moe", "qwen3_moe", "mixtral"],
+                   help="with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), or mixtral")
     c.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    x = sub.add_parser("export", help="write an upcycle-format folder as a stock transformers checkpoint")
+    x.add_argument("src", help="folder written by `upcycle convert`")
+    x.add_argument("out", help="output folder (written atomically)")
+    x.add_argument("--export-class", dest="export_class", default="auto",
+                   choices=["auto", "qwen2_moe", "qwen3_moe", "mixtral"])
+    x.add_argument("--overwrite", action="store_true")
 
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
     return parser
@@ -52,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
     data = load_recipe(args.config)
     flags = {"method": args.method, "seed": args.seed, "dtype": args.dtype, "overwrite": args.overwrite,
+             "export": args.export, "export_class": args.export_class,
              "moe.num_experts": args.num_experts, "moe.top_k": args.top_k, "placement.every": args.every,
              "placement.layers": args.layers, "check.text": args.probe_text,
              "placement.towers": args.towers.split(",") if args.towers else None}
@@ -87,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             _methods()
             return 0
+        if args.command == "export":
+            from .export import export_folder
+
+            info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite)
+            print(json.dumps(info, indent=2))
+            print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
+            return 0
         from .convert import convert
 
         if args.quiet:
@@ -105,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "kl_to_dense")}
     summary["parameters"] = r["parameters"]
     summary["preservation_passed"] = r["preservation"]["passed"]
+    summary["export"] = r["export"]
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out} (report: {args.out}/upcycle_report.json)")
     return 0

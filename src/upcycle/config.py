@@ -41,6 +41,7 @@ class CheckConfig:
     sequences: int = 4          # held-out probe batch: sequences x tokens
     tokens: int = 128
     text: str | None = None     # probe text file (.txt or .jsonl with "text"); default: held-out Wikipedia
+    export_tolerance: float = 1e-5   # max |logit difference| between an exported stock model and ours
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,8 @@ class ConvertConfig:
     check: CheckConfig = field(default_factory=CheckConfig)
     seed: int = 0
     dtype: str = "float32"      # dtype the model is loaded and converted in
+    export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
+    export_class: str = "auto"  # with export=hf: auto, qwen2_moe, qwen3_moe or mixtral
     overwrite: bool = False
 
 

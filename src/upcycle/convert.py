@@ -24,6 +24,7 @@ from .assets import resolve_model_name
 from .checks import compare, count_parameters, make_probe, probe_output
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
+from .export import EXPORT_CLASSES, compare_with_stock, export_hf
 from .io import atomic_directory, save
 from .methods import Method, get_method
 from .moe import MoELayer
@@ -59,6 +60,10 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if method.needs_calibration:
         raise UpcycleError(f"method {method.name!r} needs calibration data")
+    if cfg.export not in ("upcycle", "hf"):
+        raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
+    if cfg.export_class not in ("auto", *EXPORT_CLASSES):
+        raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
     return method, args
 
 
@@ -183,18 +188,46 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     load_s = time.perf_counter() - t
     phases("model loaded")
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
-    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg) if tokenizer else None,
-                           text_source=source, progress=progress, phases=phases)
+    texts = probe_texts(cfg) if tokenizer else None
+    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source, progress=progress,
+                           phases=phases)
     report["timings_s"] = {"load": load_s, **report["timings_s"]}
     if out is not None:
         t = time.perf_counter()
         with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
-            save(model, tmp, tokenizer=tokenizer, extra={"run_config.yaml": yaml.safe_dump(to_dict(cfg))})
+            probe_ids = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source).inputs["input_ids"]
+            report["export"] = write_output(model, tmp, cfg, tokenizer, probe_ids)
+            (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
             report["timings_s"]["write"] = time.perf_counter() - t
             (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))   # last file written
         phases(f"written to {out}")
     phases.close()
     return Conversion(model, tokenizer, report)
+
+
+def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenizer, probe_ids: torch.Tensor) -> dict:
+    """The stock transformers checkpoint when asked and one fits (checked against our model), else the
+    upcycle format. Returns what was written, for the report."""
+    if cfg.export == "hf":
+        try:
+            info = export_hf(model, directory, export_class=cfg.export_class, tokenizer=tokenizer)
+        except UpcycleError as e:
+            if cfg.export_class != "auto":
+                raise                      # a class the user named that does not fit is an error
+            tqdm.write(f"[upcycle] not exported to a stock class: {e}")
+            return {"format": "upcycle", "why_not_hf": str(e)} | _save_upcycle(model, directory, tokenizer)
+        diff = compare_with_stock(model, directory, probe_ids)
+        info["max_abs_logit_diff_vs_upcycle"] = diff
+        if diff > cfg.check.export_tolerance:
+            raise UpcycleError(f"the exported {info['class']} differs from the upcycled model by {diff:.3g} "
+                               f"> check.export_tolerance {cfg.check.export_tolerance:g}; nothing was written")
+        return info
+    return _save_upcycle(model, directory, tokenizer)
+
+
+def _save_upcycle(model: nn.Module, directory: Path, tokenizer) -> dict:
+    save(model, directory, tokenizer=tokenizer)
+    return {"format": "upcycle"}
 
 
 class Phases:

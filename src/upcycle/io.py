@@ -75,8 +75,8 @@ def moe_spec(model: nn.Module) -> dict:
             "layers": [{"block": path.rsplit(".", 1)[0], **layer.spec()} for path, layer in moe_layers(model).items()]}
 
 
-def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None, extra: dict | None = None) -> None:
-    """Write the upcycle format into an existing (temporary) directory. `extra`: filename -> text."""
+def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> None:
+    """Write the upcycle format into an existing (temporary) directory."""
     directory = Path(directory)
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -85,8 +85,6 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None, extr
     save_model(model, str(directory / WEIGHTS))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    for name, text in (extra or {}).items():
-        (directory / name).write_text(text)
 
 
 def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
@@ -94,6 +92,11 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     path = Path(path)
     spec_file = path / MOE_CONFIG
     if not spec_file.exists():
+        model_type = json.loads((path / "config.json").read_text()).get("model_type") \
+            if (path / "config.json").exists() else None
+        if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
+            raise UpcycleError(f"{path} is a stock transformers {model_type} checkpoint (upcycle --export hf): "
+                               "load it with transformers.AutoModelForCausalLM.from_pretrained")
         raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")
     spec = json.loads(spec_file.read_text())
     if spec.get("format_version") != FORMAT_VERSION:

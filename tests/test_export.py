@@ -1,0 +1,153 @@
+"""Export to stock transformers MoE classes: loads with plain AutoModelForCausalLM, same logits, generates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as T
+from conftest import make_tiny
+
+import upcycle
+from upcycle.cli import main
+from upcycle.config import ConvertConfig, build
+from upcycle.convert import convert, upcycle_model
+from upcycle.errors import UpcycleError
+from upcycle.export import export_hf
+from upcycle.ffn import FFNWeights
+from upcycle.moe import MoELayer
+from upcycle.surgery import moe_layers
+
+DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def cfg(model, **data) -> ConvertConfig:
+    base = {"model": str(model), "moe": {"num_experts": 4, "top_k": 2}, "check": {"tokens": 16}, "export": "hf"}
+    return build(ConvertConfig, {**base, **data})
+
+
+def stock_logits_match(folder, ours: torch.nn.Module) -> T.PreTrainedModel:
+    stock, info = T.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info          # no missing, unexpected or mismatched tensor
+    with torch.no_grad():
+        diff = (stock.eval()(input_ids=IDS).logits - ours.eval()(input_ids=IDS).logits).abs().max().item()
+    assert diff <= 1e-5
+    out = stock.generate(IDS[:, :4], max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 8)
+    return stock
+
+
+@pytest.fixture(params=DECODERS)
+def decoder_path(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny(request.param).save_pretrained(path)
+    return request.param, path
+
+
+@pytest.mark.parametrize("method", ["copy", "noise", "drop"])
+def test_every_method_and_decoder_exports_to_a_stock_class(decoder_path, tmp_path, method):
+    kind, path = decoder_path
+    result = convert(cfg(path, method=method, placement={"every": 2}), tmp_path / "out", progress=False)
+    export = result.report["export"]
+    expected = "Qwen3MoeForCausalLM" if kind == "qwen3" else "Qwen2MoeForCausalLM"
+    assert export["format"] == "hf" and export["class"] == expected and export["dense_layers"] == [0, 2]
+    assert export["max_abs_logit_diff_vs_upcycle"] <= 1e-5
+    stock = stock_logits_match(tmp_path / "out", result.model)
+    assert type(stock).__name__ == expected
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts", "rope_theta", "rope_parameters", "torch_dtype", "mlp_only_layers"):
+        assert key in config
+    assert config["norm_topk_prob"] is True and config["moe_intermediate_size"] == 64
+    if kind != "qwen3":      # no shared expert: a zero-width one, whose output is exactly zero
+        assert config["shared_expert_intermediate_size"] == 0
+    assert not (tmp_path / "out" / "upcycle_config.json").exists()
+    assert json.loads((tmp_path / "out" / "upcycle_report.json").read_text())["export"]["class"] == expected
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_mixtral_when_every_block_is_moe(kind, tmp_path):
+    model = make_tiny(kind)
+    model.save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m", method="drop", export_class="mixtral"), tmp_path / "out", progress=False)
+    assert result.report["export"]["class"] == "MixtralForCausalLM"
+    stock_logits_match(tmp_path / "out", result.model)
+
+
+def test_mixtral_refusals(tmp_path):
+    model = make_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(UpcycleError, match="Mixtral needs every block"):
+        convert(cfg(tmp_path / "m", export_class="mixtral", placement={"every": 2}), tmp_path / "o", progress=False)
+    make_tiny("qwen3").save_pretrained(tmp_path / "q")
+    with pytest.raises(UpcycleError, match="qwen3 source exports to"):
+        convert(cfg(tmp_path / "q", export_class="mixtral"), tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_shared_expert_gate_scale_is_folded(tmp_path, num_shared):
+    """Qwen2-MoE multiplies its shared expert by sigmoid(0) = 0.5: the export writes its down projection x2."""
+    model = make_tiny("llama")
+    upcycle_model(model, build(ConvertConfig, {"method": "noise", "moe": {"num_experts": 4, "top_k": 2},
+                                               "check": {"tokens": 16}}), progress=False)
+    g = torch.Generator().manual_seed(1)
+    for name, layer in moe_layers(model).items():
+        shared = FFNWeights(w_up=torch.randn(num_shared, 48, 32, generator=g) * 0.1,
+                            w_gate=torch.randn(num_shared, 48, 32, generator=g) * 0.1,
+                            w_down=torch.randn(num_shared, 32, 48, generator=g) * 0.1, activation="silu")
+        new = MoELayer.from_init(layer.experts.weights(), layer.router.weight.detach(), top_k=2, shared=shared)
+        model.get_submodule(name.rsplit(".", 1)[0]).mlp = new
+    info = export_hf(model, tmp_path)
+    assert [f["scale"] for f in info["folded_scales"]] == [2.0] * 4
+    assert json.loads((tmp_path / "config.json").read_text())["shared_expert_intermediate_size"] == 48 * num_shared
+    stock_logits_match(tmp_path, model)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "clip"])
+def test_no_stock_class_keeps_the_upcycle_format_and_says_why(family, tmp_path, capsys):
+    make_tiny(family).save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m"), tmp_path / "out", progress=False)
+    assert result.report["export"]["format"] == "upcycle"
+    assert f"no stock transformers MoE class computes a '{family}'" in result.report["export"]["why_not_hf"]
+    captured = capsys.readouterr()
+    assert "not exported to a stock class" in captured.out + captured.err
+    assert (tmp_path / "out" / "upcycle_config.json").exists()
+    upcycle.load(tmp_path / "out")
+
+
+def test_unrepresentable_routing_keeps_the_upcycle_format(tmp_path):
+    make_tiny("llama").save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m", moe={"num_experts": 4, "top_k": 2, "capacity_factor_eval": 2.0}),
+                     tmp_path / "out", progress=False)
+    assert "expert capacity" in result.report["export"]["why_not_hf"]
+    assert (tmp_path / "out" / "upcycle_config.json").exists()
+
+
+def test_export_command_round_trip_and_refusals(tmp_path, capsys):
+    make_tiny("qwen2").save_pretrained(tmp_path / "m")
+    convert(build(ConvertConfig, {"model": str(tmp_path / "m"), "method": "drop", "placement": {"every": 2},
+                                  "moe": {"num_experts": 4, "top_k": 2}, "check": {"tokens": 16}}),
+            tmp_path / "up", progress=False)
+    assert main(["export", str(tmp_path / "up"), str(tmp_path / "hf")]) == 0
+    assert "AutoModelForCausalLM" in capsys.readouterr().out
+    stock_logits_match(tmp_path / "hf", upcycle.load(tmp_path / "up"))
+    report = json.loads((tmp_path / "hf" / "upcycle_report.json").read_text())
+    assert report["method"] == "drop" and report["export"]["class"] == "Qwen2MoeForCausalLM"
+    # the way back is refused with a pointer to transformers
+    with pytest.raises(UpcycleError, match="stock transformers qwen2_moe checkpoint.*AutoModelForCausalLM"):
+        upcycle.load(tmp_path / "hf")
+    assert main(["export", str(tmp_path / "up"), str(tmp_path / "hf")]) == 2          # exists
+    assert main(["export", str(tmp_path / "up"), str(tmp_path / "x"), "--export-class", "mixtral"]) == 2
+    assert "a qwen2 source exports to" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_convert_export_hf(tmp_path, capsys):
+    make_tiny("qwen3").save_pretrained(tmp_path / "m")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--export", "hf", "--every", "2",
+                 "--num-experts", "4", "--set", "check.tokens=8", "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    assert summary["export"]["class"] == "Qwen3MoeForCausalLM"
+    T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -1,0 +1,91 @@
+"""The exported folders also load and match under transformers 4.57 (its own virtual environment).
+
+The environment is built once (torch 2.13.0 + transformers 4.57.6, about a minute) under the upcycle cache
+and reused; the check script runs there without upcycle, on folders and expected logits written here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from upcycle.config import ConvertConfig, build
+from upcycle.convert import upcycle_model
+from upcycle.export import export_hf
+from upcycle.ffn import FFNWeights
+from upcycle.moe import MoELayer
+from upcycle.surgery import moe_layers
+from upcycle.text import cache_dir
+
+pytestmark = pytest.mark.slow
+TRANSFORMERS_4 = "4.57.6"
+
+
+@pytest.fixture(scope="module")
+def hf4_python() -> Path:
+    venv = cache_dir() / f"venv-transformers-{TRANSFORMERS_4}"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        tmp = venv.with_name(venv.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
+        subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0",
+                        f"transformers=={TRANSFORMERS_4}"], check=True, timeout=900)
+        os.replace(tmp, venv)
+    return python
+
+
+def upcycled(kind: str, method: str, every: int, shared: bool = False) -> torch.nn.Module:
+    model = make_tiny(kind)
+    upcycle_model(model, build(ConvertConfig, {"method": method, "moe": {"num_experts": 4, "top_k": 2},
+                                               "placement": {"every": every}, "check": {"tokens": 16}}),
+                  progress=False)
+    if shared:      # one shared expert per layer, exported with its 0.5 gate folded into down_proj
+        g = torch.Generator().manual_seed(2)
+        for name, layer in moe_layers(model).items():
+            s = FFNWeights(w_up=torch.randn(1, 48, 32, generator=g) * 0.1, w_gate=torch.randn(1, 48, 32, generator=g)
+                           * 0.1, w_down=torch.randn(1, 32, 48, generator=g) * 0.1, activation="silu")
+            model.get_submodule(name.rsplit(".", 1)[0]).mlp = MoELayer.from_init(
+                layer.experts.weights(), layer.router.weight.detach(), top_k=2, shared=s)
+    return model.eval()
+
+
+CASES = {  # name: (source, method, every, export class, shared expert)
+    "llama-copy-qwen2moe": ("llama", "copy", 2, "auto", False),
+    "llama-shared-qwen2moe": ("llama", "noise", 1, "auto", True),
+    "mistral-drop-mixtral": ("mistral", "drop", 1, "mixtral", False),
+    "qwen2-noise-qwen2moe": ("qwen2", "noise", 2, "auto", False),
+    "qwen3-drop-qwen3moe": ("qwen3", "drop", 2, "auto", False),
+}
+
+
+def test_exports_load_and_match_under_transformers_4(hf4_python, tmp_path):
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    folders = []
+    for name, (kind, method, every, cls, shared) in CASES.items():
+        model = upcycled(kind, method, every, shared)
+        folder = tmp_path / name
+        folder.mkdir()
+        export_hf(model, folder, export_class=cls)
+        with torch.no_grad():
+            torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits}, folder / "expected_logits.pt")
+        folders.append(str(folder))
+    script = Path(__file__).with_name("hf4_check.py")
+    run = subprocess.run([str(hf4_python), str(script), *folders], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(CASES)
+    for r in results:
+        assert r["transformers"] == TRANSFORMERS_4
+        assert not r["loading_problems"], r
+        assert r["max_abs_diff"] <= 1e-5, r
+        assert r["generated_shape"] == [2, 7]
+    assert {r["class"] for r in results} == {"Qwen2MoeForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
