@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import transformers as T
-from conftest import make_tiny
 
 import upcycle
+from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
 from upcycle.convert import convert, upcycle_model

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny
 
+from conftest import make_tiny
 from upcycle.config import ConvertConfig, build
 from upcycle.convert import upcycle_model
 from upcycle.export import export_hf
