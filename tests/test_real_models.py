@@ -104,3 +104,24 @@ def test_smollm2_bad_input(tmp_path):
     (tmp_path / "exists").mkdir()
     with pytest.raises(upcycle.UpcycleError, match="already exists"):
         convert(build(ConvertConfig, {}), tmp_path / "exists", progress=False)
+
+
+@pytest.mark.parametrize("method", ["copy", "drop"])
+def test_smollm2_exports_to_qwen2_moe(tmp_path, method):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = build(ConvertConfig, {"model": "default", "method": method, "moe": {"num_experts": 8, "top_k": 2},
+                                "placement": {"every": 2}, "export": "hf"})
+    out = tmp_path / "smollm2-qwen2moe"
+    result = convert(cfg, out, progress=False)
+    export = result.report["export"]
+    assert export["class"] == "Qwen2MoeForCausalLM" and export["max_abs_logit_diff_vs_upcycle"] <= 1e-5
+    assert export["dense_layers"] == list(range(0, 30, 2))
+    stock = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["Mixture-of-experts models route each token to a few experts."], return_tensors="pt")
+    with torch.no_grad():
+        diff = (stock(**batch).logits - result.model(**batch).logits).abs().max().item()
+    assert diff <= 1e-5
+    text = tokenizer.decode(stock.generate(**batch, max_new_tokens=5, do_sample=False)[0])
+    assert text.startswith("Mixture-of-experts models route")

@@ -251,7 +251,9 @@ class MoELayer(nn.Module):
         ids_N = record.topk_ids_TK.reshape(-1)
         if record.kept_TK is not None:
             ids_N = torch.where(record.kept_TK.reshape(-1), ids_N, self.num_experts)
-        order_N = ids_N.argsort(stable=True)
+        # Order within an expert's group does not matter mathematically, but the matmul's rounding depends on a
+        # row's position: sorting as transformers' MoE experts do keeps exported stock models bit-identical.
+        order_N = torch.sort(ids_N).indices
         counts = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts].tolist()
         slots_N = order_N[: sum(counts)]
         y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts)
