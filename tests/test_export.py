@@ -151,3 +151,14 @@ def test_cli_convert_export_hf(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.split("\nwrote")[0])
     assert summary["export"]["class"] == "Qwen3MoeForCausalLM"
     T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_raw_topk_weights_and_any_placement(tmp_path):
+    """norm_topk_prob follows normalize_topk; mlp_only_layers takes any placement, not only every n-th."""
+    make_tiny("mistral", layers=5).save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m", method="noise", placement={"layers": [0, 3, 4]},
+                         moe={"num_experts": 4, "top_k": 2, "normalize_topk": False}), tmp_path / "out",
+                     progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["norm_topk_prob"] is False and config["mlp_only_layers"] == [1, 2]
+    stock_logits_match(tmp_path / "out", result.model)
