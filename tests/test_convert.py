@@ -264,3 +264,12 @@ def test_output_has_ordinary_permissions(tmp_path):
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_granular_conversion_preserves_and_reports_its_fold(family, normalize):
+    model = make_tiny(family)
+    report = upcycle_model(model, cfg(method="granular", method_args={"granularity": 2},
+                                      moe__normalize_topk=normalize), progress=False)
+    assert report["preservation"]["promised"] and report["max_abs_logit_diff"] <= 1e-4
+    assert report["folded_scales"][0]["scale"] == (2.0 if normalize else 4 * 2 / 2)

@@ -162,3 +162,12 @@ def test_raw_topk_weights_and_any_placement(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["norm_topk_prob"] is False and config["mlp_only_layers"] == [1, 2]
     stock_logits_match(tmp_path / "out", result.model)
+
+
+def test_granular_exports_with_its_fold_in_the_weights(tmp_path):
+    make_tiny("llama").save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m", method="granular", method_args={"granularity": 2}), tmp_path / "out",
+                     progress=False)
+    assert result.report["folded_scales"] and result.report["export"]["class"] == "Qwen2MoeForCausalLM"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["moe_intermediate_size"] == 32
+    stock_logits_match(tmp_path / "out", result.model)

@@ -123,3 +123,38 @@ def test_same_seed_same_bytes_different_seed_different_experts(name):
 def test_plain_mlp_is_supported():
     init = run("drop", dense(gated=False, bias=True))
     assert init.experts.w_gate is None and init.experts.b_up.shape == (E, F)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_granular_layer_reproduces_the_dense_ffn(normalize, gated, bias):
+    """16 experts top-8 = 4 replicas x 4 shards (the DPSL paper's granular setting): exact at init."""
+    from upcycle.moe import MoELayer
+
+    ffn = dense(gated=gated, bias=bias)
+    method = get_method("granular")
+    init = method(ffn, method.resolve_args({"granularity": 4}), num_experts=16, top_k=8,
+                  generator=torch.Generator().manual_seed(0), normalize_topk=normalize)
+    assert init.experts.w_up.shape == (16, F // 4, D)
+    assert init.info["folded_scale"] == (4.0 if normalize else 16 * 4 / 8)
+    layer = MoELayer.from_init(init.experts, init.router_ED, top_k=8, normalize_topk=normalize)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ffn(x), atol=1e-5, rtol=1e-5)
+    ids = layer.last_record.topk_ids_TK
+    replicas = (ids // 4).sort(-1).values.view(64, 2, 4)
+    assert torch.all(replicas == replicas[..., :1])          # virtual groups: whole replicas are chosen
+
+
+def test_granular_virtual_group_router_rows_and_errors():
+    method = get_method("granular")
+    init = method(dense(), method.resolve_args({"granularity": 2}), num_experts=8, top_k=4,
+                  generator=torch.Generator().manual_seed(0), normalize_topk=True)
+    rows = init.router_ED.view(4, 2, D)
+    assert torch.equal(rows[:, 0], rows[:, 1]) and not torch.equal(rows[0, 0], rows[1, 0])
+    for args, E, k, message in (({"granularity": 3}, 6, 3, "must divide the FFN width"),
+                                ({"granularity": 4}, 6, 4, "multiples of granularity"),
+                                ({"granularity": 4}, 8, 2, "multiples of granularity")):
+        with pytest.raises(UpcycleError, match=message):
+            method(dense(), method.resolve_args(args), num_experts=E, top_k=k,
+                   generator=torch.Generator().manual_seed(0), normalize_topk=True)

@@ -129,8 +129,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         block = model.get_submodule(target.path)
         tcfg = tower_cfg(model, family, target)
         dense = family.extract(block, tcfg)
-        init = method.fn(dense.map(lambda w: w.float()), num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
-                         generator=layer_generator(cfg.seed, target), **args)
+        init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
+                      generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk)
         layer = MoELayer.from_init(
             init.experts, init.router_ED, top_k=cfg.moe.top_k, shared=init.shared, router_bias_E=init.router_bias_E,
             dtype=dense.w_up.dtype, normalize_topk=cfg.moe.normalize_topk,
@@ -164,7 +164,9 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
                          "compared_rows": measured["compared_rows"], "probe_source": probe.source,
                          "probe_shape": list(probe.inputs["input_ids"].shape) if "input_ids" in probe.inputs
                          else list(probe.inputs["pixel_values"].shape)},
-        "folded_scales": [],   # copy/noise/drop need none; methods that fold a scale list it here
+        # scales a method folded into the expert weights (METHODS §2.8), per layer
+        "folded_scales": [{"layer": layer["name"], "scale": layer["folded_scale"]} for layer in layers
+                          if "folded_scale" in layer],
         "layers": layers, "seed": cfg.seed, "dtype": cfg.dtype, "timings_s": timings,
     }
     if promised and not passed:

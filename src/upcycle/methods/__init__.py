@@ -22,8 +22,8 @@ import torch
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
 
-# Arguments every method receives from the conversion, not from the user.
-COMMON_ARGS = ("num_experts", "top_k", "generator", "activations")
+# Arguments the conversion provides (a method declares the ones it needs), not the user.
+COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,14 @@ class Method:
     paper: str
     summary: str
     args: dict[str, MethodArg]
+    common: frozenset[str]          # which COMMON_ARGS the method's signature takes
     needs_calibration: bool
     # Whether the initialized layer reproduces the dense FFN, given (method args, normalize_topk, dropless).
     preserves: Callable[[dict, bool, bool], bool]
+
+    def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
+        """Run the method with resolved `args` and the common arguments its signature takes."""
+        return self.fn(ffn, **{k: v for k, v in common.items() if k in self.common}, **args)
 
     def resolve_args(self, given: dict) -> dict:
         """Defaults filled in, unknown names and wrong types refused (before any weight is touched)."""
@@ -89,7 +94,9 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
         hints = typing.get_type_hints(fn)
         args = {}
-        for p in inspect.signature(fn).parameters.values():
+        params = inspect.signature(fn).parameters
+        common = frozenset(name for name in params if name in COMMON_ARGS)
+        for p in params.values():
             if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in COMMON_ARGS:
                 continue
             if p.default is inspect.Parameter.empty:
@@ -97,7 +104,7 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
             args[p.name] = MethodArg(p.name, hints[p.name], p.default)
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
-        METHODS[name] = Method(name, fn, paper, summary, args, needs_calibration, preserves)
+        METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves)
         return fn
 
     return wrap
@@ -114,4 +121,4 @@ def random_router(num_experts: int, hidden_size: int, std: float, generator: tor
     return torch.randn(num_experts, hidden_size, generator=generator, dtype=torch.float32) * std
 
 
-from . import copy, drop, noise  # noqa: E402,F401  (registers the methods)
+from . import copy, drop, granular, noise  # noqa: E402,F401  (registers the methods)
