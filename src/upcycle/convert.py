@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import __version__
+from .analysis.metrics import diversity, expert_similarity
 from .architectures import family_of
 from .assets import resolve_model_name
 from .checks import compare, count_parameters, make_probe, probe_output
@@ -137,7 +138,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
             capacity_factor_train=cfg.moe.capacity_factor_train, capacity_factor_eval=cfg.moe.capacity_factor_eval,
             renormalize_after_drop=cfg.moe.renormalize_after_drop, output_dropout=family.output_dropout(tcfg))
         built.append((target, layer.train(block.training)))
-        layers.append({"name": target.name, "block": target.path, **init.info})
+        layers.append({"name": target.name, "block": target.path, **init.info,
+                       "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)})
     # Install only once every layer is built: a method failing on any layer leaves the model untouched.
     for target, layer in built:
         install(model, target.path, layer)

@@ -121,4 +121,4 @@ def random_router(num_experts: int, hidden_size: int, std: float, generator: tor
     return torch.randn(num_experts, hidden_size, generator=generator, dtype=torch.float32) * std
 
 
-from . import copy, drop, granular, noise  # noqa: E402,F401  (registers the methods)
+from . import copy, drop, drop_svd, granular, noise, spri  # noqa: E402,F401  (registers the methods)

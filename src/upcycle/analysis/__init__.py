@@ -1,0 +1,1 @@
+"""Analysis of upcycled MoE layers: metrics as plain numbers (METHODS §5)."""

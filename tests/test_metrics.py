@@ -1,0 +1,34 @@
+"""Expert-weight metrics: exact values on constructed experts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from upcycle.analysis.metrics import diversity, expert_similarity, mean_pairwise_cosine
+from upcycle.ffn import FFNWeights
+
+
+def test_identical_experts_have_similarity_one_and_diversity_zero():
+    g = torch.Generator().manual_seed(0)
+    one = FFNWeights(w_up=torch.randn(6, 4, generator=g), w_gate=torch.randn(6, 4, generator=g),
+                     w_down=torch.randn(4, 6, generator=g), activation="silu")
+    stack = one.repeat(3)
+    assert expert_similarity(stack) == pytest.approx(1.0)
+    assert diversity(stack) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_known_cosines():
+    # rows e0 = (1, 0), e1 = (0, 1), e2 = (1, 1)/sqrt2: cosines 0, 1/sqrt2, 1/sqrt2
+    rows = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert mean_pairwise_cosine(rows) == pytest.approx((0 + 2 / math.sqrt(2)) / 3)
+    down = rows.view(3, 2, 1)
+    experts = FFNWeights(w_up=torch.ones(3, 1, 2), w_down=down, activation="gelu")
+    assert diversity(experts) == pytest.approx(1 - (2 / math.sqrt(2)) / 3)
+
+
+def test_single_expert_has_no_pairs():
+    experts = FFNWeights(w_up=torch.ones(1, 3, 2), w_down=torch.ones(1, 2, 3), activation="gelu")
+    assert expert_similarity(experts) is None and diversity(experts) is None
