@@ -5,6 +5,7 @@ model's outputs before any weight changes, converts in place (no second model in
 again and reports
 
   max_abs_logit_diff  max |z_dense - z_moe| over every compared output entry
+  relative_logit_diff the same divided by max |z_dense|
   kl_to_dense         mean over real tokens of KL(softmax z_dense || softmax z_moe)  (null when the output
                       is not a distribution, e.g. a bare encoder's hidden states)
 
@@ -104,7 +105,9 @@ def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
         logp = dense.values_NC.double().log_softmax(-1)
         logq = moe.values_NC.double().log_softmax(-1)
         kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    scale = dense.values_NC.abs().max().item()
     return {"compared_output": dense.name, "max_abs_logit_diff": diff, "kl_to_dense": kl,
+            "relative_logit_diff": diff / scale if scale > 0 else diff,
             "compared_rows": dense.values_NC.shape[0]}
 
 

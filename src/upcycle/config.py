@@ -37,7 +37,10 @@ class PlacementConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckConfig:
-    tolerance: float = 1e-4     # max |logit difference| allowed when the method promises preservation
+    # A method that promises preservation passes when max |logit difference| <= tolerance, or (fp32 rounding
+    # grows with depth and logit scale) when it is <= relative_tolerance x max |dense logit|.
+    tolerance: float = 1e-4
+    relative_tolerance: float = 1e-5
     sequences: int = 4          # held-out probe batch: sequences x tokens
     tokens: int = 128
     text: str | None = None     # probe text file (.txt or .jsonl with "text"); default: held-out Wikipedia

@@ -153,7 +153,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     bar("preservation checked")
 
     promised = method.preserves(args, cfg.moe.normalize_topk, cfg.moe.capacity_factor_eval is None)
-    passed = measured["max_abs_logit_diff"] <= cfg.check.tolerance
+    passed = (measured["max_abs_logit_diff"] <= cfg.check.tolerance
+              or measured["relative_logit_diff"] <= cfg.check.relative_tolerance)
     report = {
         "upcycle_version": __version__, "method": method.name, "paper": method.paper, "method_args": args,
         "source_model": cfg.model, "model_class": type(model).__name__, "model_type": model.config.model_type,
@@ -162,6 +163,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         "parameters": {"before": before, "after": count_parameters(model)},
         "max_abs_logit_diff": measured["max_abs_logit_diff"], "kl_to_dense": measured["kl_to_dense"],
         "preservation": {"promised": promised, "tolerance": cfg.check.tolerance,
+                         "relative_logit_diff": measured["relative_logit_diff"],
+                         "relative_tolerance": cfg.check.relative_tolerance,
                          "passed": passed if promised else None, "compared_output": measured["compared_output"],
                          "compared_rows": measured["compared_rows"], "probe_source": probe.source,
                          "probe_shape": list(probe.inputs["input_ids"].shape) if "input_ids" in probe.inputs
@@ -174,7 +177,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     if promised and not passed:
         raise PreservationError(
             f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
-            f"is {measured['max_abs_logit_diff']:.3g} > tolerance {cfg.check.tolerance:g}; refusing to write "
+            f"is {measured['max_abs_logit_diff']:.3g} > tolerance {cfg.check.tolerance:g} (relative "
+            f"{measured['relative_logit_diff']:.3g} > {cfg.check.relative_tolerance:g}); refusing to write "
             f"(raise check.tolerance if this is rounding in a low-precision dtype)", report)
     return report
 
