@@ -273,3 +273,26 @@ def test_granular_conversion_preserves_and_reports_its_fold(family, normalize):
                                       moe__normalize_topk=normalize), progress=False)
     assert report["preservation"]["promised"] and report["max_abs_logit_diff"] <= 1e-4
     assert report["folded_scales"][0]["scale"] == (2.0 if normalize else 4 * 2 / 2)
+
+
+def test_single_tower_clip_vision_model_converts_and_round_trips(tmp_path):
+    import transformers as T
+    vision = T.CLIPVisionModel(T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, image_size=16, patch_size=8)).eval()
+    vision.save_pretrained(tmp_path / "v")
+    result = convert(cfg(tmp_path / "v"), tmp_path / "out", progress=False)
+    assert result.report["moe_layers"] == ["vision.0", "vision.1"] and result.report["max_abs_logit_diff"] <= 1e-4
+    assert result.report["preservation"]["compared_output"] == "last_hidden_state"
+    upcycle.load(tmp_path / "out")
+
+
+def test_single_tower_clip_text_model_tracks_its_padding_mask(tmp_path):
+    import transformers as T
+    text = T.CLIPTextModel(T.CLIPTextConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                                            bos_token_id=1, eos_token_id=2)).eval()
+    report = upcycle_model(text, cfg(), progress=False)
+    assert report["moe_layers"] == ["text.0", "text.1"] and report["max_abs_logit_diff"] <= 1e-4
+    mask = torch.tensor([[1, 1, 1, 0]])
+    text(input_ids=torch.randint(0, 128, (1, 4)), attention_mask=mask)
+    assert next(iter(moe_layers(text).values())).last_record.mask_T.tolist() == [True, True, True, False]

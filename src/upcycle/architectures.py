@@ -37,6 +37,11 @@ class Family:
     extract: Callable[[nn.Module, object], FFNWeights]     # (block, tower config) -> dense FFN
     install: Callable[[nn.Module, nn.Module], None]          # (block, MoE layer) -> None
     output_dropout: Callable[[object], float] = lambda cfg: 0.0
+    # model types whose modules are laid out differently from `towers` (single-tower CLIP models)
+    towers_by_type: dict[str, dict[str, Tower]] | None = None
+
+    def towers_of(self, config) -> dict[str, Tower]:
+        return (self.towers_by_type or {}).get(config.model_type, self.towers)
 
 
 def _linear_parts(up: nn.Linear, down: nn.Linear, activation: str, gate: nn.Linear | None = None) -> FFNWeights:
@@ -93,7 +98,10 @@ FAMILIES = (
     Family("clip", ("clip", "clip_text_model", "clip_vision_model"),
            {"text": Tower("text_model.encoder.layers", 2, "text_config"),
             "vision": Tower("vision_model.encoder.layers", None, "vision_config")},
-           _clip_extract, _set_mlp),
+           _clip_extract, _set_mlp,
+           # transformers 5's CLIPTextModel / CLIPVisionModel hold their encoder at the top level
+           towers_by_type={"clip_text_model": {"text": Tower("encoder.layers", 2)},
+                           "clip_vision_model": {"vision": Tower("encoder.layers", None)}}),
 )
 
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

@@ -48,11 +48,18 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
     """A deterministic batch: `texts` through the model's tokenizer when both exist (and the text is long
     enough), else seeded random ids."""
     cfg = model.config
+    generator = torch.Generator().manual_seed(seed)
+    inputs, source = {}, "random pixels"
+    if hasattr(cfg, "vision_config") or cfg.model_type == "clip_vision_model":
+        vision = getattr(cfg, "vision_config", cfg)
+        size = vision.image_size
+        inputs["pixel_values"] = torch.randn(check.sequences, vision.num_channels, size, size, generator=generator)
+    if cfg.model_type == "clip_vision_model":
+        return Probe(inputs, source)
     text_cfg = getattr(cfg, "text_config", cfg)
     length = check.tokens
     if (limit := _max_positions(text_cfg)) is not None:
         length = min(length, limit)
-    generator = torch.Generator().manual_seed(seed)
     ids, source = None, "random token ids"
     if tokenizer is not None and texts:
         flat = []
@@ -65,13 +72,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
             source = text_source
     if ids is None:
         ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if hasattr(cfg, "vision_config") or getattr(cfg, "model_type", "") == "clip_vision_model":
-        vision = getattr(cfg, "vision_config", cfg)
-        size = vision.image_size
-        inputs["pixel_values"] = torch.randn(check.sequences, vision.num_channels, size, size, generator=generator)
-        if getattr(cfg, "model_type", "") == "clip_vision_model":
-            inputs = {"pixel_values": inputs["pixel_values"]}
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     return Probe(inputs, source)
 
 

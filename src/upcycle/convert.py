@@ -203,8 +203,8 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     if out is not None:
         t = time.perf_counter()
         with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
-            probe_ids = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source).inputs["input_ids"]
-            report["export"] = write_output(model, tmp, cfg, tokenizer, probe_ids)
+            probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source)
+            report["export"] = write_output(model, tmp, cfg, tokenizer, probe.inputs)
             (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
             report["timings_s"]["write"] = time.perf_counter() - t
             (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))   # last file written
@@ -213,7 +213,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     return Conversion(model, tokenizer, report)
 
 
-def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenizer, probe_ids: torch.Tensor) -> dict:
+def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenizer, probe_inputs: dict) -> dict:
     """The stock transformers checkpoint when asked and one fits (checked against our model), else the
     upcycle format. Returns what was written, for the report."""
     if cfg.export == "hf":
@@ -224,7 +224,7 @@ def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenize
                 raise                      # a class the user named that does not fit is an error
             tqdm.write(f"[upcycle] not exported to a stock class: {e}")
             return {"format": "upcycle", "why_not_hf": str(e)} | _save_upcycle(model, directory, tokenizer)
-        diff = compare_with_stock(model, directory, probe_ids)
+        diff = compare_with_stock(model, directory, probe_inputs["input_ids"])   # exports are decoders
         info["max_abs_logit_diff_vs_upcycle"] = diff
         if diff > cfg.check.export_tolerance:
             raise UpcycleError(f"the exported {info['class']} differs from the upcycled model by {diff:.3g} "

@@ -35,15 +35,16 @@ class Target:
 def plan_targets(model: nn.Module, placement: PlacementConfig) -> list[Target]:
     """Resolve a placement to blocks; every error a user can cause is raised here, before any mutation."""
     family = family_of(model.config)
-    present = {name: found for name, tower in family.towers.items()
+    towers = family.towers_of(model.config)
+    present = {name: found for name, tower in towers.items()
                if (found := find_tower_layers(model, tower)) is not None}
     if not present:
         raise UpcycleError(f"found no transformer blocks in {type(model).__name__} "
-                           f"(looked for {[t.layers for t in family.towers.values()]})")
+                           f"(looked for {[t.layers for t in towers.values()]})")
     wanted = placement.towers or tuple(present)
     for tower in wanted:
-        if tower not in family.towers:
-            raise UpcycleError(f"{family.name} models have towers {sorted(family.towers)}, not {tower!r}")
+        if tower not in towers:
+            raise UpcycleError(f"{type(model).__name__} has towers {sorted(towers)}, not {tower!r}")
         if tower not in present:
             raise UpcycleError(f"tower {tower!r} is not in this {type(model).__name__}; it has {sorted(present)}")
     if placement.every < 1:
@@ -74,7 +75,7 @@ def layer_generator(seed: int, target: Target) -> torch.Generator:
 
 
 def tower_cfg(model: nn.Module, family: Family, target: Target):
-    return tower_config(model.config, family.towers[target.tower])
+    return tower_config(model.config, family.towers_of(model.config)[target.tower])
 
 
 def install(model: nn.Module, block_path: str, layer: MoELayer) -> None:
@@ -107,7 +108,7 @@ def track_padding_masks(model: nn.Module) -> list:
     """Hook each tower's root so its MoE layers see the batch's [B, S] attention mask (no forward rewritten)."""
     family = family_of(model.config)
     handles = []
-    for tower in family.towers.values():
+    for tower in family.towers_of(model.config).values():
         found = find_tower_layers(model, tower)
         root = mask_root(model, found[0], tower) if found else None
         if root is not None and not getattr(root, "_upcycle_mask_hooked", False):
