@@ -99,7 +99,7 @@ def test_shared_expert_gate_scale_is_folded(tmp_path, num_shared):
                             w_down=torch.randn(num_shared, 32, 48, generator=g) * 0.1, activation="silu")
         new = MoELayer.from_init(layer.experts.weights(), layer.router.weight.detach(), top_k=2, shared=shared)
         model.get_submodule(name.rsplit(".", 1)[0]).mlp = new
-    info = export_hf(model, tmp_path)
+    info = export_hf(model, tmp_path, input_ids=IDS, tolerance=1e-5)
     assert [f["scale"] for f in info["folded_scales"]] == [2.0] * 4
     assert json.loads((tmp_path / "config.json").read_text())["shared_expert_intermediate_size"] == 48 * num_shared
     stock_logits_match(tmp_path, model)

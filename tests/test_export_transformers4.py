@@ -74,7 +74,7 @@ def test_exports_load_and_match_under_transformers_4(hf4_python, tmp_path):
         model = upcycled(kind, method, every, shared)
         folder = tmp_path / name
         folder.mkdir()
-        export_hf(model, folder, export_class=cls)
+        export_hf(model, folder, input_ids=ids, tolerance=1e-5, export_class=cls)
         with torch.no_grad():
             torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits}, folder / "expected_logits.pt")
         folders.append(str(folder))

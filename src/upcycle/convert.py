@@ -25,7 +25,7 @@ from .assets import resolve_model_name
 from .checks import compare, count_parameters, make_probe, probe_output
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
-from .export import EXPORT_CLASSES, compare_with_stock, export_hf
+from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import atomic_directory, save
 from .methods import Method, get_method
 from .moe import MoELayer
@@ -218,18 +218,14 @@ def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenize
     upcycle format. Returns what was written, for the report."""
     if cfg.export == "hf":
         try:
-            info = export_hf(model, directory, export_class=cfg.export_class, tokenizer=tokenizer)
+            target = export_target(model, cfg.export_class)
         except UpcycleError as e:
             if cfg.export_class != "auto":
                 raise                      # a class the user named that does not fit is an error
             tqdm.write(f"[upcycle] not exported to a stock class: {e}")
             return {"format": "upcycle", "why_not_hf": str(e)} | _save_upcycle(model, directory, tokenizer)
-        diff = compare_with_stock(model, directory, probe_inputs["input_ids"])   # exports are decoders
-        info["max_abs_logit_diff_vs_upcycle"] = diff
-        if diff > cfg.check.export_tolerance:
-            raise UpcycleError(f"the exported {info['class']} differs from the upcycled model by {diff:.3g} "
-                               f"> check.export_tolerance {cfg.check.export_tolerance:g}; nothing was written")
-        return info
+        return export_hf(model, directory, input_ids=probe_inputs["input_ids"],   # exports are decoders
+                         tolerance=cfg.check.export_tolerance, export_class=target.model_type, tokenizer=tokenizer)
     return _save_upcycle(model, directory, tokenizer)
 
 

@@ -83,6 +83,10 @@ def export_target(model: nn.Module, export_class: str = "auto") -> Target:
     return Target(wanted, EXPORT_CLASSES[wanted])
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _block_index(name: str) -> int:
     """'model.layers.7.mlp' -> 7."""
     parts = name.split(".")
@@ -107,8 +111,7 @@ def export_config(model: nn.Module, target: Target) -> dict:
         "num_experts": first.num_experts, "num_local_experts": first.num_experts,
         "num_experts_per_tok": first.top_k, "rope_theta": rope_theta, "rope_scaling": rope_scaling,
         "rope_parameters": {"rope_theta": rope_theta, **(rope_scaling or {"rope_type": "default"})},
-        "head_dim": getattr(model.config, "head_dim", None)
-        or model.config.hidden_size // model.config.num_attention_heads,
+        "head_dim": _head_dim(model.config),
         "output_router_logits": False,
         "torch_dtype": str(model.dtype).removeprefix("torch."), "dtype": str(model.dtype).removeprefix("torch."),
     })
@@ -132,7 +135,7 @@ def export_config(model: nn.Module, target: Target) -> dict:
 
 def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Stock-layout tensors, and the scales folded into them."""
-    moe = {name: layer for name, layer in moe_layers(model).items()}
+    moe = moe_layers(model)
     out, folded = {}, []
     for key, tensor in model.state_dict().items():
         if not any(key.startswith(name + ".") for name in moe):
@@ -140,7 +143,7 @@ def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch
     if target.model_type == "qwen2_moe":      # Qwen2-MoE's q/k/v always carry biases: zeros when the source has none
         width = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads,
                  "v_proj": model.config.num_key_value_heads}
-        head_dim = export_config(model, target)["head_dim"]
+        head_dim = _head_dim(model.config)
         for i in range(model.config.num_hidden_layers):
             for proj, heads in width.items():
                 key = f"model.layers.{i}.self_attn.{proj}.bias"
@@ -175,8 +178,10 @@ def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch
     return out, folded
 
 
-def export_hf(model: nn.Module, directory: str | Path, *, export_class: str = "auto", tokenizer=None) -> dict:
-    """Write the stock checkpoint into an existing (temporary) directory; return what was done."""
+def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
+              export_class: str = "auto", tokenizer=None) -> dict:
+    """Write the stock checkpoint into an existing (temporary) directory, load it back with plain
+    transformers and compare its logits with `model`'s on `input_ids`; return what was done."""
     import json
 
     directory = Path(directory)
@@ -189,8 +194,13 @@ def export_hf(model: nn.Module, directory: str | Path, *, export_class: str = "a
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    diff = compare_with_stock(model, directory, input_ids)
+    if diff > tolerance:
+        raise UpcycleError(f"the exported {target.architecture} differs from the upcycled model by {diff:.3g} "
+                           f"> tolerance {tolerance:g}; nothing was written")
     return {"format": "hf", "class": target.architecture, "model_type": target.model_type,
-            "folded_scales": folded, "dense_layers": config.get("mlp_only_layers", [])}
+            "folded_scales": folded, "dense_layers": config.get("mlp_only_layers", []),
+            "max_abs_logit_diff_vs_upcycle": diff}
 
 
 @torch.no_grad()
@@ -232,11 +242,8 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
     report_file = src / "upcycle_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        info = export_hf(model, tmp, export_class=export_class, tokenizer=tokenizer)
-        info["max_abs_logit_diff_vs_upcycle"] = compare_with_stock(model, tmp, probe_ids)
-        if info["max_abs_logit_diff_vs_upcycle"] > tolerance:
-            raise UpcycleError(f"the exported {info['class']} differs from {src} by "
-                               f"{info['max_abs_logit_diff_vs_upcycle']:.3g} > {tolerance:g}; nothing was written")
+        info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
+                         tokenizer=tokenizer)
         report["export"] = {**info, "source_folder": str(src)}
         (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))
     return report["export"]
