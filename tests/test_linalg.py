@@ -153,6 +153,11 @@ def test_whitening_factor_exact_for_pd_and_damped_for_singular():
     assert lam >= 1e-6 * float(Gs.diagonal().mean())
     torch.testing.assert_close(Ss @ Ss.T, Gs + lam * torch.eye(8, dtype=torch.float64), rtol=1e-12, atol=1e-10)
 
+    # numerically singular: Cholesky succeeds (as it does by rounding for about half of random rank-deficient
+    # Gram matrices), but a pivot of 1e-15 of the scale would make S^{-1} amplify noise 3e7-fold: damped
+    tiny = torch.diag(torch.tensor([1.0, 1e-15], dtype=torch.float64))
+    assert int(torch.linalg.cholesky_ex(tiny)[1]) == 0 and whitening_factor(tiny)[1] > 0
+
     _, lam = whitening_factor(G, damping=0.5)   # an explicit damping is applied and reported
     assert lam == 0.5
     with pytest.raises(ValueError, match="not positive semi-definite"):

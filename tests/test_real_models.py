@@ -125,3 +125,52 @@ def test_smollm2_exports_to_qwen2_moe(tmp_path, method):
     assert diff <= 1e-5
     text = tokenizer.decode(stock.generate(**batch, max_new_tokens=5, do_sample=False)[0])
     assert text.startswith("Mixture-of-experts models route")
+
+
+def smollm2_layers(method: str, moe: dict | None = None, **method_args) -> dict:
+    model, tokenizer = load_dense("default")
+    cfg = build(ConvertConfig, {"method": method, "method_args": method_args,
+                                "moe": {"num_experts": 8, "top_k": 2, **(moe or {})},
+                                "placement": {"layers": [3, 20]}})
+    from upcycle.convert import probe_texts
+    return upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg), progress=False)
+
+
+def test_smollm2_spri_drift_is_of_order_rho_and_exact_at_zero():
+    small = smollm2_layers("spri", rho=1e-3)
+    assert small["max_abs_logit_diff"] < 1.0 and small["kl_to_dense"] < 1e-4
+    larger = smollm2_layers("spri", rho=1e-2)
+    assert larger["max_abs_logit_diff"] > 3 * small["max_abs_logit_diff"]     # drift grows with rho
+    exact = smollm2_layers("spri", rho=0.0)
+    assert exact["preservation"]["promised"] and exact["preservation"]["passed"]
+    assert exact["kl_to_dense"] < 1e-9
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_smollm2_granular_reproduces_the_dense_model(normalize):
+    r = smollm2_layers("granular", moe={"top_k": 4, "normalize_topk": normalize})
+    assert r["preservation"]["promised"] and r["preservation"]["passed"] and r["kl_to_dense"] < 1e-9
+
+
+def test_smollm2_cluster_from_a_user_file_through_the_cli(tmp_path, capsys):
+    from upcycle.cli import main
+    from upcycle.text import wikipedia_split
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"text": t}) for t in wikipedia_split()[0][:20]))
+    out = tmp_path / "cluster"
+    code = main(["convert", "default", str(out), "--method", "cluster", "--num-experts", "4", "--layers", "3,20",
+                 "--calibration", str(calib), "--calibration-tokens", "4096", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    r = json.loads((out / "upcycle_report.json").read_text())
+    assert r["calibration"]["source"] == f"text file {calib}" and r["calibration"]["real_tokens"] >= 4096
+    for layer in r["layers"]:
+        assert layer["calibration_tokens_kept"] == 4096 and sum(layer["cluster_sizes"]) == 4096
+        assert layer["router_cluster_agreement"] == 1.0          # without PCA: exactly the clusters
+        assert min(min(v) for v in layer["ranks"].values()) >= 288   # half of rank 576
+        # a cluster with fewer tokens than the width (576) has a singular X X^T: damped, and said so
+        small = [n < 576 for n in layer["cluster_sizes"]]
+        assert [lam > 0 for lam in layer["damping"]] == small and layer["damped_clusters"] == sum(small)
+        assert len(layer["router_load"]) == 4
+    assert 0 < r["kl_to_dense"] < 5
+    assert upcycle.load(out) is not None

@@ -39,6 +39,8 @@ class Family:
     output_dropout: Callable[[object], float] = lambda cfg: 0.0
     # model types whose modules are laid out differently from `towers` (single-tower CLIP models)
     towers_by_type: dict[str, dict[str, Tower]] | None = None
+    # the module of a block whose first input is the FFN's input (calibration captures it there)
+    ffn_input: Callable[[nn.Module], nn.Module] = lambda block: block.mlp
 
     def towers_of(self, config) -> dict[str, Tower]:
         return (self.towers_by_type or {}).get(config.model_type, self.towers)
@@ -94,7 +96,8 @@ FAMILIES = (
            _gated_extract, _set_mlp),
     Family("gpt2", ("gpt2",), {"text": Tower("h", 1)}, _gpt2_extract, _set_mlp,
            output_dropout=lambda cfg: cfg.resid_pdrop),
-    Family("bert", ("bert",), {"text": Tower("encoder.layer", 2)}, _bert_extract, _bert_install),
+    Family("bert", ("bert",), {"text": Tower("encoder.layer", 2)}, _bert_extract, _bert_install,
+           ffn_input=lambda block: block.intermediate),
     Family("clip", ("clip", "clip_text_model", "clip_vision_model"),
            {"text": Tower("text_model.encoder.layers", 2, "text_config"),
             "vision": Tower("vision_model.encoder.layers", None, "vision_config")},

@@ -103,9 +103,12 @@ def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
     diff = (dense.values_NC - moe.values_NC).abs().max().item()
     kl = None
     if dense.is_distribution:
-        logp = dense.values_NC.double().log_softmax(-1)
-        logq = moe.values_NC.double().log_softmax(-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+        # float64 in row chunks: a [rows, vocab] float64 temporary per term would cost GBs on a 50K vocabulary
+        total, rows = 0.0, dense.values_NC.shape[0]
+        for p_chunk, q_chunk in zip(dense.values_NC.split(64), moe.values_NC.split(64), strict=True):
+            logp, logq = p_chunk.double().log_softmax(-1), q_chunk.double().log_softmax(-1)
+            total += float((logp.exp() * (logp - logq)).sum())
+        kl = total / rows
     scale = dense.values_NC.abs().max().item()
     return {"compared_output": dense.name, "max_abs_logit_diff": diff, "kl_to_dense": kl,
             "relative_logit_diff": diff / scale if scale > 0 else diff,

@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
     c.add_argument("--probe-text", dest="probe_text",
                    help="text or JSONL file for the preservation check (default: held-out Wikipedia)")
+    c.add_argument("--calibration", help="text or JSONL ('text' field) file of calibration data for data-aware "
+                   "methods (cluster); default on the embedded model: the Wikipedia train split")
+    c.add_argument("--calibration-tokens", type=int, dest="calibration_tokens",
+                   help="FFN-input tokens kept per layer (reservoir-sampled; default 65536)")
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
@@ -66,6 +70,7 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
              "export": args.export, "export_class": args.export_class,
              "moe.num_experts": args.num_experts, "moe.top_k": args.top_k, "placement.every": args.every,
              "placement.layers": args.layers, "check.text": args.probe_text,
+             "calibration.data": args.calibration, "calibration.tokens": args.calibration_tokens,
              "placement.towers": args.towers.split(",") if args.towers else None}
     data["model"] = args.model
     for key, value in flags.items():

@@ -48,6 +48,16 @@ class CheckConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    # Text for data-aware methods (cluster): a .txt (documents separated by blank lines) or .jsonl ("text")
+    # file; None on the default model means the embedded Wikipedia train split (the probe uses held-out text).
+    data: str | None = None
+    tokens: int = 65536          # FFN-input tokens kept per layer (reservoir-sampled, padding excluded)
+    sequence_length: int = 512   # documents are cut into rows of at most this many tokens
+    batch_size: int = 8          # rows per forward while capturing
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConvertConfig:
     model: str = "default"      # "default" (embedded SmolLM2), a Hugging Face id, or a local folder
     method: str = "copy"
@@ -55,6 +65,7 @@ class ConvertConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     seed: int = 0
     dtype: str = "float32"      # dtype the model is loaded and converted in
     export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)

@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .analysis.metrics import diversity, expert_similarity
+from .analysis.routing import layer_routing_stats
 from .architectures import family_of
-from .assets import resolve_model_name
+from .assets import DEFAULT_MODEL_NAMES, resolve_model_name
+from .calibration import capture_ffn_inputs, real_tokens, text_batches
 from .checks import compare, count_parameters, make_probe, probe_output
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
@@ -59,8 +61,8 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError(f"top_k must be between 1 and num_experts ({cfg.moe.num_experts}), got {cfg.moe.top_k}")
     if cfg.dtype not in DTYPES:
         raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    if method.needs_calibration:
-        raise UpcycleError(f"method {method.name!r} needs calibration data")
+    if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
+        raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
     if cfg.export not in ("upcycle", "hf"):
         raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
     if cfg.export_class not in ("auto", *EXPORT_CLASSES):
@@ -108,12 +110,43 @@ def probe_texts(cfg: ConvertConfig) -> list[str] | None:
         return None
 
 
+def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | None, str | None]:
+    """(documents, source) for calibration: the user's file, else the embedded Wikipedia train split on the
+    default model when the method needs data; (None, None) when none is needed. Read before the model loads."""
+    from .text import read_texts, wikipedia_split
+
+    method = get_method(cfg.method)
+    if cfg.calibration.data is not None:
+        try:
+            return read_texts(cfg.calibration.data), f"text file {cfg.calibration.data}"
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"calibration data: {e}") from None
+    if not method.needs_calibration:
+        return None, None
+    if cfg.model not in DEFAULT_MODEL_NAMES:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, or JSONL "
+                           f"with a \"text\" field) representative of the data the model will be trained on")
+    try:
+        return wikipedia_split()[0], "Wikipedia train split (embedded)"
+    except (FileNotFoundError, OSError) as e:
+        raise UpcycleError(f"method {method.name!r} needs calibration data and the embedded corpus is missing ({e});"
+                           f" pass --calibration FILE") from None
+
+
 def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
-                  text_source: str = "held-out text", progress: bool = True, phases: Phases | None = None) -> dict:
-    """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps)."""
+                  text_source: str = "held-out text", calibration: list[dict] | None = None,
+                  calibration_source: str = "batches", progress: bool = True, phases: Phases | None = None) -> dict:
+    """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps).
+
+    `calibration`: model-input batches (e.g. from `text_batches`) whose FFN inputs data-aware methods use;
+    required by methods that need calibration data, and when given the report adds each layer's routing of
+    those tokens at init."""
     method, args = validate(cfg)
     family = family_of(model.config)
     targets = plan_targets(model, cfg.placement)
+    if method.needs_calibration and not calibration:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, or JSONL "
+                           f"with a \"text\" field); on the default model the embedded Wikipedia train split is used")
     timings = {}
     bar = phases or Phases(3, progress)
 
@@ -126,20 +159,37 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
 
     t = time.perf_counter()
     layers, built = [], []
+    stream = (capture_ffn_inputs(model, targets, calibration, budget=cfg.calibration.tokens, seed=cfg.seed,
+                                 progress=progress) if calibration else None)
+    timings["calibration"] = 0.0
     for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
+        activations, seen = None, None
+        if stream is not None:   # the dense model's FFN inputs of this block (the next block is replayed later)
+            tc = time.perf_counter()
+            captured, activations, seen = next(stream)
+            timings["calibration"] += time.perf_counter() - tc
+            assert captured == target, (captured, target)
         block = model.get_submodule(target.path)
         tcfg = tower_cfg(model, family, target)
         dense = family.extract(block, tcfg)
         init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
-                      generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk)
+                      generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk,
+                      activations=activations)
         layer = MoELayer.from_init(
             init.experts, init.router_ED, top_k=cfg.moe.top_k, shared=init.shared, router_bias_E=init.router_bias_E,
             dtype=dense.w_up.dtype, normalize_topk=cfg.moe.normalize_topk,
             capacity_factor_train=cfg.moe.capacity_factor_train, capacity_factor_eval=cfg.moe.capacity_factor_eval,
             renormalize_after_drop=cfg.moe.renormalize_after_drop, output_dropout=family.output_dropout(tcfg))
         built.append((target, layer.train(block.training)))
-        layers.append({"name": target.name, "block": target.path, **init.info,
-                       "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)})
+        entry = {"name": target.name, "block": target.path, **init.info,
+                 "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)}
+        if activations is not None:
+            entry |= {"calibration_tokens_seen": seen, "calibration_tokens_kept": activations.shape[0],
+                      **layer_routing_stats(layer, activations, init.token_clusters)}
+        layers.append(entry)
+        del activations, init
+    if stream is not None:
+        stream.close()   # frees the replayed hidden states now rather than when the report is returned
     # Install only once every layer is built: a method failing on any layer leaves the model untouched.
     for target, layer in built:
         install(model, target.path, layer)
@@ -172,6 +222,9 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         # scales a method folded into the expert weights (METHODS §2.8), per layer
         "folded_scales": [{"layer": layer["name"], "scale": layer["folded_scale"]} for layer in layers
                           if "folded_scale" in layer],
+        "calibration": None if not calibration else {
+            "source": calibration_source, "batches": len(calibration), "real_tokens": real_tokens(calibration),
+            "budget_per_layer": cfg.calibration.tokens},
         "layers": layers, "seed": cfg.seed, "dtype": cfg.dtype, "timings_s": timings,
     }
     if promised and not passed:
@@ -190,6 +243,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
     if cfg.check.text is not None and not Path(cfg.check.text).is_file():
         raise UpcycleError(f"check.text: no file {cfg.check.text}")
+    calibration_texts, calibration_source = calibration_corpus(cfg)
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
     model, tokenizer = load_dense(cfg.model, cfg.dtype)
@@ -197,7 +251,15 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     phases("model loaded")
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
     texts = probe_texts(cfg) if tokenizer else None
-    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source, progress=progress,
+    calibration = None
+    if calibration_texts is not None:
+        if tokenizer is None:
+            raise UpcycleError(f"model {cfg.model!r} has no tokenizer, so calibration text cannot be tokenized")
+        c = cfg.calibration
+        calibration = text_batches(tokenizer, calibration_texts, tokens=c.tokens, sequence_length=c.sequence_length,
+                                   batch_size=c.batch_size, seed=cfg.seed)
+    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
+                           calibration=calibration, calibration_source=calibration_source, progress=progress,
                            phases=phases)
     report["timings_s"] = {"load": load_s, **report["timings_s"]}
     if out is not None:

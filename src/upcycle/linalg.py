@@ -216,10 +216,10 @@ def spherical_kmeans(x_ND: torch.Tensor, k: int, *, generator: torch.Generator, 
 
 
 def whitening_factor(gram_DD: torch.Tensor, *, damping: float = 0.0) -> tuple[torch.Tensor, float]:
-    """(S_DD, lam): lower-triangular float64 S with S S^T = G + lam I (Cholesky). lam = `damping` if Cholesky of
-    G + damping I succeeds (0.0 by default, so S S^T = G exactly); otherwise lam starts at
-    max(damping, 1e-6 mean(diag G)) and doubles until it does. Callers report lam: with lam > 0 the data-aware
-    SVD's error identity holds for G + lam I, not for G."""
+    """(S_DD, lam): lower-triangular float64 S with S S^T = G + lam I (Cholesky). lam = `damping` (0.0 by
+    default, so S S^T = G exactly) if Cholesky of G + damping I succeeds with every pivot above 1e-12 of G's
+    largest diagonal entry; otherwise lam starts at max(damping, 1e-6 mean(diag G)) and doubles until it does.
+    Callers report lam: with lam > 0 the data-aware SVD's error identity holds for G + lam I, not for G."""
     if gram_DD.dim() != 2 or gram_DD.shape[0] != gram_DD.shape[1]:
         raise ValueError(f"expected a square [D, D] Gram matrix, got shape {tuple(gram_DD.shape)}")
     if damping < 0:
@@ -229,14 +229,23 @@ def whitening_factor(gram_DD: torch.Tensor, *, damping: float = 0.0) -> tuple[to
         raise ValueError("Gram matrix contains NaN or inf")
     G = 0.5 * (G + G.T)   # Cholesky reads one triangle; symmetrize so rounding in X X^T cannot bias it
     eye = torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
-    S, info = torch.linalg.cholesky_ex(G + damping * eye if damping > 0 else G)
-    if int(info) == 0:
+    scale = float(G.diagonal().abs().max()) if G.numel() else 0.0
+
+    def factor(M):
+        # Rounding can let Cholesky "succeed" on a singular matrix with pivots ~1e-16 of the scale; S^{-1} would
+        # then amplify noise by ~1e8. Such a factor counts as a failure.
+        S, info = torch.linalg.cholesky_ex(M)
+        ok = int(info) == 0 and float(S.diagonal().min()) ** 2 > 1e-12 * scale
+        return S, ok
+
+    S, ok = factor(G + damping * eye if damping > 0 else G)
+    if ok:
         return S, float(damping)
     mean_diag = float(G.diagonal().mean())
     lam = max(damping, 1e-6 * mean_diag if mean_diag > 0 else 1e-12)
     for _ in range(40):
-        S, info = torch.linalg.cholesky_ex(G + lam * eye)
-        if int(info) == 0:
+        S, ok = factor(G + lam * eye)
+        if ok:
             return S, lam
         lam *= 2
     raise ValueError(f"Gram matrix is not positive semi-definite: Cholesky failed even with damping {lam / 2:.3g}")
@@ -279,9 +288,21 @@ def data_aware_truncation(W_FD: torch.Tensor, X_DN: torch.Tensor, *, tau: float 
         raise ValueError(f"need W [F, D] and X [D, N] with matching D, got {tuple(W_FD.shape)} and "
                          f"{tuple(X_DN.shape)}")
     X = X_DN.to(device=W_FD.device, dtype=torch.float64)
-    if not torch.isfinite(X).all() or not torch.isfinite(W_FD).all():
-        raise ValueError("W or X contains NaN or inf")
+    if not torch.isfinite(X).all():
+        raise ValueError("X contains NaN or inf")
     S_DD, lam = whitening_factor(X @ X.T, damping=damping)
+    return truncate_whitened(W_FD, S_DD, lam, tau=tau, min_rank=min_rank)
+
+
+def truncate_whitened(W_FD: torch.Tensor, S_DD: torch.Tensor, damping: float, *, tau: float = 0.95,
+                      min_rank: int | None = None) -> DataAwareSVD:
+    """`data_aware_truncation` with the whitening factor (and the damping it needed) already computed, so one
+    Cholesky serves every matrix that reads the same X (a gated FFN's gate and up)."""
+    if W_FD.dim() != 2 or S_DD.shape != (W_FD.shape[1], W_FD.shape[1]):
+        raise ValueError(f"need W [F, D] and S [D, D], got {tuple(W_FD.shape)} and {tuple(S_DD.shape)}")
+    if not torch.isfinite(W_FD).all():
+        raise ValueError("W contains NaN or inf")
+    S_DD = S_DD.to(device=W_FD.device, dtype=torch.float64)
     U, sigma, Vh = torch.linalg.svd(W_FD.double() @ S_DD, full_matrices=False)
     r = truncated_svd_rank(sigma, tau, min_rank)
     energy = sigma**2
@@ -290,7 +311,7 @@ def data_aware_truncation(W_FD: torch.Tensor, X_DN: torch.Tensor, *, tau: float 
     W_approx = torch.linalg.solve_triangular(S_DD, A_FD, upper=False, left=False)   # A S^{-1}
     return DataAwareSVD(W_approx=W_approx.to(W_FD.dtype), rank=r,
                         retained_energy=float(energy[:r].sum()) / total if total > 0 else 1.0,
-                        discarded=float(energy[r:].sum()), damping=lam)
+                        discarded=float(energy[r:].sum()), damping=damping)
 
 
 # -------------------------------------------------------------------------------------------------- PCA

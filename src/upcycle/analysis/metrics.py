@@ -15,22 +15,36 @@ import torch
 from ..ffn import FFNWeights
 
 
-def mean_pairwise_cosine(vectors_EP: torch.Tensor) -> float | None:
-    """Mean cosine similarity over the E(E-1)/2 pairs of rows."""
-    E = vectors_EP.shape[0]
+def _mean_offdiagonal_cosine(gram_EE: torch.Tensor) -> float | None:
+    E = gram_EE.shape[0]
     if E < 2:
         return None
-    unit = torch.nn.functional.normalize(vectors_EP.double(), dim=1)
-    cos_EE = unit @ unit.T
+    norms = gram_EE.diagonal().clamp_min(0).sqrt()
+    cos_EE = gram_EE / (norms[:, None] * norms[None, :]).clamp_min(1e-300)
     i, j = torch.triu_indices(E, E, offset=1)
     return cos_EE[i, j].mean().item()
 
 
+def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
+    """sum over parts of P P^T in float64, one part at a time: no concatenated float64 copy of all experts
+    (that copy was ~0.5 GB transient for 8 SmolLM2 experts)."""
+    gram = None
+    for part in parts:
+        p = part.reshape(part.shape[0], -1).double()
+        gram = p @ p.T if gram is None else gram + p @ p.T
+    return gram
+
+
+def mean_pairwise_cosine(vectors_EP: torch.Tensor) -> float | None:
+    """Mean cosine similarity over the E(E-1)/2 pairs of rows."""
+    return _mean_offdiagonal_cosine(_gram([vectors_EP]))
+
+
 def expert_similarity(experts: FFNWeights) -> float | None:
-    parts = [t.flatten(1) for t in (experts.w_gate, experts.w_up, experts.w_down) if t is not None]
-    return mean_pairwise_cosine(torch.cat(parts, dim=1))
+    parts = [t for t in (experts.w_gate, experts.w_up, experts.w_down) if t is not None]
+    return _mean_offdiagonal_cosine(_gram(parts))
 
 
 def diversity(experts: FFNWeights) -> float | None:
-    similarity = mean_pairwise_cosine(experts.w_down.flatten(1))
+    similarity = mean_pairwise_cosine(experts.w_down)
     return None if similarity is None else 1.0 - similarity

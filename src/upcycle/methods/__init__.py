@@ -35,6 +35,8 @@ class ExpertInit:
     router_bias_E: torch.Tensor | None = None
     shared: FFNWeights | None = None
     info: dict = field(default_factory=dict)
+    # data methods: a group id per calibration token (cluster's partition), compared with the router's top-1
+    token_clusters: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
     """Register `fn` under `name`; its keyword-only arguments beyond COMMON_ARGS are the method's schema."""
 
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
+        if needs_calibration and "activations" not in inspect.signature(fn).parameters:
+            raise TypeError(f"method {name}: needs calibration data but takes no `activations` argument")
         hints = typing.get_type_hints(fn)
         args = {}
         params = inspect.signature(fn).parameters
@@ -121,4 +125,4 @@ def random_router(num_experts: int, hidden_size: int, std: float, generator: tor
     return torch.randn(num_experts, hidden_size, generator=generator, dtype=torch.float32) * std
 
 
-from . import copy, drop, drop_svd, granular, noise, spri  # noqa: E402,F401  (registers the methods)
+from . import cluster, copy, drop, drop_svd, granular, noise, spri  # noqa: E402,F401  (registers the methods)

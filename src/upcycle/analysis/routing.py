@@ -1,0 +1,50 @@
+"""Routing metrics (METHODS §5), pure functions of one layer's router output on a set of tokens.
+
+  routing_entropy   mean_t H(g(x_t)), H in nats, g the router's softmax over the E experts (log E = uniform)
+  router_load       fraction of token-slots per expert: #{(t, k): id_tk = e} / (T k); sums to 1
+  load_cov          coefficient of variation std/mean of the loads (0 = perfectly balanced)
+  top1_agreement    fraction of tokens whose top-1 expert is the given group (Cluster-aware Upcycling's
+                    "router = clusters at init" property)
+
+Shape suffixes: T tokens, E experts, K experts per token. `mask_T` (True = real token) restricts every metric
+to real tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..moe import MoELayer
+
+
+def routing_entropy(probs_TE: torch.Tensor, mask_T: torch.Tensor | None = None) -> float:
+    p = probs_TE.double()
+    h_T = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return float(h_T[mask_T].mean() if mask_T is not None else h_T.mean())
+
+
+def router_load(ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Tensor | None = None) -> list[float]:
+    ids = ids_TK[mask_T] if mask_T is not None else ids_TK
+    counts_E = torch.bincount(ids.reshape(-1), minlength=num_experts).double()
+    return (counts_E / counts_E.sum().clamp_min(1)).tolist()
+
+
+def load_cov(load_E: list[float]) -> float:
+    loads = torch.tensor(load_E, dtype=torch.float64)
+    return float(loads.std(unbiased=False) / loads.mean()) if loads.mean() > 0 else 0.0
+
+
+def top1_agreement(ids_TK: torch.Tensor, groups_T: torch.Tensor) -> float:
+    return float((ids_TK[:, 0] == groups_T.to(ids_TK.device)).double().mean())
+
+
+@torch.no_grad()
+def layer_routing_stats(layer: MoELayer, x_TD: torch.Tensor, groups_T: torch.Tensor | None = None) -> dict:
+    """How `layer`'s router (its selection bias included) splits the tokens `x_TD` at init."""
+    record = layer.route(x_TD.to(layer.router.weight.device))
+    load = router_load(record.topk_ids_TK, layer.num_experts)
+    stats = {"router_load": load, "router_load_cov": load_cov(load),
+             "routing_entropy": routing_entropy(record.probs_TE)}
+    if groups_T is not None:
+        stats["router_cluster_agreement"] = top1_agreement(record.topk_ids_TK, groups_T)
+    return stats

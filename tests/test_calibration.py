@@ -1,0 +1,150 @@
+"""Calibration capture: layer-by-layer replay equals a full forward, padding is excluded, the reservoir is a
+seeded uniform sample, and blocks are replayed only when the previous layer's activations were consumed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from upcycle.architectures import family_of
+from upcycle.calibration import Reservoir, capture_ffn_inputs, text_batches
+from upcycle.config import PlacementConfig
+from upcycle.errors import UpcycleError
+from upcycle.surgery import plan_targets
+
+
+def batches_for(kind: str, n: int = 3, seed: int = 0) -> list[dict]:
+    """Model inputs with some padding (text towers) for a tiny model of `kind`."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(n):
+        ids = torch.randint(3, 128, (3, 16), generator=g)
+        mask = torch.ones_like(ids)
+        mask[b % 3, 9 + b:] = 0          # a padded row per batch (right padding)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if kind == "clip":
+            batch["pixel_values"] = torch.randn(3, 3, 16, 16, generator=g)
+        out.append(batch)
+    return out
+
+
+def full_forward_capture(model, targets, batches) -> dict[str, torch.Tensor]:
+    """Reference: hook every target's FFN input during ordinary forwards, keep real tokens."""
+    family = family_of(model.config)
+    got, current = {t.name: [] for t in targets}, {}
+    handles = []
+    for t in targets:
+        def hook(module, args, _t=t):
+            x = args[0]
+            mask = current["mask"] if _t.tower != "vision" else None
+            got[_t.name].append(x[mask.bool()] if mask is not None else x.reshape(-1, x.shape[-1]))
+        handles.append(family.ffn_input(model.get_submodule(t.path)).register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for batch in batches:
+            current["mask"] = batch["attention_mask"]
+            model(**batch)
+    for h in handles:
+        h.remove()
+    return {name: torch.cat(xs) for name, xs in got.items()}
+
+
+def test_replay_equals_full_forward_and_excludes_padding(family):
+    model = make_tiny(family)
+    targets = plan_targets(model, PlacementConfig(every=2))
+    batches = batches_for(family)
+    expected = full_forward_capture(model, targets, batches)
+    captured = list(capture_ffn_inputs(model, targets, batches, budget=10_000, progress=False))
+    assert [t for t, _, _ in captured] == targets
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    for target, x, seen in captured:
+        ref = expected[target.name]
+        if target.tower != "vision":
+            assert x.shape[0] == seen == real        # padding excluded, nothing else dropped
+        torch.testing.assert_close(x, ref.float(), rtol=0, atol=1e-5)
+
+
+def test_blocks_are_replayed_only_when_the_previous_layer_was_consumed():
+    model = make_tiny("llama", layers=4)
+    targets = plan_targets(model, PlacementConfig(layers=(0, 2)))
+    calls = []
+    for i, block in enumerate(model.model.layers):
+        block.register_forward_pre_hook(lambda m, a, _i=i: calls.append(_i))
+    stream = capture_ffn_inputs(model, targets, batches_for("llama", n=2), budget=100, progress=False)
+    next(stream)
+    assert set(calls) == {0}          # the first forward stops at block 0; block 0 replayed; nothing further
+    next(stream)
+    assert max(calls) == 2 and 3 not in calls   # blocks after the last target are never run
+
+
+def test_budget_keeps_a_seeded_subset_in_stream_order():
+    model = make_tiny("llama")
+    targets = plan_targets(model, PlacementConfig(layers=(1,)))
+    batches = batches_for("llama")
+    (_, full, seen), = capture_ffn_inputs(model, targets, batches, budget=10_000, progress=False)
+    (_, a, seen_a), = capture_ffn_inputs(model, targets, batches, budget=50, seed=1, progress=False)
+    (_, b, _), = capture_ffn_inputs(model, targets, batches, budget=50, seed=1, progress=False)
+    (_, c, _), = capture_ffn_inputs(model, targets, batches, budget=50, seed=2, progress=False)
+    assert seen == seen_a == full.shape[0] and a.shape == (50, full.shape[1])
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # every kept row is a captured row, kept in the order the stream produced them
+    index = [int((full == row).all(1).nonzero()[0]) for row in a]
+    assert index == sorted(index) and len(set(index)) == 50
+
+
+def test_reservoir_is_uniform():
+    n, cap, trials = 40, 10, 4000
+    hits = torch.zeros(n)
+    g = torch.Generator().manual_seed(0)
+    stream = torch.arange(n, dtype=torch.float32)[:, None]
+    for _ in range(trials):
+        r = Reservoir(cap, g)
+        for chunk in stream.split(7):          # uneven chunks exercise fill, then replace
+            r.add(chunk)
+        kept = r.sample().flatten().long()
+        assert kept.numel() == cap and torch.equal(kept, kept.sort().values) and kept.unique().numel() == cap
+        hits[kept] += 1
+    p = cap / n
+    expected, std = trials * p, (trials * p * (1 - p)) ** 0.5
+    assert ((hits - expected).abs() < 4.5 * std).all(), hits  # every position included with probability cap/n
+
+
+def test_reservoir_under_capacity_keeps_everything_in_order():
+    r = Reservoir(100, torch.Generator().manual_seed(0))
+    rows = torch.randn(30, 4)
+    r.add(rows[:11])
+    r.add(rows[11:])
+    assert torch.equal(r.sample(), rows) and r.seen == 30
+    with pytest.raises(ValueError):
+        Reservoir(0, torch.Generator())
+
+
+class CharTokenizer:
+    pad_token_id, eos_token_id = None, 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + (ord(c) % 100) for c in text]}
+
+
+def test_text_batches_cut_documents_into_padded_rows():
+    docs = ["a" * 25, "b" * 7, "c" * 40]
+    batches = text_batches(CharTokenizer(), docs, tokens=60, sequence_length=10, batch_size=2, seed=0)
+    rows = [ids[m.bool()].tolist() for b in batches
+            for ids, m in zip(b["input_ids"], b["attention_mask"], strict=True)]
+    assert sum(map(len, rows)) >= 60 and all(1 <= len(r) <= 10 for r in rows)
+    assert all(len(set(r)) == 1 for r in rows)                 # a row never spans two documents
+    for b in batches:                                            # right padding with the eos id
+        m = b["attention_mask"]
+        assert torch.equal(m, m.sort(dim=1, descending=True).values)
+        assert (b["input_ids"][m == 0] == 2).all()
+    again = text_batches(CharTokenizer(), docs, tokens=60, sequence_length=10, batch_size=2, seed=0)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(batches, again, strict=True))
+    with pytest.raises(UpcycleError):
+        text_batches(CharTokenizer(), docs, tokens=0)
+
+
+def test_capture_refuses_empty_calibration():
+    model = make_tiny("clip")
+    targets = plan_targets(model, PlacementConfig(every=2))
+    with pytest.raises(UpcycleError, match="calibration"):
+        list(capture_ffn_inputs(model, targets, [], budget=10, progress=False))
