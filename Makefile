@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/moe_layer.py
+	$(BIN)/python benchmarks/cluster_convert.py
 
 clean:
 	rm -rf $(VENV) out

@@ -169,3 +169,39 @@ def test_missing_calibration_is_refused_before_anything_changes(tmp_path):
         convert(build(ConvertConfig, {"model": str(tiny_path), "method": "cluster",
                                       "calibration": {"data": str(tmp_path / "missing.txt")}}), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_clip_cluster_from_a_safetensors_file_of_image_caption_inputs(tmp_path):
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "clip"
+    make_tiny("clip").save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (12, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, 10:] = 0
+    data = tmp_path / "pairs.safetensors"
+    save_file({"pixel_values": torch.randn(12, 3, 16, 16, generator=g), "input_ids": ids, "attention_mask": mask},
+              data)
+    cfg = build(ConvertConfig, {"model": str(model_dir), "method": "cluster", "placement": {"every": 2},
+                                "moe": {"num_experts": 4, "top_k": 1}, "calibration": {"data": str(data),
+                                                                                      "batch_size": 5}})
+    r = convert(cfg, tmp_path / "out", progress=False).report
+    assert r["calibration"] == {"source": f"model inputs {data}", "batches": 3, "real_tokens": int(mask.sum()),
+                                "budget_per_layer": 65536}
+    towers = {layer["name"].split(".")[0]: layer for layer in r["layers"]}
+    assert set(towers) == {"text", "vision"}
+    assert towers["text"]["calibration_tokens_kept"] == int(mask.sum())          # padding excluded
+    assert towers["vision"]["calibration_tokens_kept"] == 12 * 5                  # 4 patches + CLS per image
+    assert all(layer["router_cluster_agreement"] == 1.0 for layer in r["layers"])
+    bad = tmp_path / "bad.safetensors"
+    save_file({"pixels": torch.zeros(2, 3)}, bad)
+    with pytest.raises(UpcycleError, match="must be named"):
+        convert(build(ConvertConfig, {"model": str(model_dir), "method": "cluster",
+                                      "calibration": {"data": str(bad)}}), tmp_path / "o2", progress=False)
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({"input_ids": torch.full((4, 8), 10_000)}, wrong)      # ids outside the vocabulary
+    with pytest.raises(UpcycleError, match="forward failed"):
+        convert(build(ConvertConfig, {"model": str(model_dir), "method": "cluster", "placement": {"towers": ["text"]},
+                                      "calibration": {"data": str(wrong)}}), tmp_path / "o3", progress=False)
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

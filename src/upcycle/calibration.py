@@ -20,6 +20,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -114,6 +115,32 @@ def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: i
     return batches
 
 
+INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids")
+
+
+def tensor_batches(path: str | Path, *, batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Model inputs prepared by the user, as a .safetensors file of equally long tensors named like the model's
+    arguments (`input_ids`, `attention_mask`, `pixel_values`, `token_type_ids`): image-caption pairs for CLIP,
+    or pre-tokenized text for a model without a tokenizer. Split into batches of `batch_size` rows."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise UpcycleError(f"calibration data {path}: not a readable .safetensors file ({e})") from None
+    unknown = sorted(set(tensors) - set(INPUT_KEYS))
+    if unknown or not tensors:
+        raise UpcycleError(f"calibration data {path}: tensors must be named from {list(INPUT_KEYS)}, got "
+                           f"{sorted(tensors)}")
+    rows = {t.shape[0] for t in tensors.values()}
+    if len(rows) != 1:
+        raise UpcycleError(f"calibration data {path}: tensors have different first dimensions "
+                           f"{ {k: v.shape[0] for k, v in tensors.items()} }")
+    n = rows.pop()
+    return [{k: v[i:i + batch_size] for k, v in tensors.items()} for i in range(0, n, batch_size)]
+
+
 def real_tokens(batches: list[dict[str, torch.Tensor]]) -> int:
     """Real (unpadded) text tokens in the batches, or image count x 1 for image-only batches."""
     total = 0
@@ -172,6 +199,9 @@ def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList],
                 model(**{k: v.to(device) for k, v in batch.items()}, **extra)
             except _Stop:
                 pass
+            except Exception as e:   # a batch that does not fit the model (vocabulary, image size, names)
+                raise UpcycleError(f"calibration: the model's forward failed on a calibration batch "
+                                   f"({type(e).__name__}: {e})") from e
             if pending:
                 raise UpcycleError(f"calibration: the forward pass never reached the first block of {sorted(pending)}"
                                    f" (does each batch have that tower's inputs?)")

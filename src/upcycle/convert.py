@@ -23,7 +23,7 @@ from .analysis.metrics import diversity, expert_similarity
 from .analysis.routing import layer_routing_stats
 from .architectures import family_of
 from .assets import DEFAULT_MODEL_NAMES, resolve_model_name
-from .calibration import capture_ffn_inputs, real_tokens, text_batches
+from .calibration import capture_ffn_inputs, real_tokens, tensor_batches, text_batches
 from .checks import compare, count_parameters, make_probe, probe_output
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
@@ -110,22 +110,29 @@ def probe_texts(cfg: ConvertConfig) -> list[str] | None:
         return None
 
 
-def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | None, str | None]:
-    """(documents, source) for calibration: the user's file, else the embedded Wikipedia train split on the
-    default model when the method needs data; (None, None) when none is needed. Read before the model loads."""
+def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | None, str | None]:
+    """(data, source) for calibration, read before the model loads: documents from the user's text/JSONL file,
+    or ready model-input batches from a .safetensors file; else the embedded Wikipedia train split on the
+    default model when the method needs data; (None, None) when none is needed."""
     from .text import read_texts, wikipedia_split
 
     method = get_method(cfg.method)
-    if cfg.calibration.data is not None:
+    data = cfg.calibration.data
+    if data is not None:
+        if not Path(data).is_file():
+            raise UpcycleError(f"calibration data: no file {data}")
+        if Path(data).suffix.lower() == ".safetensors":
+            return tensor_batches(data, batch_size=cfg.calibration.batch_size), f"model inputs {data}"
         try:
-            return read_texts(cfg.calibration.data), f"text file {cfg.calibration.data}"
+            return read_texts(data), f"text file {data}"
         except (FileNotFoundError, ValueError) as e:
             raise UpcycleError(f"calibration data: {e}") from None
     if not method.needs_calibration:
         return None, None
     if cfg.model not in DEFAULT_MODEL_NAMES:
-        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, or JSONL "
-                           f"with a \"text\" field) representative of the data the model will be trained on")
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, JSONL "
+                           f"with a \"text\" field, or .safetensors of model inputs) representative of the data "
+                           f"the model will be trained on")
     try:
         return wikipedia_split()[0], "Wikipedia train split (embedded)"
     except (FileNotFoundError, OSError) as e:
@@ -243,7 +250,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
     if cfg.check.text is not None and not Path(cfg.check.text).is_file():
         raise UpcycleError(f"check.text: no file {cfg.check.text}")
-    calibration_texts, calibration_source = calibration_corpus(cfg)
+    calibration_data, calibration_source = calibration_corpus(cfg)
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
     model, tokenizer = load_dense(cfg.model, cfg.dtype)
@@ -252,11 +259,14 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
     texts = probe_texts(cfg) if tokenizer else None
     calibration = None
-    if calibration_texts is not None:
+    if calibration_data is not None and isinstance(calibration_data[0], dict):
+        calibration = calibration_data               # model inputs prepared by the user
+    elif calibration_data is not None:
         if tokenizer is None:
-            raise UpcycleError(f"model {cfg.model!r} has no tokenizer, so calibration text cannot be tokenized")
+            raise UpcycleError(f"model {cfg.model!r} has no tokenizer, so calibration text cannot be tokenized; "
+                               f"pass model inputs as a .safetensors file (input_ids, attention_mask, pixel_values)")
         c = cfg.calibration
-        calibration = text_batches(tokenizer, calibration_texts, tokens=c.tokens, sequence_length=c.sequence_length,
+        calibration = text_batches(tokenizer, calibration_data, tokens=c.tokens, sequence_length=c.sequence_length,
                                    batch_size=c.batch_size, seed=cfg.seed)
     report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
                            calibration=calibration, calibration_source=calibration_source, progress=progress,
