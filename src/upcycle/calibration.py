@@ -211,6 +211,30 @@ def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList],
     return inputs
 
 
+def _replay(block: nn.Module, states: list[_BlockInput], masks: list[torch.Tensor | None],
+            ffn: nn.Module | None = None, reservoir: Reservoir | None = None) -> None:
+    """Run `block` on every batch's hidden states, replacing them by its output; with `ffn`, add the FFN's
+    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`."""
+    current: dict[str, torch.Tensor | None] = {}
+
+    def collect(module, args):
+        x_BSD, mask_BS = args[0], current["mask"]
+        if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
+            reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
+        else:
+            reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
+
+    handle = ffn.register_forward_pre_hook(collect) if ffn is not None else None
+    try:
+        for state, mask in zip(states, masks, strict=True):
+            current["mask"] = mask
+            out = block(*state.args, **state.kwargs)
+            state.hidden = out[0] if isinstance(out, tuple) else out
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 @torch.no_grad()
 def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[dict[str, torch.Tensor]], *,
                        budget: int, seed: int = 0,
@@ -222,53 +246,35 @@ def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[di
         raise UpcycleError("calibration: no calibration batches")
     family = family_of(model.config)
     tower_specs = family.towers_of(model.config)
-    by_tower: dict[str, list[Target]] = {}
+    by_tower: dict[str, dict[int, Target]] = {}
     for t in targets:
-        by_tower.setdefault(t.tower, []).append(t)
+        by_tower.setdefault(t.tower, {})[t.index] = t
     towers = {name: find_tower_layers(model, tower_specs[name])[1] for name in by_tower}
     was_training = model.training
     model.eval()
     try:
         inputs = _first_block_inputs(model, towers, batches)
-        bar = tqdm(total=sum(max(t.index for t in ts) + 1 for ts in by_tower.values()), desc="calibration",
-                   unit="block", disable=not progress, leave=False)
-        for name, tower_targets in by_tower.items():
-            wanted = {t.index: t for t in tower_targets}
+        bar = tqdm(total=sum(max(wanted) + 1 for wanted in by_tower.values()), desc="calibration", unit="block",
+                   disable=not progress, leave=False)
+        for name, wanted in by_tower.items():
             blocks, states = towers[name], inputs.pop(name)
             masks = [b.get("attention_mask") if name != "vision" else None for b in batches]
-            for index in range(max(wanted) + 1):
-                target, reservoir = wanted.get(index), None
-                handle = None
-                if target is not None:
-                    key = zlib.crc32(f"calibration:{seed}:{target.tower}:{target.index}".encode())
-                    reservoir = Reservoir(budget, torch.Generator().manual_seed(key))
-                    current = {}
-
-                    def collect(module, args, _r=reservoir, _c=current):
-                        x_BSD, mask_BS = args[0], _c.get("mask")
-                        if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
-                            _r.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
-                        else:
-                            _r.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
-
-                    handle = family.ffn_input(blocks[index]).register_forward_pre_hook(collect)
-                try:
-                    for state, mask in zip(states, masks, strict=True):
-                        if target is not None:
-                            current["mask"] = mask
-                        out = blocks[index](*state.args, **state.kwargs)
-                        state.hidden = out[0] if isinstance(out, tuple) else out
-                finally:
-                    if handle is not None:
-                        handle.remove()
+            for index in range(max(wanted) + 1):   # blocks after the tower's last target are never run
+                target = wanted.get(index)
+                if target is None:
+                    _replay(blocks[index], states, masks)
+                    bar.update(1)
+                    continue
+                key = zlib.crc32(f"calibration:{seed}:{target.tower}:{target.index}".encode())
+                reservoir = Reservoir(budget, torch.Generator().manual_seed(key))
+                _replay(blocks[index], states, masks, family.ffn_input(blocks[index]), reservoir)
                 bar.update(1)
-                if reservoir is not None:
-                    if reservoir.seen == 0:
-                        raise UpcycleError(f"calibration: layer {target.name} saw no real tokens")
-                    sample, seen = reservoir.sample(), reservoir.seen
-                    del reservoir
-                    yield target, sample, seen
-                    del sample   # the consumer now holds the only reference and drops it before asking again
+                if reservoir.seen == 0:
+                    raise UpcycleError(f"calibration: layer {target.name} saw no real tokens")
+                sample, seen = reservoir.sample(), reservoir.seen
+                del reservoir
+                yield target, sample, seen
+                del sample   # the consumer now holds the only reference and drops it before asking again
             del states
         bar.close()
     finally:
