@@ -7,12 +7,14 @@
 
 __version__ = "0.1.0"
 
-from .config import ConvertConfig, MoEConfig, PlacementConfig  # noqa: E402
+from . import balance, losses, teacher  # noqa: E402  (upcycle.losses.*, upcycle.balance, upcycle.teacher)
+from .config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig  # noqa: E402
 from .convert import convert, upcycle_model  # noqa: E402
 from .errors import UpcycleError  # noqa: E402
 from .io import load  # noqa: E402
 from .methods import METHODS  # noqa: E402
 from .moe import MoELayer, RoutingRecord  # noqa: E402
 
-__all__ = ["ConvertConfig", "MoEConfig", "PlacementConfig", "convert", "upcycle_model", "UpcycleError", "load",
-           "METHODS", "MoELayer", "RoutingRecord", "__version__"]
+__all__ = ["ConvertConfig", "MoEConfig", "PlacementConfig", "RegularizerConfig", "convert", "upcycle_model",
+           "UpcycleError", "load", "METHODS", "MoELayer", "RoutingRecord", "balance", "losses", "teacher",
+           "__version__"]

@@ -58,6 +58,23 @@ class CalibrationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RegularizerConfig:
+    # Coefficients of the router losses (METHODS §4); 0 switches a term off. Each term is the mean over MoE
+    # layers of the per-layer loss (per token group when groups are given, then averaged).
+    load_balance: float = 0.0
+    z_loss: float = 0.0
+    limoe_local: float = 0.0
+    limoe_global: float = 0.0
+    limoe_m: float = 6.0                     # limoe_global threshold log m
+    dpsl: float = 0.0
+    dpsl_alpha: float | list = 1.0           # a float, a length-E list, or a [groups][E] table
+    eesd: float = 0.0                        # Expert-Ensemble Self-Distillation (needs an EMA teacher)
+    eesd_beta: float = 0.999
+    eesd_uncertain_fraction: float = 1.0     # < 1: teacher only on the most uncertain tokens
+    aux_free_rate: float = 0.0               # > 0: aux-loss-free selection bias, updated after each step
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConvertConfig:
     model: str = "default"      # "default" (embedded SmolLM2), a Hugging Face id, or a local folder
     method: str = "copy"

@@ -1,0 +1,108 @@
+"""The training objective: task loss + weighted router regularizers + EESD, and one `train_step`.
+
+    L = L_task + sum_r lambda_r mean_layers L_r(routing record of the layer) + lambda_EESD L_EESD
+
+Router losses are read from each MoE layer's `last_record` (DESIGN principle 3: no model forward is
+rewritten); coefficients come from `RegularizerConfig` (METHODS §3 gives each paper's values). The stateful
+parts, the EMA teacher (EESD) and the aux-free selection bias, are updated after the optimizer step. This is the
+composition the trainer builds on; `upcycle train` adds data, schedules, accumulation and checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import losses
+from .balance import AuxFreeBalancer
+from .config import RegularizerConfig
+from .dpsl import dpsl
+from .moe import RoutingRecord
+from .surgery import moe_layers
+from .teacher import EMATeacher
+
+
+def _groups_for(record: RoutingRecord, groups: torch.Tensor | None) -> torch.Tensor | None:
+    """Token groups flattened to the layer's tokens (a layer of another tower, with another T, gets none)."""
+    if groups is None:
+        return None
+    flat = groups.reshape(-1)
+    return flat if flat.numel() == record.logits_TE.shape[0] else None
+
+
+def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Tensor | None = None,
+                  ) -> dict[str, torch.Tensor]:
+    """Each enabled router loss, averaged over the MoE layers' latest routing records (unweighted)."""
+    terms: dict[str, list[torch.Tensor]] = {}
+    for layer in moe_layers(model).values():
+        record = layer.last_record
+        if record is None:
+            continue
+        g, mask = _groups_for(record, groups), record.mask_T
+        logits = record.logits_TE
+        if cfg.load_balance:
+            terms.setdefault("load_balance", []).append(
+                losses.load_balance(logits, record.topk_ids_TK, mask_T=mask, groups_T=g))
+        if cfg.z_loss:
+            terms.setdefault("z_loss", []).append(losses.z_loss(logits, mask_T=mask, groups_T=g))
+        if cfg.limoe_local:
+            terms.setdefault("limoe_local", []).append(losses.limoe_local(logits, mask_T=mask, groups_T=g))
+        if cfg.limoe_global:
+            terms.setdefault("limoe_global", []).append(
+                losses.limoe_global(logits, m=cfg.limoe_m, mask_T=mask, groups_T=g))
+        if cfg.dpsl:
+            terms.setdefault("dpsl", []).append(dpsl(record.probs_TE, cfg.dpsl_alpha, groups=g, mask=mask))
+    return {name: torch.stack(values).mean() for name, values in terms.items()}
+
+
+def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"].masked_fill(batch.get("attention_mask", 1) == 0, -100)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, labels=labels).loss
+
+
+class Regularized:
+    """Holds the stateful parts a config asks for (EMA teacher, aux-free balancer) next to the model."""
+
+    def __init__(self, model: nn.Module, cfg: RegularizerConfig) -> None:
+        self.model, self.cfg = model, cfg
+        self.teacher = (EMATeacher(model, cfg.eesd_beta, uncertain_fraction=cfg.eesd_uncertain_fraction)
+                        if cfg.eesd else None)
+        self.balancer = AuxFreeBalancer(model, cfg.aux_free_rate) if cfg.aux_free_rate else None
+
+    def loss(self, task_loss: torch.Tensor, *, groups: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(total loss, each term's unweighted value) after a forward pass."""
+        terms = router_losses(self.model, self.cfg, groups=groups)
+        if self.teacher is not None:
+            terms["eesd"] = self.teacher.loss()
+        total = task_loss
+        for name, value in terms.items():
+            total = total + getattr(self.cfg, name) * value
+        logged = {"task": float(task_loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
+                  "total": float(total.detach())}
+        return total, logged
+
+    def after_optimizer_step(self) -> None:
+        if self.teacher is not None:
+            self.teacher.update()
+        if self.balancer is not None:
+            self.balancer.step()
+
+
+def train_step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer, reg: Regularized, *,
+               task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss,
+               groups: torch.Tensor | None = None) -> dict[str, float]:
+    """One forward/backward/optimizer step of task loss + regularizers; returns each term's value."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total, logged = reg.loss(task_loss(model, batch), groups=groups)
+    total.backward()
+    optimizer.step()
+    reg.after_optimizer_step()
+    return logged
