@@ -14,8 +14,9 @@ loss is computed per group and averaged over the groups present).
 `beta_cdf` is the regularized incomplete beta I_x(a, b) by its continued fraction (evaluated with the modified
 Lentz method, as in Numerical Recipes §6.4), using the symmetry I_x(a, b) = 1 - I_{1-x}(b, a) where
 x > (a + 1) / (a + b + 2) so the fraction always converges fast. A fixed number of iterations (no data-dependent
-loop, no host sync) in float64: within 1e-12 of scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1]
-(tests/test_dpsl.py checks 1e-9). Torch has no betainc; the DPSL paper's implementation copied to the CPU for SciPy.
+loop, no host sync) in float64, chosen from the priors' largest parameter (`ITERATIONS`): within 1e-10 of
+scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1] (tests/test_dpsl.py checks 1e-9). Torch has no
+betainc; the DPSL paper's implementation copied to the CPU for SciPy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from __future__ import annotations
 import torch
 
 _TINY = 1e-300
-ITERATIONS = 48   # < 1e-12 from scipy for a, b in [0.05, 1000] (32 gave 4e-8); the cost is linear in it
+# Continued-fraction steps by the largest Beta parameter, each measured against scipy.special.betainc over
+# a, b in [0.05, limit] and x in [0, 1] to < 1e-10 (fewer steps, less time: the cost is linear in them).
+ITERATIONS = ((5.0, 12), (10.0, 16), (20.0, 20), (50.0, 24), (200.0, 32), (1000.0, 40))
+MAX_ITERATIONS = 64   # beyond the table, or when the parameters live on an accelerator (no host sync)
+
+
+def iterations_for(largest_parameter: float) -> int:
+    return next((n for limit, n in ITERATIONS if largest_parameter <= limit), MAX_ITERATIONS)
 
 
 def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -80,19 +88,25 @@ class _BetaCDF(torch.autograd.Function):
 
 
 def beta_cdf(x: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float, *,
-             iterations: int = ITERATIONS) -> torch.Tensor:
+             iterations: int | None = None) -> torch.Tensor:
     """I_x(a, b), the Beta(a, b) CDF at x (broadcast), on x's device; differentiable in x (gradient = density).
-    a and b are treated as constants."""
+    a and b are treated as constants. `iterations` defaults to what the largest of a and b needs (read on the
+    host when a and b are numbers or CPU tensors; MAX_ITERATIONS for accelerator tensors, to avoid a sync)."""
+    on_host = [t for t in (a, b) if not isinstance(t, torch.Tensor) or t.device.type == "cpu"]
+    if iterations is None:
+        iterations = (iterations_for(max(float(torch.as_tensor(t).max()) for t in (a, b)))
+                      if len(on_host) == 2 else MAX_ITERATIONS)
+    if any(bool((torch.as_tensor(t) <= 0).any()) for t in on_host):
+        raise ValueError("beta_cdf: a and b must be > 0")
     a = torch.as_tensor(a, dtype=torch.float64, device=x.device)
     b = torch.as_tensor(b, dtype=torch.float64, device=x.device)
-    if bool((a <= 0).any()) or bool((b <= 0).any()):
-        raise ValueError("beta_cdf: a and b must be > 0")
     return _BetaCDF.apply(x, *torch.broadcast_tensors(a, b), iterations)
 
 
-def _alpha_table(alpha, K: int, device) -> torch.Tensor:
-    """alpha as a [G, K] float64 table (G = 1 unless a per-group table was given)."""
-    table = torch.as_tensor(alpha, dtype=torch.float64, device=device)
+def _alpha_table(alpha, K: int) -> torch.Tensor:
+    """alpha as a [G, K] float64 table (G = 1 unless a per-group table was given), validated on the host (the
+    priors are a handful of numbers; the CDF then needs no sync to pick its iteration count)."""
+    table = torch.as_tensor(alpha, dtype=torch.float64).cpu()
     if table.dim() == 0:
         table = table.expand(K)
     if table.dim() == 1:
@@ -108,7 +122,7 @@ def _alpha_table(alpha, K: int, device) -> torch.Tensor:
 def _cramer_von_mises(p_BK: torch.Tensor, alpha_K: torch.Tensor) -> torch.Tensor:
     B = p_BK.shape[0]
     sorted_BK = torch.sort(p_BK, dim=0).values
-    cdf_BK = beta_cdf(sorted_BK, alpha_K, alpha_K.sum() - alpha_K)
+    cdf_BK = beta_cdf(sorted_BK, alpha_K, alpha_K.sum() - alpha_K)   # host priors: moved with x inside
     target_B1 = torch.arange(1, B + 1, device=p_BK.device, dtype=cdf_BK.dtype)[:, None] / B
     return ((target_B1 - cdf_BK) ** 2).mean(0).sum()
 
@@ -120,7 +134,7 @@ def dpsl(probs_BK: torch.Tensor, alpha, *, groups: torch.Tensor | None = None,
     if probs_BK.dim() != 2:
         raise ValueError(f"dpsl: expected probabilities [B, K], got shape {tuple(probs_BK.shape)}")
     K = probs_BK.shape[1]
-    table = _alpha_table(alpha, K, probs_BK.device)
+    table = _alpha_table(alpha, K)
     keep = torch.ones(probs_BK.shape[0], dtype=torch.bool, device=probs_BK.device) if mask is None \
         else mask.reshape(-1).to(probs_BK.device).bool()
     if groups is None:
