@@ -1,4 +1,4 @@
-"""The `upcycle` command line: a thin layer over `upcycle.convert` and the method registry.
+"""The `upcycle` command line: a thin layer over convert, train, evaluate and the method registry.
 
 Configuration precedence (DESIGN principle 8): dataclass defaults < `--config recipe.yaml` < explicit flags
 < `--set key=value` (repeatable, dotted keys, YAML values).
@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 
-from .config import ConvertConfig, build, load_recipe, set_override
+from .config import ConvertConfig, TrainConfig, build, load_recipe, set_override
 from .errors import UpcycleError
 
 
@@ -60,8 +60,67 @@ def _parser() -> argparse.ArgumentParser:
                    choices=["auto", "qwen2_moe", "qwen3_moe", "mixtral"])
     x.add_argument("--overwrite", action="store_true")
 
+    t = sub.add_parser("train", help="train a model (upcycled or dense) and write the run to OUT")
+    t.add_argument("model", help="an upcycle folder, a dense transformers folder or id, or 'default'")
+    t.add_argument("out", help="run folder: run_config.yaml, log.jsonl, checkpoints/, model/")
+    t.add_argument("--task", choices=["causal_lm", "clip"], help="default: from the model (CLIP models: clip)")
+    t.add_argument("--data", help="causal_lm: .txt/.jsonl text (default on the embedded model: Wikipedia train "
+                   "split); clip: 'digits' (default), a JSONL of image/caption, or an image folder")
+    t.add_argument("--eval-data", dest="eval_data", help="held-out data of the same kind (default: the held-out "
+                   "Wikipedia split / the digits test split)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 100)")
+    t.add_argument("--batch-size", type=int, dest="batch_size", help="global rows per optimizer step (default 8)")
+    t.add_argument("--grad-accum", type=int, dest="grad_accum", help="micro-batches per step and process")
+    t.add_argument("--sequence-length", type=int, dest="sequence_length", help="packed row length (default 256)")
+    t.add_argument("--lr", type=float, help="peak learning rate (default 5e-5)")
+    t.add_argument("--schedule", choices=["linear", "cosine", "constant"], help="decay after warmup")
+    t.add_argument("--train", help="what trains: comma-separated groups or globs (all, moe, routed, router, "
+                   "experts, dense, ...)")
+    t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", help="steps between checkpoints")
+    t.add_argument("--eval-every", type=int, dest="eval_every", help="steps between evaluations")
+    t.add_argument("--mixed-precision", dest="mixed_precision", choices=["auto", "no", "bf16", "fp16"])
+    t.add_argument("--seed", type=int)
+    t.add_argument("--config", help="YAML training recipe (configs/train/)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any key, e.g. --set regularizers.load_balance=0.01")
+    t.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
+    t.add_argument("--stop-after", type=int, dest="stop_after",
+                   help="checkpoint and exit after this step (resume later to finish the schedule)")
+    t.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    e = sub.add_parser("eval", help="held-out perplexity (causal LMs) or zero-shot + retrieval (CLIP), as JSON")
+    e.add_argument("model", help="a model folder, a training run folder (its model/), or 'default'")
+    e.add_argument("--data", help="held-out data (default: held-out Wikipedia / the digits test split)")
+    e.add_argument("--tokens", type=int, default=32768, help="causal LMs: held-out tokens (default 32768)")
+    e.add_argument("--sequence-length", type=int, default=256, dest="sequence_length")
+    e.add_argument("--out", help="also write the JSON to this file")
+
+    k = sub.add_parser("tiny-clip", help="write a small random dense CLIP (and caption tokenizer) to pretrain")
+    k.add_argument("out", help="output folder (written atomically)")
+    k.add_argument("--data", default="digits", help="captions to build the tokenizer from (default digits)")
+    k.add_argument("--image-size", type=int, default=16, dest="image_size")
+    k.add_argument("--patch-size", type=int, default=4, dest="patch_size")
+    k.add_argument("--hidden-size", type=int, default=64, dest="hidden_size")
+    k.add_argument("--layers", type=int, default=4)
+    k.add_argument("--max-length", type=int, default=16, dest="max_length", help="caption tokens")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--overwrite", action="store_true")
+
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
     return parser
+
+
+def _nested(data: dict, flags: dict) -> dict:
+    """Put each non-None dotted flag into the nested recipe mapping."""
+    for key, value in flags.items():
+        if value is not None:
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    return data
 
 
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
@@ -73,16 +132,76 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
              "calibration.data": args.calibration, "calibration.tokens": args.calibration_tokens,
              "placement.towers": args.towers.split(",") if args.towers else None}
     data["model"] = args.model
-    for key, value in flags.items():
-        if value is not None:
-            node = data
-            *parents, leaf = key.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+    _nested(data, flags)
     for assignment in args.set:
         set_override(data, assignment)
     return build(ConvertConfig, data)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    data = load_recipe(args.config)
+    data["model"] = args.model
+    names = ("task", "data", "eval_data", "steps", "batch_size", "grad_accum", "sequence_length", "lr", "schedule",
+             "checkpoint_every", "eval_every", "mixed_precision", "seed", "overwrite")
+    flags = {name: getattr(args, name) for name in names}
+    flags["train"] = [x for x in args.train.split(",") if x] if args.train else None
+    _nested(data, flags)
+    for assignment in args.set:
+        set_override(data, assignment)
+    return build(TrainConfig, data)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import RUN_CONFIG, train
+
+    if args.resume:   # the run's own config, with any flags given on top (which must agree, except a few)
+        from pathlib import Path
+
+        saved = Path(args.out) / RUN_CONFIG
+        if not saved.exists():
+            raise UpcycleError(f"cannot resume: {args.out} has no {RUN_CONFIG}")
+        args.config = args.config or str(saved)
+    cfg = train_config(args)
+    summary = train(cfg, args.out, resume=args.resume, stop_after=args.stop_after, progress=not args.quiet)
+    if summary["interrupted"]:
+        print(f"upcycle: interrupted at step {summary['step']}; checkpoint {summary['checkpoint']} "
+              f"(continue with --resume)", file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .evaluate import evaluate_model
+
+    path = Path(args.model)
+    if (path / "model").is_dir():      # a training run folder
+        path = path / "model"
+    result = evaluate_model(str(path) if path.exists() else args.model, data=args.data, tokens=args.tokens,
+                            sequence_length=args.sequence_length)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _tiny_clip(args: argparse.Namespace) -> int:
+    from .io import atomic_directory
+    from .pairs import caption_tokenizer, load_pairs, tiny_clip
+
+    pairs = load_pairs(args.data, seed=args.seed, split="train")
+    tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
+    model = tiny_clip(tokenizer, image_size=args.image_size, patch_size=args.patch_size,
+                      hidden_size=args.hidden_size, layers=args.layers, max_length=args.max_length, seed=args.seed)
+    with atomic_directory(args.out, overwrite=args.overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: dense CLIP, {params:,} parameters, {len(tokenizer)} caption tokens")
+    return 0
 
 
 def _methods() -> None:
@@ -104,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             _methods()
             return 0
+        if args.command == "train":
+            return _train(args)
+        if args.command == "eval":
+            return _eval(args)
+        if args.command == "tiny-clip":
+            return _tiny_clip(args)
         if args.command == "export":
             from .export import export_folder
 

@@ -90,6 +90,46 @@ class ConvertConfig:
     overwrite: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class FreezeRule:
+    # Parameter groups (see upcycle.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
+    # step < until x steps (until = 1.0: the whole run).
+    params: tuple[str, ...]
+    until: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "default"      # an upcycle folder, a dense Hugging Face folder or id, or "default"
+    task: str | None = None     # causal_lm | clip; None: from the model (CLIP models: clip)
+    # causal_lm: .txt / .jsonl ("text") file; None on the embedded model = the Wikipedia train split.
+    # clip: "digits" (scikit-learn's 8x8 digits with templated captions), a JSONL file of
+    # {"image", "caption"[, "label"]}, or a folder of images with same-name .txt captions.
+    data: str | None = None
+    eval_data: str | None = None   # None: the held-out Wikipedia split / the digits test split, when they apply
+    steps: int = 100                # optimizer steps
+    batch_size: int = 8             # global rows (sequences or image-caption pairs) per optimizer step
+    grad_accum: int = 1             # micro-batches per optimizer step on each process
+    sequence_length: int = 256      # causal_lm: packed row length
+    lr: float = 5e-5
+    min_lr_ratio: float = 0.0       # the schedule decays to lr x this
+    warmup: float = 0.02            # fraction of steps with linear warmup
+    schedule: str = "linear"        # linear | cosine | constant (after warmup)
+    weight_decay: float = 0.0       # AdamW decay on matrices (biases and norms are never decayed)
+    betas: tuple[float, ...] = (0.9, 0.95)
+    clip_grad: float | None = 1.0   # max global gradient norm; None = no clipping
+    mixed_precision: str = "auto"   # auto (bf16 where the GPU has it, else no) | no | bf16 | fp16
+    train: tuple[str, ...] = ("all",)   # what trains at all: groups or globs (all, moe, routed, router, ...)
+    freeze: tuple[FreezeRule, ...] = ()  # frozen for the first fraction of steps, e.g. SPRI's two stages
+    regularizers: RegularizerConfig = field(default_factory=RegularizerConfig)
+    checkpoint_every: int = 0       # steps between checkpoints (0: only at the end and on Ctrl-C)
+    keep_checkpoints: int = 2
+    eval_every: int = 0             # steps between evaluations (0: only before and after training)
+    eval_tokens: int = 32768        # causal_lm: held-out tokens per evaluation
+    seed: int = 0
+    overwrite: bool = False
+
+
 def _coerce(value, hint, where: str):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

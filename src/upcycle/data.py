@@ -46,30 +46,45 @@ def labels_for(input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor) -> t
     return input_ids_BS.masked_fill(attention_mask_BS == 0, -100)
 
 
-class PackedBatches:
-    """Batches of `batch_size` packed rows in a seeded order that reshuffles every epoch; `batches(start)` is
-    the same stream from step `start` on, which is what resuming needs."""
+class SeededBatches:
+    """Batches of `batch_size` rows of aligned tensors in a seeded order that reshuffles every epoch;
+    `batch(step)` depends on (seed, step) alone and `batches(start)` is the stream from step `start` on, which is
+    what resuming needs."""
 
-    def __init__(self, input_ids_NS: torch.Tensor, attention_mask_NS: torch.Tensor, batch_size: int, seed: int):
+    def __init__(self, rows: dict[str, torch.Tensor], batch_size: int, seed: int):
         if batch_size < 1:
             raise UpcycleError(f"batch_size must be >= 1, got {batch_size}")
-        if input_ids_NS.shape[0] < batch_size:
-            raise UpcycleError(f"{input_ids_NS.shape[0]} packed rows cannot fill a batch of {batch_size}; give more "
-                               f"text or a smaller batch")
-        self.ids, self.mask, self.batch_size, self.seed = input_ids_NS, attention_mask_NS, batch_size, seed
-        self.per_epoch = input_ids_NS.shape[0] // batch_size   # the incomplete last batch of an epoch is dropped
+        n = next(iter(rows.values())).shape[0]
+        if any(t.shape[0] != n for t in rows.values()):
+            raise UpcycleError("all row tensors must have the same number of rows")
+        if n < batch_size:
+            raise UpcycleError(f"{n} training rows cannot fill a batch of {batch_size}; give more data or a smaller "
+                               f"batch")
+        self.rows, self.num_rows, self.batch_size, self.seed = rows, n, batch_size, seed
+        self.per_epoch = n // batch_size   # the incomplete last batch of an epoch is dropped
 
     def _order(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(self.ids.shape[0], generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        return torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         epoch, index = divmod(step, self.per_epoch)
-        rows = self._order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
-        ids, mask = self.ids[rows], self.mask[rows]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels_for(ids, mask)}
+        picked = self._order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+        return {name: t[picked] for name, t in self.rows.items()}
 
     def batches(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         step = start
         while True:
             yield self.batch(step)
             step += 1
+
+
+class PackedBatches(SeededBatches):
+    """Packed causal-LM rows with their labels."""
+
+    def __init__(self, input_ids_NS: torch.Tensor, attention_mask_NS: torch.Tensor, batch_size: int, seed: int):
+        super().__init__({"input_ids": input_ids_NS, "attention_mask": attention_mask_NS}, batch_size, seed)
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        out = super().batch(step)
+        out["labels"] = labels_for(out["input_ids"], out["attention_mask"])
+        return out

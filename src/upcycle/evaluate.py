@@ -1,5 +1,6 @@
 """Evaluation (METHODS §6). Causal LMs: held-out perplexity = exp(mean next-token negative log-likelihood over
 every real predicted token), summed over batches before dividing, so batch sizes and padding do not weight it.
+CLIP: zero-shot classification with class-name prompts and image<->text retrieval Recall@K (Radford et al. 2021).
 """
 
 from __future__ import annotations
@@ -34,3 +35,115 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
         model.train(was_training)
     mean = total / max(count, 1)
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256) -> torch.Tensor:
+    """Unit-norm projected caption embeddings [N, P]."""
+    from .pairs import encode_captions
+
+    device = next(model.parameters()).device
+    max_length = model.config.text_config.max_position_embeddings
+    out = []
+    for start in range(0, len(captions), batch_size):
+        enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
+        features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
+        out.append(getattr(features, "pooler_output", features).float())
+    return _unit(torch.cat(out))
+
+
+@torch.no_grad()
+def image_features(model: nn.Module, images: list, batch_size: int = 256) -> torch.Tensor:
+    """Unit-norm projected image embeddings [N, P]."""
+    from .pairs import pixel_values
+
+    device = next(model.parameters()).device
+    size = model.config.vision_config.image_size
+    out = []
+    for start in range(0, len(images), batch_size):
+        batch = pixel_values(images[start:start + batch_size], size).to(device)
+        features = model.get_image_features(pixel_values=batch)
+        out.append(getattr(features, "pooler_output", features).float())
+    return _unit(torch.cat(out))
+
+
+def recall_at(scores_QC: torch.Tensor, relevant_QC: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
+    """Fraction of queries with at least one relevant candidate among their top-k scores."""
+    top = scores_QC.topk(min(max(ks), scores_QC.shape[1]), dim=1).indices
+    hits = relevant_QC.gather(1, top)
+    return {f"R@{k}": float(hits[:, :k].any(dim=1).double().mean()) for k in ks}
+
+
+@torch.no_grad()
+def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
+                 templates: tuple[str, ...] | None = None) -> dict:
+    """Zero-shot classification (when the pairs have labels) and image<->text retrieval Recall@1/5.
+
+    Zero-shot: each class is the mean unit embedding of its prompts (CLIP's prompt ensembling), an image takes
+    the nearest class. Retrieval ranks every distinct caption for an image (image->text) and every image for a
+    caption (text->image); a hit is any item paired with the query. With one caption per image and distinct
+    captions this is the usual Flickr/COCO Recall@K; templated captions repeat, so identical captions are one
+    candidate rather than ties that would split the ranks.
+    """
+    from .pairs import ZERO_SHOT_TEMPLATES
+
+    was_training = model.training
+    model.eval()
+    try:
+        distinct = sorted(set(pairs.captions))
+        text_CP = text_features(model, tokenizer, distinct, batch_size)
+        image_NP = image_features(model, pairs.images, batch_size)
+        caption_of = torch.tensor([distinct.index(c) for c in pairs.captions])
+        relevant_NC = torch.zeros(len(pairs), len(distinct), dtype=torch.bool)
+        relevant_NC[torch.arange(len(pairs)), caption_of] = True
+        scores_NC = image_NP @ text_CP.t()
+        result = {"pairs": len(pairs), "distinct_captions": len(distinct),
+                  "image_to_text": recall_at(scores_NC, relevant_NC),
+                  "text_to_image": recall_at(scores_NC.t(), relevant_NC.t())}
+        if pairs.labels is not None:
+            templates = templates or ZERO_SHOT_TEMPLATES
+            prompts = [t.format(name=name) for name in pairs.class_names for t in templates]
+            prompt_KP = text_features(model, tokenizer, prompts, batch_size)
+            class_KP = _unit(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1))
+            predicted = (image_NP @ class_KP.t()).argmax(1)
+            result["zero_shot"] = {"accuracy": float((predicted == torch.tensor(pairs.labels)).double().mean()),
+                                   "classes": len(pairs.class_names), "templates": list(templates)}
+    finally:
+        model.train(was_training)
+    return result
+
+
+def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, sequence_length: int = 256,
+                   seed: int = 0) -> dict:
+    """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
+    the embedded held-out Wikipedia split, CLIP models to the digits test split."""
+    from .data import pack_documents
+    from .errors import UpcycleError
+    from .pairs import load_pairs
+    from .tasks import load_model, task_of
+    from .text import read_texts, wikipedia_split
+
+    model, tokenizer = load_model(name)
+    task = task_of(model)
+    result = {"model": name, "task": task}
+    if tokenizer is None:
+        raise UpcycleError(f"{name} has no tokenizer to evaluate it with")
+    if task == "clip":
+        source = data or "digits"
+        result["data"] = "digits test split" if source == "digits" else source
+        result.update(clip_metrics(model, tokenizer, load_pairs(source, seed=seed, split="heldout")))
+        return result
+    try:
+        held = read_texts(data) if data is not None else wikipedia_split()[1]
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise UpcycleError(f"held-out text: {e} (give a .txt or .jsonl file with --data)") from None
+    result["data"] = data or "held-out Wikipedia (embedded)"
+    ids, mask = pack_documents(tokenizer, held, sequence_length)
+    rows = max(1, tokens // sequence_length)
+    result.update(perplexity(model, ids[:rows], mask[:rows]))
+    result["sequence_length"] = sequence_length
+    return result

@@ -1,0 +1,144 @@
+"""Training tasks: how a model and a data source become batches, a task loss and an evaluation.
+
+- causal_lm: next-token cross-entropy on packed documents (`data.pack_documents`), padding masked; evaluated by
+  held-out perplexity.
+- clip: symmetric InfoNCE with CLIP's learned temperature, L = (L_I->T + L_T->I) / 2 (METHODS §3), computed by
+  transformers' CLIPModel over the batch; evaluated by zero-shot classification and retrieval. The two towers are
+  separate backbones, so each MoE layer sees one modality and its router losses are per modality (CLIP-UP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from .config import TrainConfig
+from .data import PackedBatches, SeededBatches, pack_documents
+from .errors import UpcycleError
+from .evaluate import clip_metrics, perplexity
+from .io import MOE_CONFIG
+from .io import load as load_upcycled
+from .objective import causal_lm_loss
+from .pairs import encode_captions, load_pairs, pixel_values
+
+TASKS = ("causal_lm", "clip")
+
+
+def load_model(name: str) -> tuple[nn.Module, object | None]:
+    """(model, tokenizer) from an upcycle folder (MoE), or a dense folder / hub id / 'default'."""
+    if Path(name).is_dir() and (Path(name) / MOE_CONFIG).exists():
+        model = load_upcycled(name)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        except Exception:
+            tokenizer = None
+        return model, tokenizer
+    from .convert import load_dense
+    from .surgery import track_padding_masks
+
+    model, tokenizer = load_dense(name)
+    track_padding_masks(model)
+    return model, tokenizer
+
+
+def task_of(model: nn.Module, requested: str | None = None) -> str:
+    """The task a model trains on: CLIP models contrastively, causal LMs on next tokens."""
+    kind = "clip" if getattr(model.config, "model_type", None) == "clip" else "causal_lm"
+    if requested is not None and requested != kind:
+        raise UpcycleError(f"task {requested!r} does not fit a {type(model).__name__} (its task is {kind!r})")
+    return kind
+
+
+class CausalLMTask:
+    name = "causal_lm"
+
+    def __init__(self, cfg: TrainConfig, tokenizer, *, is_default: bool) -> None:
+        if tokenizer is None:
+            raise UpcycleError("causal-LM training needs the model's tokenizer (none found next to the model)")
+        train_texts, eval_texts = self.texts(cfg, is_default)
+        ids, mask = pack_documents(tokenizer, train_texts, cfg.sequence_length)
+        self.train = PackedBatches(ids, mask, cfg.batch_size, cfg.seed)
+        self.eval_rows = None
+        if eval_texts:
+            ids, mask = pack_documents(tokenizer, eval_texts, cfg.sequence_length)
+            rows = max(1, cfg.eval_tokens // cfg.sequence_length)
+            self.eval_rows = (ids[:rows], mask[:rows])
+
+    @staticmethod
+    def texts(cfg: TrainConfig, is_default: bool) -> tuple[list[str], list[str] | None]:
+        from .text import read_texts, wikipedia_split
+
+        def read(path: str, what: str) -> list[str]:
+            try:
+                return read_texts(path)
+            except (FileNotFoundError, ValueError) as e:
+                raise UpcycleError(f"{what}: {e}") from None
+
+        wiki = None
+        if cfg.data is None or cfg.eval_data is None:
+            if is_default:
+                wiki = wikipedia_split()
+        if cfg.data is None and wiki is None:
+            raise UpcycleError("give training text with --data FILE (.txt or .jsonl with a \"text\" field)")
+        train = read(cfg.data, "data") if cfg.data is not None else wiki[0]
+        held = read(cfg.eval_data, "eval_data") if cfg.eval_data is not None else (wiki[1] if wiki else None)
+        return train, held
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return causal_lm_loss(model, batch)
+
+    @staticmethod
+    def tokens(batch: dict) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def evaluate(self, model: nn.Module) -> dict | None:
+        if self.eval_rows is None:
+            return None
+        return perplexity(model, *self.eval_rows, batch_size=8)
+
+
+class CLIPTask:
+    name = "clip"
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer) -> None:
+        if tokenizer is None:
+            raise UpcycleError("CLIP training needs the model's caption tokenizer (none found next to the model; "
+                               "`upcycle tiny-clip` writes one)")
+        self.tokenizer = tokenizer
+        self.max_length = model.config.text_config.max_position_embeddings
+        self.image_size = model.config.vision_config.image_size
+        self.patches = (self.image_size // model.config.vision_config.patch_size) ** 2 + 1
+        train = load_pairs(cfg.data, seed=cfg.seed, split="train")
+        self.train = SeededBatches(self.encode(train), cfg.batch_size, cfg.seed)
+        self.held = None
+        if cfg.eval_data is not None or cfg.data in (None, "digits"):
+            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, seed=cfg.seed,
+                                   split="heldout")
+
+    def encode(self, pairs) -> dict[str, torch.Tensor]:
+        return {**encode_captions(self.tokenizer, pairs.captions, self.max_length),
+                "pixel_values": pixel_values(pairs.images, self.image_size)}
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(**batch, return_loss=True).loss
+
+    def tokens(self, batch: dict) -> int:
+        """Text tokens plus image patches (+ class token) that went through the towers."""
+        return int(batch["attention_mask"].sum()) + batch["pixel_values"].shape[0] * self.patches
+
+    def evaluate(self, model: nn.Module) -> dict | None:
+        if self.held is None:
+            return None
+        return clip_metrics(model, self.tokenizer, self.held, batch_size=256)
+
+
+def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
+    from .assets import DEFAULT_MODEL_NAMES
+
+    kind = task_of(model, cfg.task)
+    if kind == "clip":
+        return CLIPTask(cfg, model, tokenizer)
+    return CausalLMTask(cfg, tokenizer, is_default=cfg.model in DEFAULT_MODEL_NAMES)
