@@ -47,3 +47,41 @@ def tiny_path(tmp_path_factory, family):
     path = tmp_path_factory.mktemp(f"tiny-{family}")
     make_tiny(family).save_pretrained(path)
     return path
+
+
+TOY_WORDS = "the a cat dog bird sat ran flew on under over mat tree roof red blue big small quickly slowly".split()
+
+
+def write_tiny_lm(folder, *, seed: int = 0):
+    """A tiny random Llama with a word-level tokenizer, and train/held-out text it can learn: (model, train, held)."""
+    import random
+
+    from upcycle.pairs import caption_tokenizer
+
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(5, 30))) + "." for _ in range(400)]
+    folder.mkdir(parents=True, exist_ok=True)
+    train, held = folder / "train.txt", folder / "held.txt"
+    train.write_text("\n\n".join(docs[:360]))
+    held.write_text("\n\n".join(docs[360:]))
+    tokenizer = caption_tokenizer(docs, max_length=64)
+    model = make_tiny("llama", seed=seed)
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(folder / "dense")
+    tokenizer.save_pretrained(folder / "dense")
+    return folder / "dense", train, held
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """(dense folder, 4-expert copy-upcycled folder, train text, held-out text) of a tiny Llama."""
+    from upcycle import ConvertConfig, MoEConfig, convert
+    from upcycle.config import CheckConfig
+
+    root = tmp_path_factory.mktemp("tiny-lm")
+    dense, train, held = write_tiny_lm(root)
+    cfg = ConvertConfig(model=str(dense), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                        check=CheckConfig(text=str(held)))
+    convert(cfg, root / "moe", progress=False)
+    return dense, root / "moe", train, held

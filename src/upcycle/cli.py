@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--sequence-length", type=int, dest="sequence_length", help="packed row length (default 256)")
     t.add_argument("--lr", type=float, help="peak learning rate (default 5e-5)")
     t.add_argument("--schedule", choices=["linear", "cosine", "constant"], help="decay after warmup")
+    t.add_argument("--warmup", type=float, help="fraction of the steps with linear warmup (default 0.02)")
+    t.add_argument("--weight-decay", type=float, dest="weight_decay", help="AdamW weight decay (default 0)")
     t.add_argument("--train", help="what trains: comma-separated groups or globs (all, moe, routed, router, "
                    "experts, dense, ...)")
     t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", help="steps between checkpoints")
@@ -142,6 +144,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     data = load_recipe(args.config)
     data["model"] = args.model
     names = ("task", "data", "eval_data", "steps", "batch_size", "grad_accum", "sequence_length", "lr", "schedule",
+             "warmup", "weight_decay",
              "checkpoint_every", "eval_every", "mixed_precision", "seed", "overwrite")
     flags = {name: getattr(args, name) for name in names}
     flags["train"] = [x for x in args.train.split(",") if x] if args.train else None

@@ -135,10 +135,27 @@ class CLIPTask:
         return clip_metrics(model, self.tokenizer, self.held, batch_size=256)
 
 
-def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
+def from_embedded_model(name: str) -> bool:
+    """Whether `name` is the embedded SmolLM2 or a folder converted from it (its run_config.yaml says so), so
+    that the embedded Wikipedia corpus is its default text."""
     from .assets import DEFAULT_MODEL_NAMES
 
+    if name in DEFAULT_MODEL_NAMES:
+        return True
+    run_config = Path(name) / "run_config.yaml"
+    if not run_config.is_file():
+        return False
+    import yaml
+
+    try:
+        saved = yaml.safe_load(run_config.read_text()) or {}
+    except yaml.YAMLError:
+        return False
+    return isinstance(saved, dict) and saved.get("model") in DEFAULT_MODEL_NAMES
+
+
+def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
     kind = task_of(model, cfg.task)
     if kind == "clip":
         return CLIPTask(cfg, model, tokenizer)
-    return CausalLMTask(cfg, tokenizer, is_default=cfg.model in DEFAULT_MODEL_NAMES)
+    return CausalLMTask(cfg, tokenizer, is_default=from_embedded_model(cfg.model))
