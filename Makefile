@@ -31,6 +31,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/moe_layer.py
 	$(BIN)/python benchmarks/cluster_convert.py
+	$(BIN)/python benchmarks/tiny_clip.py
 
 clean:
 	rm -rf $(VENV) out

@@ -196,3 +196,18 @@ def test_eval_command_matches_the_runs_final_evaluation(tiny_lm, tmp_path, capsy
     assert result["task"] == "causal_lm" and result["model"].endswith("model")
     assert result["perplexity"] == pytest.approx(summary["eval_after"]["perplexity"], rel=1e-6)
     assert result["tokens"] == summary["eval_after"]["tokens"]
+
+
+@pytest.mark.parametrize("groups, expected", [(("router",), ("router.weight",)),
+                                              (("experts",), ("experts.w_gate_up", "experts.w_down")),
+                                              (("*.self_attn.q_proj.weight",), ("q_proj.weight",))])
+def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
+    from upcycle import load
+
+    _, moe, _, _ = tiny_lm
+    model = load(moe)
+    freezer = Freezer(model, groups, (), total_steps=10)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(freezer.trainable) and trainable
+    assert all(n.endswith(expected) for n in trainable)
+    assert all(any(n.endswith(suffix) for n in trainable) for suffix in expected)

@@ -2,8 +2,8 @@
 
 No pretrained CLIP or image-caption set installs offline, so the offline task is scikit-learn's 8x8 handwritten
 digits (1,797 images; UCI optdigits) with templated captions. A caption names the digit and, so that text carries
-more than the class, how heavy its strokes are relative to other images of that digit ("a bold handwritten
-seven"). Every 5th image is held out. Local data works the same way: a JSONL file of
+more than the class, two things visible in the image relative to other images of that digit ("a wide handwritten
+seven with thin strokes"). Every 5th image is held out. Local data works the same way: a JSONL file of
 {"image": path, "caption": text[, "label": class name]} (paths relative to the file), or a folder of images each
 with a same-name .txt caption (a sub-folder name is its class label).
 
@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from .errors import UpcycleError
 
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-CAPTION_TEMPLATES = ("a {stroke} handwritten {name}", "a photo of a {stroke} {name}",
-                     "the digit {name} drawn with {stroke} strokes", "a {stroke} {name} written by hand")
-# zero-shot prompts name only the class (prompt ensembling over templates, as in CLIP)
-ZERO_SHOT_TEMPLATES = ("a handwritten {name}", "a photo of a {name}", "the digit {name}")
+# Everything a caption says is visible in its image: the digit, and against the median of that digit's images
+# whether it is wide or narrow (columns holding ink) and bold or thin (total ink). 40 distinct captions.
+CAPTION_TEMPLATE = "a {width} handwritten {name} with {stroke} strokes"
+# zero-shot prompts name only the class, in words the captions taught (prompt ensembling, as in CLIP)
+ZERO_SHOT_TEMPLATES = ("a handwritten {name}", "a {name}", "{name} with strokes")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
 HELDOUT_EVERY = 5
@@ -50,18 +51,24 @@ class Pairs:
 
 
 def digits_pairs(seed: int = 0) -> tuple[Pairs, Pairs]:
-    """(train, held-out) digits pairs; the caption template is drawn per image with `seed`."""
+    """(train, held-out) digits pairs (every 5th image held out). `seed` is unused: the split and the captions
+    are fixed by the data."""
     from sklearn.datasets import load_digits
 
+    del seed
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32) / 16.0      # [N, 8, 8], ink in [0, 1]
-    labels = [int(y) for y in digits.target]
+    labels = torch.tensor(digits.target, dtype=torch.long)
     ink = images.sum((1, 2))
-    median = {c: ink[torch.tensor(labels) == c].median() for c in range(10)}
-    pick = torch.randint(len(CAPTION_TEMPLATES), (len(labels),), generator=torch.Generator().manual_seed(seed))
-    captions = [CAPTION_TEMPLATES[int(t)].format(name=DIGIT_NAMES[y], stroke="bold" if ink[i] > median[y] else "thin")
-                for i, (t, y) in enumerate(zip(pick, labels, strict=True))]
-    pairs = Pairs([img.expand(3, 8, 8) for img in images], captions, labels, list(DIGIT_NAMES))
+    columns = images.amax(1) > 0.25                                      # [N, 8]: columns holding ink
+    width = columns.sum(1).float()
+    captions = []
+    for i, y in enumerate(labels.tolist()):
+        same = labels == y
+        captions.append(CAPTION_TEMPLATE.format(
+            name=DIGIT_NAMES[y], width="wide" if width[i] > width[same].median() else "narrow",
+            stroke="bold" if ink[i] > ink[same].median() else "thin"))
+    pairs = Pairs([img.expand(3, 8, 8) for img in images], captions, labels.tolist(), list(DIGIT_NAMES))
     held = [i for i in range(len(pairs)) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     return pairs.subset([i for i in range(len(pairs)) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]), pairs.subset(held)
 

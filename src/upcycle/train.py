@@ -142,8 +142,8 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
 
 
-def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, is_main: bool) -> TrainConfig:
-    """Check OUT and, when resuming, that the run config is the saved one (the saved one is used)."""
+def _check_out(cfg: TrainConfig, out: Path, resume: bool) -> None:
+    """Refuse an OUT that would be clobbered, or a resume that would not continue the same run."""
     if resume:
         saved_file = out / RUN_CONFIG
         if not saved_file.exists():
@@ -153,16 +153,16 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, is_main: bool) -> Tr
         if differ:
             raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
                                f"from {saved_file}); resuming continues the same run")
-        return cfg
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+    elif out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
                            f"replace it)")
-    if is_main:
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        (out / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return cfg
+
+
+def _start_out(cfg: TrainConfig, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def _has_accelerator() -> bool:
@@ -195,7 +195,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
     micro = cfg.batch_size // (world * cfg.grad_accum)
-    cfg = _prepare_out(cfg, out, resume, is_main)
+    _check_out(cfg, out, resume)          # every process checks before any of them writes
+    accelerator.wait_for_everyone()
+    if is_main and not resume:
+        _start_out(cfg, out)
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)
 
