@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 
 from upcycle import ConvertConfig, MoEConfig, PlacementConfig, convert
-from upcycle.config import RegularizerConfig, TrainConfig
+from upcycle.config import TrainConfig, build, load_recipe
 from upcycle.io import atomic_directory
 from upcycle.pairs import caption_tokenizer, digits_pairs, tiny_clip
 from upcycle.train import train
 
 RESULTS = Path(__file__).parent / "results"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FULL = {"pretrain_steps": 400, "continue_steps": 200, "batch_size": 128}
 QUICK = {"pretrain_steps": 100, "continue_steps": 20, "batch_size": 64}
 
@@ -42,9 +43,10 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
         tokenizer.save_pretrained(tmp)
     stages: dict[str, dict] = {}
 
-    def stage(name: str, model: Path, steps: int, **train_args) -> Path:
-        cfg = TrainConfig(model=str(model), task="clip", data="digits", steps=steps, batch_size=batch_size,
-                          seed=seed, overwrite=True, **train_args)
+    def stage(name: str, model: Path, steps: int, recipe: str, **changes) -> Path:
+        data = {**load_recipe(CONFIGS / "train" / recipe), **changes}
+        data.update(model=str(model), steps=steps, batch_size=batch_size, seed=seed, overwrite=True)
+        cfg = build(TrainConfig, data)
         started = time.perf_counter()
         summary = train(cfg, root / name, progress=False)
         log = [json.loads(line) for line in (root / name / "log.jsonl").read_text().splitlines()]
@@ -54,8 +56,7 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
         return root / name / "model"
 
     # Dense pretraining: CLIP-UP's dense recipe shape (AdamW, weight decay 0.2, cosine with warmup).
-    dense = stage("pretrain", root / "init", pretrain_steps, lr=1e-3, weight_decay=0.2, warmup=0.05,
-                  schedule="cosine")
+    dense = stage("pretrain", root / "init", pretrain_steps, "tiny-clip-pretrain.yaml")
     # Upcycle both towers with CLIP-UP's placement (configs/convert/clip-up.yaml).
     started = time.perf_counter()
     conversion = convert(ConvertConfig(model=str(dense), method="copy", seed=seed, overwrite=True,
@@ -66,11 +67,10 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
     report = conversion.report
     upcycled = {"seconds": round(time.perf_counter() - started, 2), "parameters": report["parameters"],
                 "num_moe_layers": report["num_moe_layers"], "max_abs_logit_diff": report["max_abs_logit_diff"]}
-    # Continue: learning rate 10x lower, weight decay 0.2 -> 0.05, fresh AdamW; router losses per modality.
-    after = dict(lr=1e-4, weight_decay=0.05, warmup=0.02, schedule="cosine")
-    stage("continue_moe", root / "moe", continue_steps, **after,
-          regularizers=RegularizerConfig(load_balance=0.01, z_loss=0.001))
-    stage("continue_dense", dense, continue_steps, **after)
+    # Continue (configs/train/clip-up.yaml): learning rate 10x lower, weight decay 0.2 -> 0.05, fresh AdamW,
+    # router losses per modality; the dense baseline takes the same recipe without router losses.
+    stage("continue_moe", root / "moe", continue_steps, "clip-up.yaml")
+    stage("continue_dense", dense, continue_steps, "clip-up.yaml", regularizers={})
     return {"stages": stages, "upcycle": upcycled}
 
 

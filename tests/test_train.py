@@ -211,3 +211,12 @@ def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
     assert trainable == set(freezer.trainable) and trainable
     assert all(n.endswith(expected) for n in trainable)
     assert all(any(n.endswith(suffix) for n in trainable) for suffix in expected)
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_train_recipes_are_valid(recipe):
+    from upcycle.config import build, load_recipe
+    from upcycle.train import validate
+
+    validate(build(TrainConfig, load_recipe(recipe)))
