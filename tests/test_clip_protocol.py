@@ -95,3 +95,25 @@ def test_local_pairs_jsonl_and_folder(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"image": "x.png"}\n')
     with pytest.raises(UpcycleError, match="bad.jsonl:1"):
         read_pairs(tmp_path / "bad.jsonl")
+
+
+def test_local_image_folder_trains_and_evaluates_like_digits(tmp_path, capsys):
+    """A user's folder of images + captions (sub-folders as classes) goes through tiny-clip, train and eval."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for label, channel in (("red", 0), ("green", 1)):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(12):
+            pixels = torch.zeros(9, 9, 3, dtype=torch.uint8)
+            pixels[..., channel] = int(torch.randint(120, 255, (), generator=gen))
+            Image.fromarray(pixels.numpy()).save(tmp_path / "data" / label / f"{i}.png")
+            (tmp_path / "data" / label / f"{i}.txt").write_text(f"a {'bright' if i % 2 else 'dark'} {label} square")
+    data = str(tmp_path / "data")
+    assert main(["tiny-clip", str(tmp_path / "init"), "--data", data, "--layers", "2"]) == 0
+    assert main(["train", str(tmp_path / "init"), str(tmp_path / "run"), "--data", data, "--eval-data", data,
+                 "--steps", "3", "--batch-size", "8", "--quiet"]) == 0
+    summary = _summary(capsys)
+    assert summary["eval_after"]["pairs"] == 24 and summary["eval_after"]["zero_shot"]["classes"] == 2
+    assert main(["eval", str(tmp_path / "run"), "--data", data]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_shot"] == summary["eval_after"]["zero_shot"]
