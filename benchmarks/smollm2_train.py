@@ -53,7 +53,7 @@ def summarize(run: Path) -> dict:
         "eval_tokens": evals[0]["eval"]["tokens"], "steps": len(steps), "tokens": sum(r["tokens"] for r in steps),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
         "train_seconds": round(sum(r["seconds"] for r in steps), 1),
-        "loss_first_last": {n: [steps[0]["loss"][n], steps[-1]["loss"][n]] for n in names},
+        "loss_first_last": {n: [steps[0]["loss"][n], steps[-1]["loss"].get(n)] for n in names},
         "mean_over_layers_first_last": {k: [layer_mean(steps[0], k), layer_mean(steps[-1], k)]
                                         for k in ("entropy", "load_cov", "dropped")},
         "frozen_rule_steps": sum(1 for r in steps if r["frozen_rules"]),

@@ -115,5 +115,6 @@ def test_local_image_folder_trains_and_evaluates_like_digits(tmp_path, capsys):
                  "--steps", "3", "--batch-size", "8", "--quiet"]) == 0
     summary = _summary(capsys)
     assert summary["eval_after"]["pairs"] == 24 and summary["eval_after"]["zero_shot"]["classes"] == 2
+    assert summary["eval_after"]["zero_shot"]["templates"] == ["a photo of a {name}.", "{name}"]
     assert main(["eval", str(tmp_path / "run"), "--data", data]) == 0
     assert json.loads(capsys.readouterr().out)["zero_shot"] == summary["eval_after"]["zero_shot"]

@@ -220,3 +220,13 @@ def test_shipped_train_recipes_are_valid(recipe):
     from upcycle.train import validate
 
     validate(build(TrainConfig, load_recipe(recipe)))
+
+
+def test_router_losses_only_in_the_warmup_phase(tiny_lm, tmp_path):
+    """regularizers.router_until = 0.5: router losses in the first half of the steps only; EESD throughout."""
+    _, moe, train_txt, held = tiny_lm
+    regs = RegularizerConfig(load_balance=0.01, dpsl=0.01, eesd=0.1, eesd_beta=0.9, router_until=0.5)
+    train(_cfg(moe, train_txt, held, steps=4, regularizers=regs), tmp_path / "run", progress=False)
+    terms = [set(row["loss"]) for row in _log(tmp_path / "run") if "loss" in row]
+    assert terms[:2] == [{"task", "load_balance", "dpsl", "eesd", "total"}] * 2
+    assert terms[2:] == [{"task", "eesd", "total"}] * 2

@@ -72,6 +72,9 @@ class RegularizerConfig:
     eesd_beta: float = 0.999
     eesd_uncertain_fraction: float = 1.0     # < 1: teacher only on the most uncertain tokens
     aux_free_rate: float = 0.0               # > 0: aux-loss-free selection bias, updated after each step
+    # Router losses apply for the first `router_until` fraction of training steps (DPSL's recipe: router
+    # regularizers only in the MoE warm-up phase); EESD and the aux-free bias are not affected.
+    router_until: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

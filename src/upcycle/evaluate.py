@@ -89,8 +89,6 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
     captions this is the usual Flickr/COCO Recall@K; templated captions repeat, so identical captions are one
     candidate rather than ties that would split the ranks.
     """
-    from .pairs import ZERO_SHOT_TEMPLATES
-
     was_training = model.training
     model.eval()
     try:
@@ -105,7 +103,7 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
                   "image_to_text": recall_at(scores_NC, relevant_NC),
                   "text_to_image": recall_at(scores_NC.t(), relevant_NC.t())}
         if pairs.labels is not None:
-            templates = templates or ZERO_SHOT_TEMPLATES
+            templates = templates or pairs.templates
             prompts = [t.format(name=name) for name in pairs.class_names for t in templates]
             prompt_KP = text_features(model, tokenizer, prompts, batch_size)
             class_KP = _unit(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1))

@@ -75,10 +75,11 @@ class Regularized:
                         if cfg.eesd else None)
         self.balancer = AuxFreeBalancer(model, cfg.aux_free_rate) if cfg.aux_free_rate else None
 
-    def loss(self, task_loss: torch.Tensor, *, groups: torch.Tensor | None = None,
+    def loss(self, task_loss: torch.Tensor, *, groups: torch.Tensor | None = None, router: bool = True,
              ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(total loss, each term's unweighted value) after a forward pass."""
-        terms = router_losses(self.model, self.cfg, groups=groups)
+        """(total loss, each term's unweighted value) after a forward pass; `router=False` leaves the router
+        losses out (after the warm-up phase of `cfg.router_until`)."""
+        terms = router_losses(self.model, self.cfg, groups=groups) if router else {}
         if self.teacher is not None:
             terms["eesd"] = self.teacher.loss()
         total = task_loss

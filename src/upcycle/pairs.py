@@ -30,6 +30,8 @@ DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "e
 CAPTION_TEMPLATE = "a {width} handwritten {name} with {stroke} strokes"
 # zero-shot prompts name only the class, in words the captions taught (prompt ensembling, as in CLIP)
 ZERO_SHOT_TEMPLATES = ("a handwritten {name}", "a {name}", "{name} with strokes")
+# for a user's data: CLIP's own default prompt, and the bare class name
+GENERIC_TEMPLATES = ("a photo of a {name}.", "{name}")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
 HELDOUT_EVERY = 5
@@ -41,13 +43,14 @@ class Pairs:
     captions: list[str]
     labels: list[int] | None = None   # class index per pair, for zero-shot classification
     class_names: list[str] | None = None
+    templates: tuple[str, ...] = GENERIC_TEMPLATES   # zero-shot prompts, "{name}" = a class name
 
     def __len__(self) -> int:
         return len(self.captions)
 
     def subset(self, keep: list[int]) -> Pairs:
         return Pairs([self.images[i] for i in keep], [self.captions[i] for i in keep],
-                     None if self.labels is None else [self.labels[i] for i in keep], self.class_names)
+                     None if self.labels is None else [self.labels[i] for i in keep], self.class_names, self.templates)
 
 
 def digits_pairs(seed: int = 0) -> tuple[Pairs, Pairs]:
@@ -68,7 +71,8 @@ def digits_pairs(seed: int = 0) -> tuple[Pairs, Pairs]:
         captions.append(CAPTION_TEMPLATE.format(
             name=DIGIT_NAMES[y], width="wide" if width[i] > width[same].median() else "narrow",
             stroke="bold" if ink[i] > ink[same].median() else "thin"))
-    pairs = Pairs([img.expand(3, 8, 8) for img in images], captions, labels.tolist(), list(DIGIT_NAMES))
+    pairs = Pairs([img.expand(3, 8, 8) for img in images], captions, labels.tolist(), list(DIGIT_NAMES),
+                  ZERO_SHOT_TEMPLATES)
     held = [i for i in range(len(pairs)) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     return pairs.subset([i for i in range(len(pairs)) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]), pairs.subset(held)
 

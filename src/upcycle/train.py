@@ -72,6 +72,9 @@ def validate(cfg: TrainConfig) -> None:
             raise UpcycleError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if not 0 <= cfg.warmup < 1:
         raise UpcycleError(f"warmup is a fraction of the steps in [0, 1), got {cfg.warmup}")
+    if not 0 <= cfg.regularizers.router_until <= 1:
+        raise UpcycleError(f"regularizers.router_until is a fraction of the steps in [0, 1], got "
+                           f"{cfg.regularizers.router_until}")
     if cfg.lr <= 0 or len(cfg.betas) != 2:
         raise UpcycleError("lr must be > 0 and betas a pair")
 
@@ -222,6 +225,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
     inner = accelerator.unwrap_model(model)
     layers = moe_layers(inner)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    router_steps = round(cfg.regularizers.router_until * cfg.steps)
 
     log_path = out / LOG
     if is_main and resume and log_path.exists():   # drop lines written after the checkpoint we resume from
@@ -274,7 +278,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
                 batch = {k: v[m * micro:(m + 1) * micro].to(accelerator.device) for k, v in mine.items()}
                 sync = contextlib.nullcontext() if m == cfg.grad_accum - 1 else accelerator.no_sync(model)
                 with sync, accelerator.autocast():
-                    total, logged = reg.loss(task.loss(model, batch))
+                    total, logged = reg.loss(task.loss(model, batch), router=step < router_steps)
                     accelerator.backward(total / cfg.grad_accum)
                 for k, v in logged.items():
                     sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
