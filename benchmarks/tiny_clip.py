@@ -36,7 +36,7 @@ QUICK = {"pretrain_steps": 100, "continue_steps": 20, "batch_size": 64}
 
 def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int, seed: int = 0) -> dict:
     """Every stage's held-out metrics, time and parameter counts."""
-    train_pairs, _ = digits_pairs(seed)
+    train_pairs, _ = digits_pairs()
     tokenizer = caption_tokenizer(train_pairs.captions)
     with atomic_directory(root / "init", overwrite=True) as tmp:
         tiny_clip(tokenizer, seed=seed).save_pretrained(tmp)

@@ -195,7 +195,7 @@ def _tiny_clip(args: argparse.Namespace) -> int:
     from .io import atomic_directory
     from .pairs import caption_tokenizer, load_pairs, tiny_clip
 
-    pairs = load_pairs(args.data, seed=args.seed, split="train")
+    pairs = load_pairs(args.data, split="train")
     tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
     model = tiny_clip(tokenizer, image_size=args.image_size, patch_size=args.patch_size,
                       hidden_size=args.hidden_size, layers=args.layers, max_length=args.max_length, seed=args.seed)

@@ -37,10 +37,6 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
 
 
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-
-
 @torch.no_grad()
 def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256) -> torch.Tensor:
     """Unit-norm projected caption embeddings [N, P]."""
@@ -53,7 +49,7 @@ def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: 
         enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
         features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
         out.append(getattr(features, "pooler_output", features).float())
-    return _unit(torch.cat(out))
+    return F.normalize(torch.cat(out), dim=-1)
 
 
 @torch.no_grad()
@@ -68,7 +64,7 @@ def image_features(model: nn.Module, images: list, batch_size: int = 256) -> tor
         batch = pixel_values(images[start:start + batch_size], size).to(device)
         features = model.get_image_features(pixel_values=batch)
         out.append(getattr(features, "pooler_output", features).float())
-    return _unit(torch.cat(out))
+    return F.normalize(torch.cat(out), dim=-1)
 
 
 def recall_at(scores_QC: torch.Tensor, relevant_QC: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
@@ -95,7 +91,8 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
         distinct = sorted(set(pairs.captions))
         text_CP = text_features(model, tokenizer, distinct, batch_size)
         image_NP = image_features(model, pairs.images, batch_size)
-        caption_of = torch.tensor([distinct.index(c) for c in pairs.captions])
+        index = {caption: i for i, caption in enumerate(distinct)}
+        caption_of = torch.tensor([index[c] for c in pairs.captions])
         relevant_NC = torch.zeros(len(pairs), len(distinct), dtype=torch.bool)
         relevant_NC[torch.arange(len(pairs)), caption_of] = True
         scores_NC = image_NP @ text_CP.t()
@@ -106,7 +103,7 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
             templates = templates or pairs.templates
             prompts = [t.format(name=name) for name in pairs.class_names for t in templates]
             prompt_KP = text_features(model, tokenizer, prompts, batch_size)
-            class_KP = _unit(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1))
+            class_KP = F.normalize(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1), dim=-1)
             predicted = (image_NP @ class_KP.t()).argmax(1)
             result["zero_shot"] = {"accuracy": float((predicted == torch.tensor(pairs.labels)).double().mean()),
                                    "classes": len(pairs.class_names), "templates": list(templates)}
@@ -116,7 +113,7 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
 
 
 def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, sequence_length: int = 256,
-                   seed: int = 0) -> dict:
+                   ) -> dict:
     """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
     the embedded held-out Wikipedia split, CLIP models to the digits test split."""
     from .data import pack_documents
@@ -133,7 +130,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
     if task == "clip":
         source = data or "digits"
         result["data"] = "digits test split" if source == "digits" else source
-        result.update(clip_metrics(model, tokenizer, load_pairs(source, seed=seed, split="heldout")))
+        result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
         return result
     try:
         held = read_texts(data) if data is not None else wikipedia_split()[1]

@@ -38,7 +38,8 @@ def _group(model: nn.Module, group: str) -> Selection:
         return dict.fromkeys(names)
     moe_names = [n for n in names if any(n.startswith(path + ".") for path in layers)]
     if group == "dense":
-        return dict.fromkeys(n for n in names if n not in set(moe_names))
+        in_moe = set(moe_names)
+        return dict.fromkeys(n for n in names if n not in in_moe)
     if group == "moe":
         return dict.fromkeys(moe_names)
     picked: Selection = {}

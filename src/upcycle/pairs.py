@@ -14,7 +14,6 @@ Shape suffixes: N pairs, L caption length, C channels, H and W image height and 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +52,10 @@ class Pairs:
                      None if self.labels is None else [self.labels[i] for i in keep], self.class_names, self.templates)
 
 
-def digits_pairs(seed: int = 0) -> tuple[Pairs, Pairs]:
-    """(train, held-out) digits pairs (every 5th image held out). `seed` is unused: the split and the captions
-    are fixed by the data."""
+def digits_pairs() -> tuple[Pairs, Pairs]:
+    """(train, held-out) digits pairs (every 5th image held out); the data fix the split and the captions."""
     from sklearn.datasets import load_digits
 
-    del seed
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32) / 16.0      # [N, 8, 8], ink in [0, 1]
     labels = torch.tensor(digits.target, dtype=torch.long)
@@ -102,14 +99,14 @@ def read_pairs(source: str | Path) -> Pairs:
     """Pairs from a JSONL file or an image folder (see the module docstring)."""
     path = Path(source)
     if path.is_file():
+        from .text import jsonl_rows
+
         images, captions, names = [], [], []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UpcycleError(f"{path}:{lineno}: invalid JSON ({e})") from None
+        try:
+            rows = list(jsonl_rows(path.read_text(encoding="utf-8"), path))
+        except ValueError as e:
+            raise UpcycleError(str(e)) from None
+        for lineno, row in rows:
             if not isinstance(row, dict) or not isinstance(row.get("image"), str) \
                     or not isinstance(row.get("caption"), str):
                 raise UpcycleError(f'{path}:{lineno}: expected {{"image": path, "caption": text}}')
@@ -133,10 +130,10 @@ def read_pairs(source: str | Path) -> Pairs:
     return _with_labels(images, captions, names)
 
 
-def load_pairs(source: str | None, *, seed: int = 0, split: str = "train") -> Pairs:
+def load_pairs(source: str | None, *, split: str = "train") -> Pairs:
     """'digits' (or None) gives the digits split; anything else is read from disk whole."""
     if source in (None, "digits"):
-        train, held = digits_pairs(seed)
+        train, held = digits_pairs()
         return train if split == "train" else held
     return read_pairs(source)
 

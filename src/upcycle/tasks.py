@@ -111,12 +111,11 @@ class CLIPTask:
         self.max_length = model.config.text_config.max_position_embeddings
         self.image_size = model.config.vision_config.image_size
         self.patches = (self.image_size // model.config.vision_config.patch_size) ** 2 + 1
-        train = load_pairs(cfg.data, seed=cfg.seed, split="train")
+        train = load_pairs(cfg.data, split="train")
         self.train = SeededBatches(self.encode(train), cfg.batch_size, cfg.seed)
         self.held = None
         if cfg.eval_data is not None or cfg.data in (None, "digits"):
-            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, seed=cfg.seed,
-                                   split="heldout")
+            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout")
 
     def encode(self, pairs) -> dict[str, torch.Tensor]:
         return {**encode_captions(self.tokenizer, pairs.captions, self.max_length),

@@ -225,6 +225,19 @@ def wikipedia_split(
 _BLANK_LINES = re.compile(r"\n(?:[ \t]*\n)+")
 
 
+def jsonl_rows(content: str, file: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of JSONL `content`; ValueError on invalid JSON."""
+    # split("\n") rather than splitlines(): JSON may legally contain raw
+    # U+2028 and similar characters that splitlines() would break on.
+    for lineno, line in enumerate(content.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc})") from exc
+
+
 def read_texts(path: str | os.PathLike) -> list[str]:
     """Read documents from a user text file.
 
@@ -247,15 +260,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
     if file.suffix.lower() == ".jsonl":
         texts = []
-        # split("\n") rather than splitlines(): JSON may legally contain raw
-        # U+2028 and similar characters that splitlines() would break on.
-        for lineno, line in enumerate(content.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{file}:{lineno}: invalid JSON ({exc})") from exc
+        for lineno, row in jsonl_rows(content, file):
             text = row.get("text") if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f'{file}:{lineno}: expected a JSON object with a string "text" field')

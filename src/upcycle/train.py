@@ -121,7 +121,7 @@ def _layer_stats(record: RoutingRecord | None) -> dict | None:
     from .analysis.routing import load_cov, router_load, routing_entropy
 
     with torch.no_grad():
-        probs = record.logits_TE.detach().softmax(-1)
+        probs = record.probs_TE.detach()
         load = router_load(record.topk_ids_TK, probs.shape[1], record.mask_T)
         kept = record.kept_TK
         if kept is not None and record.mask_T is not None:
@@ -151,8 +151,8 @@ def _check_out(cfg: TrainConfig, out: Path, resume: bool) -> None:
         saved_file = out / RUN_CONFIG
         if not saved_file.exists():
             raise UpcycleError(f"cannot resume: {out} has no {RUN_CONFIG}")
-        saved = build(TrainConfig, yaml.safe_load(saved_file.read_text()))
-        differ = {k for k, v in to_dict(cfg).items() if to_dict(saved)[k] != v} - RESUMABLE_CHANGES
+        saved = to_dict(build(TrainConfig, yaml.safe_load(saved_file.read_text())))
+        differ = {k for k, v in to_dict(cfg).items() if saved[k] != v} - RESUMABLE_CHANGES
         if differ:
             raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
                                f"from {saved_file}); resuming continues the same run")
