@@ -45,10 +45,10 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
 
     def stage(name: str, model: Path, steps: int, recipe: str, **changes) -> Path:
         data = {**load_recipe(CONFIGS / "train" / recipe), **changes}
-        data.update(model=str(model), steps=steps, batch_size=batch_size, seed=seed, overwrite=True)
+        data.update(model=str(model), steps=steps, batch_size=batch_size, seed=seed)
         cfg = build(TrainConfig, data)
         started = time.perf_counter()
-        summary = train(cfg, root / name, progress=False)
+        summary = train(cfg, root / name, overwrite=True, progress=False)
         log = [json.loads(line) for line in (root / name / "log.jsonl").read_text().splitlines()]
         stages[name] = {"steps": steps, "seconds": round(time.perf_counter() - started, 2),
                         "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
@@ -59,11 +59,11 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
     dense = stage("pretrain", root / "init", pretrain_steps, "tiny-clip-pretrain.yaml")
     # Upcycle both towers with CLIP-UP's placement (configs/convert/clip-up.yaml).
     started = time.perf_counter()
-    conversion = convert(ConvertConfig(model=str(dense), method="copy", seed=seed, overwrite=True,
+    conversion = convert(ConvertConfig(model=str(dense), method="copy", seed=seed,
                                        moe=MoEConfig(num_experts=8, top_k=2, capacity_factor_train=2.0,
                                                      capacity_factor_eval=2.0),
                                        placement=PlacementConfig(every=2, towers=("text", "vision"))),
-                         root / "moe", progress=False)
+                         root / "moe", overwrite=True, progress=False)
     report = conversion.report
     upcycled = {"seconds": round(time.perf_counter() - started, 2), "parameters": report["parameters"],
                 "num_moe_layers": report["num_moe_layers"], "max_abs_logit_diff": report["max_abs_logit_diff"]}

@@ -165,7 +165,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     with pytest.raises(UpcycleError, match="already exists"):
         convert(cfg(model_dir), out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
-    convert(cfg(model_dir, overwrite=True), out, progress=False)
+    convert(cfg(model_dir), out, overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert sorted(os.listdir(tmp_path)) == ["m", "out"]        # no temporary folders left
 

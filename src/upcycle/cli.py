@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 
-from .config import ConvertConfig, TrainConfig, build, load_recipe, set_override
+from .config import ConvertConfig, TrainConfig, build, load_recipe, refuse_overwrite_key, set_override
 from .errors import UpcycleError
 
 
@@ -88,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     t.add_argument("--stop-after", type=int, dest="stop_after",
                    help="checkpoint and exit after this step (resume later to finish the schedule)")
-    t.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
+    t.add_argument("--overwrite", action="store_true", default=None,
+                   help="replace an existing OUT, once the new run holds its first checkpoint (never an input, a "
+                   "folder holding one, or the current directory)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
     e = sub.add_parser("eval", help="held-out perplexity (causal LMs) or zero-shot + retrieval (CLIP), as JSON")
@@ -127,7 +129,8 @@ def _nested(data: dict, flags: dict) -> dict:
 
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
     data = load_recipe(args.config)
-    flags = {"method": args.method, "seed": args.seed, "dtype": args.dtype, "overwrite": args.overwrite,
+    refuse_overwrite_key(data, f"recipe {args.config}")
+    flags = {"method": args.method, "seed": args.seed, "dtype": args.dtype,
              "export": args.export, "export_class": args.export_class,
              "moe.num_experts": args.num_experts, "moe.top_k": args.top_k, "placement.every": args.every,
              "placement.layers": args.layers, "check.text": args.probe_text,
@@ -135,37 +138,44 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
              "placement.towers": args.towers.split(",") if args.towers else None}
     data["model"] = args.model
     _nested(data, flags)
-    for assignment in args.set:
-        set_override(data, assignment)
+    _apply_sets(data, args.set)
     return build(ConvertConfig, data)
 
 
+def _apply_sets(data: dict, assignments: list[str]) -> None:
+    for assignment in assignments:
+        probe: dict = {}
+        set_override(probe, assignment)
+        refuse_overwrite_key(probe, f"--set {assignment}")
+        set_override(data, assignment)
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    data = load_recipe(args.config)
+    if args.resume and args.config is None:   # the run's own config, with any flags on top (which must agree)
+        from pathlib import Path
+
+        from .train import saved_config
+
+        data = saved_config(Path(args.out))
+    else:
+        data = load_recipe(args.config)
+        refuse_overwrite_key(data, f"recipe {args.config}")
     data["model"] = args.model
     names = ("task", "data", "eval_data", "steps", "batch_size", "grad_accum", "sequence_length", "lr", "schedule",
-             "warmup", "weight_decay",
-             "checkpoint_every", "eval_every", "mixed_precision", "seed", "overwrite")
+             "warmup", "weight_decay", "checkpoint_every", "eval_every", "mixed_precision", "seed")
     flags = {name: getattr(args, name) for name in names}
     flags["train"] = [x for x in args.train.split(",") if x] if args.train else None
     _nested(data, flags)
-    for assignment in args.set:
-        set_override(data, assignment)
+    _apply_sets(data, args.set)
     return build(TrainConfig, data)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import RUN_CONFIG, train
+    from .train import train
 
-    if args.resume:   # the run's own config, with any flags given on top (which must agree, except a few)
-        from pathlib import Path
-
-        saved = Path(args.out) / RUN_CONFIG
-        if not saved.exists():
-            raise UpcycleError(f"cannot resume: {args.out} has no {RUN_CONFIG}")
-        args.config = args.config or str(saved)
     cfg = train_config(args)
-    summary = train(cfg, args.out, resume=args.resume, stop_after=args.stop_after, progress=not args.quiet)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
+                    progress=not args.quiet)
     if summary["interrupted"]:
         print(f"upcycle: interrupted at step {summary['step']}; checkpoint {summary['checkpoint']} "
               f"(continue with --resume)", file=sys.stderr)
@@ -192,8 +202,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _tiny_clip(args: argparse.Namespace) -> int:
-    from .io import atomic_directory
+    from .io import atomic_directory, check_output_location
     from .pairs import caption_tokenizer, load_pairs, tiny_clip
+
+    check_output_location(args.out, overwrite=args.overwrite)
 
     pairs = load_pairs(args.data, split="train")
     tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
@@ -245,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()
         cfg = convert_config(args)
-        result = convert(cfg, args.out, progress=not args.quiet)
+        result = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet)
     except UpcycleError as e:
         print(f"upcycle: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("upcycle: interrupted; nothing was written", file=sys.stderr)
+    except KeyboardInterrupt as e:     # train says what OUT holds; elsewhere outputs are written atomically
+        print(f"upcycle: interrupted; {e or 'nothing was written'}", file=sys.stderr)
         return 130
     r = result.report
     summary = {k: r[k] for k in ("method", "num_moe_layers", "num_experts", "top_k", "max_abs_logit_diff",

@@ -90,7 +90,7 @@ class ConvertConfig:
     dtype: str = "float32"      # dtype the model is loaded and converted in
     export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
     export_class: str = "auto"  # with export=hf: auto, qwen2_moe, qwen3_moe or mixtral
-    overwrite: bool = False
+    # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,8 +129,12 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0             # steps between evaluations (0: only before and after training)
     eval_tokens: int = 32768        # causal_lm: held-out tokens per evaluation
+    # A step whose loss or gradient norm is NaN/inf: "stop" the run (OUT keeps its last good checkpoint), or
+    # "skip" it (no update; the schedule moves on) and stop only once more than max_skipped_steps were skipped.
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10
     seed: int = 0
-    overwrite: bool = False
+    # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
 
 
 def _coerce(value, hint, where: str):
@@ -216,3 +220,13 @@ def to_dict(cfg) -> dict:
             return [plain(x) for x in v]
         return v
     return plain(dataclasses.asdict(cfg))
+
+
+OVERWRITE_IS_A_FLAG = ("overwrite is not a recipe or --set key: replacing an existing output is decided on the "
+                       "command line only (--overwrite), so that a shared recipe cannot delete folders")
+
+
+def refuse_overwrite_key(data: dict, where: str) -> None:
+    """A recipe (or --set) that asks to replace outputs is refused with the reason."""
+    if isinstance(data, dict) and "overwrite" in data:
+        raise UpcycleError(f"{where}: {OVERWRITE_IS_A_FLAG}")

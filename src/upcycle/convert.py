@@ -28,7 +28,7 @@ from .checks import compare, count_parameters, make_probe, probe_output
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
 from .export import EXPORT_CLASSES, export_hf, export_target
-from .io import atomic_directory, save
+from .io import atomic_directory, check_output_location, save
 from .methods import Method, get_method
 from .moe import MoELayer
 from .surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
@@ -243,11 +243,13 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     return report
 
 
-def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool = True) -> Conversion:
-    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically."""
+def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: bool = False,
+            progress: bool = True) -> Conversion:
+    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically; `overwrite`
+    lets it replace an existing `out` (never an input, a folder holding one, or the current directory)."""
     validate(cfg)
-    if out is not None and Path(out).exists() and not cfg.overwrite:
-        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    if out is not None:
+        check_output_location(out, inputs=(cfg.model, cfg.check.text, cfg.calibration.data), overwrite=overwrite)
     if cfg.check.text is not None and not Path(cfg.check.text).is_file():
         raise UpcycleError(f"check.text: no file {cfg.check.text}")
     calibration_data, calibration_source = calibration_corpus(cfg)
@@ -274,7 +276,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, progress: bool
     report["timings_s"] = {"load": load_s, **report["timings_s"]}
     if out is not None:
         t = time.perf_counter()
-        with atomic_directory(out, overwrite=cfg.overwrite) as tmp:
+        with atomic_directory(out, overwrite=overwrite) as tmp:
             probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source)
             report["export"] = write_output(model, tmp, cfg, tokenizer, probe.inputs)
             (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))

@@ -13,6 +13,11 @@ DeepSpeed); checkpoints are Accelerate's `save_state` (model, optimizer, RNG of 
 schedule, the step and the EMA teacher, written to a temporary folder and renamed, so a checkpoint is either
 complete or absent. Resuming restores all of it and the data order, so the run continues as if never stopped.
 
+Safety (what OUT may and may not do): everything (config, model, data, the OUT location) is validated before OUT
+is touched; a new run is staged in a temporary sibling of OUT that replaces OUT only once it holds a checkpoint,
+so a run that fails or is stopped before then leaves OUT as it was; OUT may never be an input, hold one, or be
+the current directory; checkpoints are safetensors/JSON (`upcycle.checkpoint`), never unpickled code.
+
 Output folder OUT:  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/   model/ (the final model; an upcycle
 folder for MoE models, a plain transformers folder for dense ones)
 """
@@ -25,6 +30,8 @@ import math
 import os
 import shutil
 import signal
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,10 +39,11 @@ import torch
 import yaml
 from torch import nn
 
+from . import checkpoint
 from .config import TrainConfig, build, to_dict
 from .errors import UpcycleError
 from .freezing import Freezer
-from .io import atomic_directory, save
+from .io import atomic_directory, check_output_location, clean_stale_temporaries, replace_directory, save, temp_prefix
 from .moe import RoutingRecord
 from .objective import Regularized
 from .surgery import moe_layers
@@ -45,7 +53,12 @@ RUN_CONFIG = "run_config.yaml"
 LOG = "log.jsonl"
 CHECKPOINTS = "checkpoints"
 # keys that may differ when resuming: they change what is written, not what is computed
-RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every", "overwrite"}
+RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every"}
+
+
+class TrainingStopped(UpcycleError):
+    """The run stopped before its end for a reason the user must see (non-finite loss, a second Ctrl-C); the
+    message says what OUT holds now."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -60,36 +73,53 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
+def _in_range(where: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False,
+              ) -> None:
+    """Refuse a non-finite or out-of-range number with the key's name and the allowed interval."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > low if low_open else value >= low) \
+        and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise UpcycleError(f"{where} must be a finite number in {interval}, got {value!r}")
+
+
 def validate(cfg: TrainConfig) -> None:
+    """Every setting in range before anything loads: a NaN or infinite learning rate, a negative coefficient or a
+    fraction outside [0, 1] would otherwise train silently into NaN weights."""
     if cfg.task is not None and cfg.task not in TASKS:
         raise UpcycleError(f"task must be one of {TASKS}, got {cfg.task!r}")
     if cfg.schedule not in ("linear", "cosine", "constant"):
         raise UpcycleError(f"schedule must be linear, cosine or constant, got {cfg.schedule!r}")
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise UpcycleError(f"mixed_precision must be auto, no, bf16 or fp16, got {cfg.mixed_precision!r}")
-    for name in ("steps", "batch_size", "grad_accum", "sequence_length", "keep_checkpoints"):
+    if cfg.on_nonfinite not in ("stop", "skip"):
+        raise UpcycleError(f"on_nonfinite must be stop or skip, got {cfg.on_nonfinite!r}")
+    for name in ("steps", "batch_size", "grad_accum", "sequence_length", "keep_checkpoints", "eval_tokens"):
         if getattr(cfg, name) < 1:
             raise UpcycleError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if not 0 <= cfg.warmup < 1:
-        raise UpcycleError(f"warmup is a fraction of the steps in [0, 1), got {cfg.warmup}")
-    if not 0 <= cfg.regularizers.router_until <= 1:
-        raise UpcycleError(f"regularizers.router_until is a fraction of the steps in [0, 1], got "
-                           f"{cfg.regularizers.router_until}")
-    if cfg.lr <= 0 or len(cfg.betas) != 2:
-        raise UpcycleError("lr must be > 0 and betas a pair")
-
-
-class Progress:
-    """The trainer's own resumable state (checkpointed with Accelerate's custom objects)."""
-
-    def __init__(self) -> None:
-        self.step, self.tokens = 0, 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+    for name in ("checkpoint_every", "eval_every", "max_skipped_steps"):
+        if getattr(cfg, name) < 0:
+            raise UpcycleError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    _in_range("lr", cfg.lr, 0, math.inf, low_open=True, high_open=True)
+    _in_range("warmup", cfg.warmup, 0, 1, high_open=True)
+    _in_range("min_lr_ratio", cfg.min_lr_ratio, 0, 1)
+    _in_range("weight_decay", cfg.weight_decay, 0, math.inf, high_open=True)
+    if len(cfg.betas) != 2:
+        raise UpcycleError(f"betas must be a pair, got {list(cfg.betas)}")
+    for i, beta in enumerate(cfg.betas):
+        _in_range(f"betas[{i}]", beta, 0, 1, high_open=True)
+    if cfg.clip_grad is not None:
+        _in_range("clip_grad", cfg.clip_grad, 0, math.inf, low_open=True, high_open=True)
+    r = cfg.regularizers
+    for name in ("load_balance", "z_loss", "limoe_local", "limoe_global", "dpsl", "eesd", "aux_free_rate"):
+        _in_range(f"regularizers.{name}", getattr(r, name), 0, math.inf, high_open=True)
+    _in_range("regularizers.limoe_m", r.limoe_m, 1, math.inf, high_open=True)
+    _in_range("regularizers.eesd_beta", r.eesd_beta, 0, 1, high_open=True)
+    _in_range("regularizers.eesd_uncertain_fraction", r.eesd_uncertain_fraction, 0, 1, low_open=True)
+    _in_range("regularizers.router_until", r.router_until, 0, 1)
+    alphas = r.dpsl_alpha if isinstance(r.dpsl_alpha, list) else [r.dpsl_alpha]
+    for alpha in (a for row in alphas for a in (row if isinstance(row, list) else [row])):
+        _in_range("regularizers.dpsl_alpha", alpha, 0, math.inf, low_open=True, high_open=True)
 
 
 class StopFlag:
@@ -140,32 +170,51 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.checkpoint.problem`)."""
     folder = out / CHECKPOINTS
     return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
 
 
-def _check_out(cfg: TrainConfig, out: Path, resume: bool) -> None:
-    """Refuse an OUT that would be clobbered, or a resume that would not continue the same run."""
-    if resume:
-        saved_file = out / RUN_CONFIG
-        if not saved_file.exists():
-            raise UpcycleError(f"cannot resume: {out} has no {RUN_CONFIG}")
-        saved = to_dict(build(TrainConfig, yaml.safe_load(saved_file.read_text())))
-        differ = {k for k, v in to_dict(cfg).items() if saved[k] != v} - RESUMABLE_CHANGES
-        if differ:
-            raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
-                               f"from {saved_file}); resuming continues the same run")
-    elif out.exists() and any(out.iterdir()) and not cfg.overwrite:
+def saved_config(out: Path) -> dict:
+    """The run's own config as a recipe mapping (a legacy `overwrite` key, which runs once saved, dropped)."""
+    saved_file = out / RUN_CONFIG
+    if not saved_file.is_file():
+        raise UpcycleError(f"cannot resume: {out} has no {RUN_CONFIG}")
+    try:
+        data = yaml.safe_load(saved_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UpcycleError(f"cannot resume: {saved_file} is not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise UpcycleError(f"cannot resume: {saved_file} is not a run config")
+    data.pop("overwrite", None)
+    return data
+
+
+def _resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
+    """The checkpoint a resume continues from: the run config must be the saved one (apart from what only
+    changes what is written), and the newest checkpoint that verifies wins; newer broken ones are named."""
+    saved = to_dict(build(TrainConfig, saved_config(out)))
+    differ = {k for k, v in to_dict(cfg).items() if saved.get(k) != v} - RESUMABLE_CHANGES
+    if differ:
+        raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
+                           f"from {out / RUN_CONFIG}); resuming continues the same run")
+    found = checkpoints(out)
+    chosen, skipped = checkpoint.newest_complete(found, processes=processes)
+    for message in skipped:
+        print(f"[upcycle] {message}", file=sys.stderr)
+    if chosen is None:
+        raise UpcycleError(f"cannot resume: {out / CHECKPOINTS} holds no complete checkpoint"
+                           + (f" ({'; '.join(skipped)})" if skipped else ""))
+    if skipped:
+        print(f"[upcycle] resuming from {chosen.name}, the newest complete checkpoint", file=sys.stderr)
+    return chosen
+
+
+def _check_fresh_out(cfg: TrainConfig, out: Path, overwrite: bool) -> None:
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
                            f"replace it)")
-
-
-def _start_out(cfg: TrainConfig, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    check_output_location(out, inputs=(cfg.model, cfg.data, cfg.eval_data), overwrite=True)
 
 
 def _has_accelerator() -> bool:
@@ -179,59 +228,160 @@ def _mixed_precision(choice: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> dict:
+class RunFolder:
+    """Where the run writes, and what a run that stops before its first checkpoint leaves behind: nothing.
+
+    - resume: OUT itself.
+    - a new OUT (absent or empty): OUT itself, removed again (or emptied) if the run stops before its first
+      checkpoint, so a failed start leaves no half-made run folder that a rerun would take for a real one.
+    - --overwrite of an existing run: a temporary sibling of OUT (named after its owner, so a killed run's
+      folder is recognized later) that replaces OUT atomically once it holds its first checkpoint; until then
+      the old OUT is untouched.
+    """
+
+    def __init__(self, out: Path, accelerator, *, resume: bool) -> None:
+        self.out, self.accelerator = out, accelerator
+        replacing = not resume and out.is_dir() and any(out.iterdir())
+        self.staged = replacing
+        self.provisional = not resume          # removed on failure until the first checkpoint
+        self.created = not out.exists()
+        name = str(out)
+        if accelerator.is_main_process:
+            for message in clean_stale_temporaries(out):
+                print(f"[upcycle] {message}", file=sys.stderr)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if replacing:
+                name = tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent)
+                print(f"[upcycle] the new run is written to {name} and replaces {out} at its first checkpoint",
+                      file=sys.stderr)
+            elif not resume:
+                out.mkdir(exist_ok=True)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            name = broadcast_object_list([name])[0]
+        self.path = Path(name)
+
+    def committed(self) -> None:
+        """The run holds its first checkpoint: a staged run becomes OUT, and nothing is removed any more."""
+        if not self.provisional:
+            return
+        self.accelerator.wait_for_everyone()
+        if self.staged and self.accelerator.is_main_process:
+            replace_directory(self.path, self.out)
+        self.path, self.staged, self.provisional = self.out, False, False
+        self.accelerator.wait_for_everyone()
+
+    def discard(self) -> None:
+        """Undo a run that stops before its first checkpoint."""
+        if not self.provisional or not self.accelerator.is_main_process:
+            return
+        if self.staged or self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:                                  # OUT was an empty folder the user made: leave it empty
+            for child in self.path.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def state(self) -> str:
+        """What OUT holds now, for the message of a run that stops early."""
+        if self.provisional:
+            return f"nothing was written: {self.out} is as it was"
+        found = checkpoints(self.out)
+        return (f"{self.out} keeps checkpoint {found[-1].name} (continue with --resume)" if found else
+                f"{self.out} holds no checkpoint")
+
+
+def _read_log(path: Path, upto: int) -> list[str]:
+    """The log lines of steps <= `upto`; a torn line (a write cut off by a crash) is dropped, with a note."""
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            print(f"[upcycle] {path}: dropped unreadable line {number} (a torn write)", file=sys.stderr)
+            continue
+        if step <= upto:
+            kept.append(line)
+    return kept
+
+
+def _finite_parameters(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> dict:
     """Run (or resume) the training run in `out`; returns a summary. `stop_after` ends the run early at that
-    step with a checkpoint, as an interruption would (resume later to finish the schedule)."""
+    step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
+    new run replace an existing OUT, only once the new run holds a checkpoint."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
 
     validate(cfg)
-    out = Path(out)
+    if resume and overwrite:
+        raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
+    out = Path(out).expanduser()
     # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
     # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
     accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
-    is_main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     if cfg.batch_size % (world * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
-    micro = cfg.batch_size // (world * cfg.grad_accum)
-    _check_out(cfg, out, resume)          # every process checks before any of them writes
-    accelerator.wait_for_everyone()
-    if is_main and not resume:
-        _start_out(cfg, out)
-    accelerator.wait_for_everyone()
+    # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
+    resume_from = _resume_point(cfg, out, world) if resume else None
+    if not resume:
+        _check_fresh_out(cfg, out, overwrite)
     set_seed(cfg.seed)
-
     model, tokenizer = load_model(cfg.model)
     model.train()
     task = make_task(cfg, model, tokenizer)
+    accelerator.wait_for_everyone()
+    run = RunFolder(out, accelerator, resume=resume)
+    try:
+        return _run(cfg, run, accelerator, model, tokenizer, task, resume_from, stop_after, progress)
+    except KeyboardInterrupt:
+        run.discard()
+        raise KeyboardInterrupt(f"aborted; {run.state()}") from None
+    except TrainingStopped as e:
+        run.discard()
+        raise TrainingStopped(f"{e}; {run.state()}") from None
+    except BaseException:
+        run.discard()
+        raise
+
+
+def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokenizer, task,
+         resume_from: Path | None, stop_after: int | None, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    is_main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    micro = cfg.batch_size // (world * cfg.grad_accum)
+    if is_main and resume_from is None:
+        (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
     reg = Regularized(model, cfg.regularizers)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = Progress()
-    accelerator.register_for_checkpointing(scheduler, state)
-    if reg.teacher is not None:
-        accelerator.register_for_checkpointing(reg.teacher)
-    if resume:
-        found = checkpoints(out)
-        if not found:
-            raise UpcycleError(f"cannot resume: {out / CHECKPOINTS} holds no checkpoint")
-        accelerator.load_state(str(found[-1]))
     inner = accelerator.unwrap_model(model)
+    state = {"step": 0, "tokens": 0}
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, model=inner, optimizer=optimizer, scheduler=scheduler, rank=rank,
+                                device=accelerator.device, teacher=reg.teacher)
     layers = moe_layers(inner)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     router_steps = round(cfg.regularizers.router_until * cfg.steps)
 
-    log_path = out / LOG
-    if is_main and resume and log_path.exists():   # drop lines written after the checkpoint we resume from
-        kept = [line for line in log_path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= state.step]
-        log_path.write_text("".join(line + "\n" for line in kept))
+    log_path = run.path / LOG
+    if is_main and resume_from is not None:
+        for stale in (run.path / CHECKPOINTS).glob(".step-*.tmp"):      # a checkpoint write cut off by a crash
+            shutil.rmtree(stale, ignore_errors=True)
+        if log_path.exists():      # drop lines written after the checkpoint we resume from, and torn lines
+            log_path.write_text("".join(line + "\n" for line in _read_log(log_path, state["step"])))
     log = log_path.open("a") if is_main else None
 
     def write(record: dict) -> None:
@@ -247,27 +397,42 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
         return result
 
     def save_checkpoint(step: int) -> None:
-        folder = out / CHECKPOINTS
+        folder = run.path / CHECKPOINTS
         tmp = folder / f".step-{step:07d}.tmp"
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-            folder.mkdir(exist_ok=True)
+            tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        checkpoint.save_rng(tmp, rank)
+        if is_main:
+            checkpoint.save_main(tmp, model=inner, optimizer=optimizer, scheduler=scheduler, step=step,
+                                 tokens=state["tokens"], teacher=reg.teacher)
         accelerator.wait_for_everyone()
         if is_main:
+            checkpoint.write_manifest(tmp, step=step, processes=world)
             final = folder / f"step-{step:07d}"
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for old in checkpoints(out)[:-cfg.keep_checkpoints]:
+            for old in checkpoints(run.path)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        run.committed()
 
-    first_eval = evaluate(0) if state.step == 0 else None
-    bar = tqdm(total=cfg.steps, initial=state.step, disable=not (progress and is_main), desc="train", unit="step")
-    interrupted = False
+    def nonfinite(sums: dict[str, float], grad_norm) -> str | None:
+        """Why this step must not update the weights (NaN/inf loss or gradient), agreed by every process."""
+        bad = [f"{k} loss {v}" for k, v in sums.items() if not math.isfinite(v)]
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            bad.append(f"gradient norm {float(grad_norm)}")
+        flag = torch.tensor([float(bool(bad))], device=accelerator.device)
+        if world > 1:
+            flag = accelerator.reduce(flag, reduction="max")
+        return (", ".join(bad) or "non-finite values on another process") if flag.item() > 0 else None
+
+    first_eval = evaluate(0) if state["step"] == 0 else None
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not (progress and is_main), desc="train",
+               unit="step")
+    interrupted, skipped = False, 0
     with StopFlag() as stop:
-        for step in range(state.step, end):
+        for step in range(state["step"], end):
             started = time.perf_counter()
             global_batch = task.train.batch(step)
             mine = {k: v[rank * micro * cfg.grad_accum:(rank + 1) * micro * cfg.grad_accum]
@@ -285,11 +450,29 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
                 tokens += task.tokens(batch)
             freezer.before_step(step)
             trainable = [p for p in model.parameters() if p.grad is not None]
-            grad_norm = (accelerator.clip_grad_norm_(trainable, cfg.clip_grad) if cfg.clip_grad and trainable
-                         else None)
+            # max_norm inf measures the norm without clipping, so a NaN gradient is seen with clipping off too
+            grad_norm = accelerator.clip_grad_norm_(trainable, cfg.clip_grad or math.inf) if trainable else None
+            lr = scheduler.get_last_lr()[0]
+            why = nonfinite(sums, grad_norm)
+            if why is not None:
+                optimizer.zero_grad(set_to_none=True)
+                freezer.after_step()
+                if cfg.on_nonfinite == "stop" or skipped >= cfg.max_skipped_steps:
+                    raise TrainingStopped(
+                        f"step {step + 1}: {why}; training diverged and the run stopped without updating the weights"
+                        + ("" if cfg.on_nonfinite == "stop" else f" ({skipped} steps were already skipped)")
+                        + ". Lower the learning rate, or set on_nonfinite: skip to skip such steps")
+                skipped += 1
+                if reg.balancer is not None:
+                    for counts in reg.balancer.counts.values():
+                        counts.zero_()
+                scheduler.step()
+                state["step"] = step + 1
+                write({"step": step + 1, "lr": lr, "skipped": why})
+                bar.update(1)
+                continue
             optimizer.step()
             freezer.after_step()
-            lr = scheduler.get_last_lr()[0]
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if reg.balancer is not None and world > 1:   # every process moves the biases by the global load
@@ -305,7 +488,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
                 values[:-1] /= world
             loss_terms = {k: float(v) for k, v in zip(names, values[:-1].tolist(), strict=True)}
             tokens = int(values[-1])
-            state.step, state.tokens = step + 1, state.tokens + tokens
+            state["step"], state["tokens"] = step + 1, state["tokens"] + tokens
             seconds = time.perf_counter() - started
             write({"step": step + 1, "lr": lr, "loss": loss_terms, "tokens": tokens, "tokens_per_s": tokens / seconds,
                    "seconds": round(seconds, 4),
@@ -318,30 +501,32 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, sto
             flag = torch.tensor([float(stop.requested)], device=accelerator.device)
             if world > 1:       # all processes must agree to stop at the same step
                 flag = accelerator.reduce(flag, reduction="max")
-            if flag.item() > 0 and state.step < end:
+            if flag.item() > 0 and state["step"] < end:
                 interrupted = True
                 break
-            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < end:
-                save_checkpoint(state.step)
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
-                evaluate(state.step)
+            if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < end:
+                save_checkpoint(state["step"])
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < cfg.steps:
+                evaluate(state["step"])
     bar.close()
 
-    save_checkpoint(state.step)
-    summary = {"step": state.step, "steps": cfg.steps, "tokens": state.tokens, "interrupted": interrupted,
-               "checkpoint": str(checkpoints(out)[-1]) if is_main else None}
-    if state.step >= cfg.steps:
+    if not _finite_parameters(inner):
+        raise TrainingStopped(f"step {state['step']}: the weights are no longer finite; nothing of this state is kept")
+    save_checkpoint(state["step"])
+    summary = {"step": state["step"], "steps": cfg.steps, "tokens": state["tokens"], "interrupted": interrupted,
+               "skipped_steps": skipped, "checkpoint": str(checkpoints(run.path)[-1]) if is_main else None}
+    if state["step"] >= cfg.steps:
         summary["eval_before"] = first_eval
-        summary["eval_after"] = evaluate(state.step)
+        summary["eval_after"] = evaluate(state["step"])
         if is_main:
-            with atomic_directory(out / "model", overwrite=True) as tmp:
+            with atomic_directory(run.path / "model", overwrite=True) as tmp:
                 if layers:
                     save(inner, tmp, tokenizer=tokenizer)
                 else:
                     inner.save_pretrained(tmp)
                     if tokenizer is not None:
                         tokenizer.save_pretrained(tmp)
-            summary["model"] = str(out / "model")
+            summary["model"] = str(run.path / "model")
     accelerator.wait_for_everyone()
     if log is not None:
         log.close()
