@@ -116,7 +116,7 @@ def problem(folder: Path, *, processes: int) -> str | None:
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return f"its format is {manifest.get('format')} v{manifest.get('version')}, not {FORMAT} v{VERSION}"
     if manifest.get("processes") != processes:
-        return f"it was written by {manifest.get('processes')} processes, this run has {processes}"
+        return f"it was written by {manifest.get('processes')} process(es); this run has {processes} process(es)"
     needed = {"model.safetensors", "optimizer.pt", "trainer.json", *(f"rng-{r}.json" for r in range(processes))}
     if missing := sorted(needed - set(files)):
         return f"it lacks {', '.join(missing)}"

@@ -1,0 +1,292 @@
+"""What `--overwrite`, recipes and `--resume` may and may not do to the user's files (issue 11): inputs are never
+deleted, a run folder from someone else is data and never code, a failed or diverged run leaves OUT as it was
+or at its last good checkpoint, and torn checkpoints and logs fall back to what is complete."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from upcycle import checkpoint
+from upcycle.cli import main
+from upcycle.config import TrainConfig
+from upcycle.errors import UpcycleError
+from upcycle.train import TrainingStopped, checkpoints, train
+
+RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    """Every file under `folder` with its content hash: 'unchanged' means byte for byte."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _cfg(moe: Path, train_txt: Path, held: Path, **overrides) -> TrainConfig:
+    base = dict(model=str(moe), data=str(train_txt), eval_data=str(held), steps=4, batch_size=4,
+                sequence_length=32, lr=3e-3, warmup=0.0, eval_tokens=64)
+    return TrainConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def victim(tiny_lm, tmp_path) -> Path:
+    """A private copy of the tiny upcycled model, to be given as input."""
+    folder = tmp_path / "victim"
+    shutil.copytree(tiny_lm[1], folder)
+    return folder
+
+
+def test_overwrite_never_deletes_the_input(tiny_lm, victim, tmp_path, capsys):
+    train_txt = str(tiny_lm[2])
+    before = _digest(victim)
+    # OUT = the input model, OUT = a folder holding it, OUT = the folder holding the training text
+    for out in (victim, tmp_path):
+        assert main(["train", str(victim), str(out), "--overwrite", "--data", train_txt, *RUN]) == 2
+        assert "input" in capsys.readouterr().err
+    text_dir = tmp_path / "texts"
+    text_dir.mkdir()
+    shutil.copy(train_txt, text_dir / "train.txt")
+    assert main(["train", str(victim), str(text_dir), "--overwrite", "--data", str(text_dir / "train.txt"),
+                 *RUN]) == 2
+    assert (text_dir / "train.txt").exists()
+    # convert and export refuse the same
+    assert main(["convert", str(victim), str(victim), "--overwrite", "--quiet"]) == 2
+    assert main(["export", str(victim), str(victim), "--overwrite"]) == 2
+    assert _digest(victim) == before
+
+
+def test_overwrite_never_empties_the_current_directory(tiny_lm, tmp_path, monkeypatch, capsys):
+    sandbox = tmp_path / "sbx"
+    sandbox.mkdir()
+    (sandbox / "notes.txt").write_text("mine")
+    monkeypatch.chdir(sandbox)
+    assert main(["train", str(tiny_lm[1]), ".", "--overwrite", "--data", str(tiny_lm[2]), *RUN]) == 2
+    assert "current directory" in capsys.readouterr().err
+    assert main(["train", str(tiny_lm[1]), str(tmp_path), "--overwrite", "--data", str(tiny_lm[2]), *RUN]) == 2
+    assert (sandbox / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tiny_lm, tmp_path, capsys):
+    _, moe, train_txt, held = tiny_lm
+    run = tmp_path / "run"
+    train(_cfg(moe, train_txt, held, steps=2), run, progress=False)
+    before = _digest(run)
+    # a missing data file, a typo in what trains: found before OUT is touched
+    assert main(["train", str(moe), str(run), "--overwrite", "--data", str(tmp_path / "missing.jsonl"), *RUN]) == 2
+    assert main(["train", str(moe), str(run), "--overwrite", "--data", str(train_txt), "--train", "experst",
+                 *RUN]) == 2
+    assert _digest(run) == before
+    assert sorted(os.listdir(tmp_path)) == ["run"]            # no staging folder left behind
+    # a valid --overwrite replaces it
+    train(_cfg(moe, train_txt, held, steps=1), run, overwrite=True, progress=False)
+    assert [c.name for c in checkpoints(run)] == ["step-0000001"] and sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_recipes_cannot_overwrite(tiny_lm, victim, tmp_path, capsys):
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text("overwrite: true\nsteps: 2\n")
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["train", str(victim), str(out), "--config", str(recipe), "--data", str(tiny_lm[2])]) == 2
+    assert "command line only" in capsys.readouterr().err
+    assert main(["convert", str(victim), str(out), "--config", str(recipe), "--quiet"]) == 2
+    assert main(["convert", str(victim), str(out), "--set", "overwrite=true", "--quiet"]) == 2
+    assert "command line only" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+class _Payload:
+    """Unpickling this runs os.mkdir(marker): proof that a file was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_resume_never_runs_code_from_the_run_folder(tiny_lm, tmp_path):
+    _, moe, train_txt, held = tiny_lm
+    cfg = _cfg(moe, train_txt, held)
+    run = tmp_path / "run"
+    train(cfg, run, stop_after=2, progress=False)
+    marker = tmp_path / "pwned"
+    # 1. a crafted optimizer.pt, with the manifest rewritten to match it: torch.load(weights_only=True) refuses it
+    ckpt = checkpoints(run)[-1]
+    torch.save({"state": _Payload(marker), "param_groups": []}, ckpt / "optimizer.pt")
+    checkpoint.write_manifest(ckpt, step=2, processes=1)
+    with pytest.raises(UpcycleError, match="not plain tensor data"):
+        train(cfg, run, resume=True, progress=False)
+    assert not marker.exists()
+    # 2. an Accelerate-style checkpoint (custom_checkpoint_0.pkl and friends) is never loaded
+    shutil.rmtree(ckpt)
+    ckpt.mkdir()
+    torch.save(_Payload(marker), ckpt / "custom_checkpoint_0.pkl")
+    torch.save(_Payload(marker), ckpt / "random_states_0.pkl")
+    with pytest.raises(UpcycleError, match="never unpickled"):
+        train(cfg, run, resume=True, progress=False)
+    assert not marker.exists()
+
+
+def test_resume_falls_back_past_a_torn_checkpoint_and_log_line(tiny_lm, tmp_path, capsys):
+    """Truncate the newest checkpoint and tear the log's last line: resume continues from the previous complete
+    checkpoint and ends with exactly the log and weights of an uninterrupted run."""
+    _, moe, train_txt, held = tiny_lm
+    cfg = _cfg(moe, train_txt, held, checkpoint_every=1, keep_checkpoints=2)
+    train(cfg, tmp_path / "straight", progress=False)
+    run = tmp_path / "run"
+    train(cfg, run, stop_after=3, progress=False)
+    assert [c.name for c in checkpoints(run)] == ["step-0000002", "step-0000003"]
+    weights = checkpoints(run)[-1] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with (run / "log.jsonl").open("a") as log:
+        log.write('{"step": 4, "lo')
+    capsys.readouterr()
+    train(cfg, run, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert "skipped checkpoint step-0000003" in err and "resuming from step-0000002" in err
+
+    def log(folder):
+        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "seconds")}
+                for line in (folder / "log.jsonl").read_text().splitlines()]
+
+    assert log(run) == log(tmp_path / "straight")
+    from safetensors.torch import load_file
+    a, b = load_file(run / "model" / "model.safetensors"), load_file(tmp_path / "straight" / "model" /
+                                                                      "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
+    _, moe, train_txt, held = tiny_lm
+    run = tmp_path / "run"
+    train(_cfg(moe, train_txt, held), run, stop_after=1, progress=False)
+    ckpt = checkpoints(run)[-1]
+    assert checkpoint.problem(ckpt, processes=1) is None
+    assert "this run has 2 process" in checkpoint.problem(ckpt, processes=2)
+    data = bytearray((ckpt / "trainer.json").read_bytes())
+    data[-2] ^= 1                                           # same size, one bit flipped
+    (ckpt / "trainer.json").write_bytes(bytes(data))
+    assert "hash" in checkpoint.problem(ckpt, processes=1)
+    (ckpt / "manifest.json").unlink()
+    assert "no manifest" in checkpoint.problem(ckpt, processes=1)
+    with pytest.raises(UpcycleError, match="no complete checkpoint"):
+        train(_cfg(moe, train_txt, held), run, resume=True, progress=False)
+
+
+def _failing_loss(monkeypatch, at_call: int, failure):
+    """Make the causal-LM loss return NaN (or raise) on its `at_call`-th call (1-based)."""
+    import upcycle.tasks as tasks
+
+    real, calls = tasks.causal_lm_loss, {"n": 0}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        value = real(model, batch)
+        if calls["n"] == at_call:
+            if isinstance(failure, type) and issubclass(failure, BaseException):
+                raise failure
+            return value * failure
+        return value
+
+    monkeypatch.setattr(tasks, "causal_lm_loss", loss)
+
+
+def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(tiny_lm, tmp_path, monkeypatch):
+    _, moe, train_txt, held = tiny_lm
+    _failing_loss(monkeypatch, 3, float("nan"))
+    run = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match=r"step 3: task loss nan.*keeps checkpoint step-0000002"):
+        train(_cfg(moe, train_txt, held, checkpoint_every=1), run, progress=False)
+    assert checkpoints(run)[-1].name == "step-0000002" and not (run / "model").exists()
+    assert checkpoint.problem(checkpoints(run)[-1], processes=1) is None
+    weights = checkpoint.load_file(str(checkpoints(run)[-1] / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_diverged_run_before_any_checkpoint_writes_nothing(tiny_lm, tmp_path, monkeypatch):
+    _, moe, train_txt, held = tiny_lm
+    _failing_loss(monkeypatch, 2, float("inf"))
+    with pytest.raises(TrainingStopped, match="nothing was written"):
+        train(_cfg(moe, train_txt, held), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_nonfinite_steps_are_skipped_when_asked(tiny_lm, tmp_path, monkeypatch):
+    _, moe, train_txt, held = tiny_lm
+    _failing_loss(monkeypatch, 2, float("nan"))
+    summary = train(_cfg(moe, train_txt, held, on_nonfinite="skip"), tmp_path / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    skipped = [row for row in rows if "skipped" in row]
+    assert summary["skipped_steps"] == 1 and [row["step"] for row in skipped] == [2]
+    assert "task loss nan" in skipped[0]["skipped"]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 3, 4]
+    assert summary["eval_after"]["perplexity"] < float("inf")
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--lr", "-1"), ("--warmup", "1.5"),
+                                         ("--set", "regularizers.load_balance=-0.1"), ("--set", "betas=[0.9, 1.0]"),
+                                         ("--set", "regularizers.eesd_beta=.nan")])
+def test_settings_out_of_range_are_refused(tiny_lm, tmp_path, capsys, flag, value):
+    assert main(["train", str(tiny_lm[1]), str(tmp_path / "run"), "--data", str(tiny_lm[2]), *RUN, flag, value]) == 2
+    assert "must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_start_leaves_no_run_folder(tiny_lm, tmp_path, monkeypatch, capsys):
+    _, moe, train_txt, held = tiny_lm
+    run = tmp_path / "run"
+    assert main(["train", str(moe), str(run), "--data", str(train_txt), "--train", "experst", *RUN]) == 2
+    assert not run.exists()
+    # Ctrl-C before the first checkpoint: nothing was written, and it says so
+    _failing_loss(monkeypatch, 1, KeyboardInterrupt)
+    assert main(["train", str(moe), str(run), "--data", str(train_txt), *RUN]) == 130
+    assert "nothing was written" in capsys.readouterr().err and not run.exists()
+    monkeypatch.undo()
+    assert main(["train", str(moe), str(run), "--data", str(train_txt), *RUN]) == 0   # no --resume needed
+
+
+def test_an_abort_after_a_checkpoint_says_what_was_kept(tiny_lm, tmp_path, monkeypatch, capsys):
+    _, moe, train_txt, _ = tiny_lm
+    _failing_loss(monkeypatch, 3, KeyboardInterrupt)          # a second Ctrl-C in step 3
+    run = tmp_path / "run"
+    assert main(["train", str(moe), str(run), "--data", str(train_txt), *RUN, "--steps", "4",
+                 "--checkpoint-every", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "keeps checkpoint step-0000002" in err and "nothing was written" not in err
+    assert checkpoints(run)[-1].name == "step-0000002"
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path, capsys):
+    from conftest import make_tiny
+
+    model = tmp_path / "m"
+    make_tiny("gpt2").save_pretrained(model)
+    host = socket.gethostname()
+    stale = tmp_path / f".out.tmp-{host}-{_dead_pid()}-abc123"      # what SIGKILL during the final write leaves
+    live = tmp_path / f".out.tmp-{host}-{os.getpid()}-def456"       # another run of ours still writing
+    foreign = tmp_path / ".out.tmp-zz9plural-1-xyz"                 # another host's
+    for folder in (stale, live, foreign):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    assert main(["convert", str(model), str(tmp_path / "out"), "--num-experts", "2", "--top-k", "1",
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert not stale.exists() and f"removed {stale}" in err
+    assert live.exists() and foreign.exists() and f"left {foreign} in place" in err
