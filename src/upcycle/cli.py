@@ -192,11 +192,19 @@ def _eval(args: argparse.Namespace) -> int:
     path = Path(args.model)
     if (path / "model").is_dir():      # a training run folder
         path = path / "model"
+    if args.out:                       # found before the evaluation runs, not after
+        target = Path(args.out)
+        if target.is_dir():
+            raise UpcycleError(f"--out {args.out} is a folder; give a file name for the JSON")
+        if not target.parent.is_dir():
+            raise UpcycleError(f"--out {args.out}: the folder {target.parent} does not exist")
     result = evaluate_model(str(path) if path.exists() else args.model, data=args.data, tokens=args.tokens,
                             sequence_length=args.sequence_length)
     text = json.dumps(result, indent=2)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        tmp = Path(args.out).with_name(f".{Path(args.out).name}.tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(args.out)
     print(text)
     return 0
 

@@ -116,12 +116,18 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
                    ) -> dict:
     """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
     the embedded held-out Wikipedia split, CLIP models to the digits test split."""
+    from pathlib import Path
+
     from .data import pack_documents
     from .errors import UpcycleError
     from .pairs import load_pairs
-    from .tasks import load_model, task_of
+    from .tasks import check_sequence_length, load_model, task_of
     from .text import read_texts, wikipedia_split
 
+    if tokens < 1:
+        raise UpcycleError(f"--tokens must be >= 1, got {tokens}")
+    if sequence_length < 2:
+        raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
     model, tokenizer = load_model(name)
     task = task_of(model)
     result = {"model": name, "task": task}
@@ -132,13 +138,17 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
         result["data"] = "digits test split" if source == "digits" else source
         result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
         return result
+    check_sequence_length(model, sequence_length)
+    if data is not None and Path(data).is_dir():
+        raise UpcycleError(f"held-out text: {data} is a folder; give a .txt or .jsonl file with --data")
     try:
         held = read_texts(data) if data is not None else wikipedia_split()[1]
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise UpcycleError(f"held-out text: {e} (give a .txt or .jsonl file with --data)") from None
     result["data"] = data or "held-out Wikipedia (embedded)"
     ids, mask = pack_documents(tokenizer, held, sequence_length)
-    rows = max(1, tokens // sequence_length)
+    # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted)
+    rows = -(-tokens // sequence_length)
     result.update(perplexity(model, ids[:rows], mask[:rows]))
     result["sequence_length"] = sequence_length
     return result

@@ -19,7 +19,9 @@ from . import losses
 from .balance import AuxFreeBalancer
 from .config import RegularizerConfig
 from .dpsl import dpsl
+from .errors import UpcycleError
 from .moe import RoutingRecord
+from .stock_moe import StockRouting, is_stock_moe
 from .surgery import moe_layers
 from .teacher import EMATeacher
 
@@ -32,12 +34,17 @@ def _groups_for(record: RoutingRecord, groups: torch.Tensor | None) -> torch.Ten
     return flat if flat.numel() == record.logits_TE.shape[0] else None
 
 
+def routing_records(model: nn.Module) -> dict[str, RoutingRecord | None]:
+    """The latest routing record of each of upcycle's MoE layers, by layer name."""
+    return {name: layer.last_record for name, layer in moe_layers(model).items()}
+
+
 def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Tensor | None = None,
-                  ) -> dict[str, torch.Tensor]:
-    """Each enabled router loss, averaged over the MoE layers' latest routing records (unweighted)."""
+                  records: dict[str, RoutingRecord | None] | None = None) -> dict[str, torch.Tensor]:
+    """Each enabled router loss, averaged over the MoE layers' latest routing records (unweighted); `records`
+    replaces the model's own layers' (a stock MoE class's routers, `upcycle.stock_moe`)."""
     terms: dict[str, list[torch.Tensor]] = {}
-    for layer in moe_layers(model).values():
-        record = layer.last_record
+    for record in (routing_records(model) if records is None else records).values():
         if record is None:
             continue
         g, mask = _groups_for(record, groups), record.mask_T
@@ -71,6 +78,12 @@ class Regularized:
 
     def __init__(self, model: nn.Module, cfg: RegularizerConfig) -> None:
         self.model, self.cfg = model, cfg
+        self.stock = None
+        if is_stock_moe(model):
+            if cfg.eesd or cfg.aux_free_rate:
+                raise UpcycleError(f"EESD and aux-free balancing need upcycle's MoE layers; {type(model).__name__} "
+                                   "is a stock class: train the upcycle-format folder instead, then export it")
+            self.stock = StockRouting(model)
         self.teacher = (EMATeacher(model, cfg.eesd_beta, uncertain_fraction=cfg.eesd_uncertain_fraction)
                         if cfg.eesd else None)
         self.balancer = AuxFreeBalancer(model, cfg.aux_free_rate) if cfg.aux_free_rate else None
@@ -79,7 +92,8 @@ class Regularized:
              ) -> tuple[torch.Tensor, dict[str, float]]:
         """(total loss, each term's unweighted value) after a forward pass; `router=False` leaves the router
         losses out (after the warm-up phase of `cfg.router_until`)."""
-        terms = router_losses(self.model, self.cfg, groups=groups) if router else {}
+        records = self.records() if self.stock is not None else None
+        terms = router_losses(self.model, self.cfg, groups=groups, records=records) if router else {}
         if self.teacher is not None:
             terms["eesd"] = self.teacher.loss()
         total = task_loss
@@ -88,6 +102,10 @@ class Regularized:
         logged = {"task": float(task_loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
                   "total": float(total.detach())}
         return total, logged
+
+    def records(self) -> dict[str, RoutingRecord | None]:
+        """The latest routing record of every MoE layer (upcycle's, or a stock class's routers)."""
+        return dict(self.stock.records) if self.stock is not None else routing_records(self.model)
 
     def after_optimizer_step(self) -> None:
         if self.teacher is not None:

@@ -372,7 +372,7 @@ def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokeni
     if resume_from is not None:
         state = checkpoint.load(resume_from, model=inner, optimizer=optimizer, scheduler=scheduler, rank=rank,
                                 device=accelerator.device, teacher=reg.teacher)
-    layers = moe_layers(inner)
+    layers = moe_layers(inner)      # upcycle's own MoE layers (none for a dense or a stock MoE model)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     router_steps = round(cfg.regularizers.router_until * cfg.steps)
 
@@ -494,7 +494,7 @@ def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokeni
                    "seconds": round(seconds, 4),
                    "grad_norm": None if grad_norm is None else float(grad_norm),
                    "frozen_rules": freezer.active_rules(step),
-                   "layers": {name: _layer_stats(layer.last_record) for name, layer in layers.items()}})
+                   "layers": {name: _layer_stats(record) for name, record in reg.records().items()}})
             bar.update(1)
             bar.set_postfix(loss=f"{loss_terms['total']:.4f}", tok_s=f"{tokens / seconds:,.0f}")
 

@@ -1,0 +1,54 @@
+"""Stock transformers MoE classes (Qwen2-MoE, Qwen3-MoE, Mixtral) trained and evaluated as they are.
+
+`upcycle convert --export hf` writes these classes; `upcycle train` and `upcycle eval` load them back with
+`AutoModelForCausalLM` (no conversion to the upcycle format). Their router losses (METHODS §4) come from the
+same routing records as upcycle's own layers: a forward hook on each stock router (`*TopKRouter`, whose forward
+returns router logits [T, E], the combine weights and the selected experts [T, k]) keeps them, with the batch's
+padding mask. The class's own `output_router_logits` auxiliary loss stays off, so the router losses are the
+ones the recipe's coefficients ask for, computed once. EESD and the aux-free selection bias need upcycle's MoE
+layer (a teacher copy; a selection bias the stock classes do not have) and are refused for these classes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .moe import RoutingRecord
+
+STOCK_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def is_stock_moe(model_or_config) -> bool:
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "model_type", None) in STOCK_MOE_TYPES
+
+
+class StockRouting:
+    """The latest routing record of each router of a stock MoE model, by router name."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = {name: m for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")}
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no *TopKRouter modules to record routing from")
+        self.records: dict[str, RoutingRecord] = {}
+        self._mask: torch.Tensor | None = None
+        self._handles = [model.register_forward_pre_hook(self._take_mask, with_kwargs=True)]
+        self._handles += [m.register_forward_hook(self._record(name)) for name, m in self.routers.items()]
+
+    def _take_mask(self, module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask")
+        self._mask = mask.reshape(-1).bool() if mask is not None and mask.dim() == 2 else None
+
+    def _record(self, name: str):
+        def hook(module, args, output) -> None:
+            logits_TE, weights_TK, ids_TK = output
+            mask = self._mask if self._mask is not None and self._mask.numel() == logits_TE.shape[0] else None
+            self.records[name] = RoutingRecord(logits_TE=logits_TE.float(), topk_ids_TK=ids_TK,
+                                               topk_weights_TK=weights_TK.float(), kept_TK=None, mask_T=mask)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
