@@ -8,10 +8,11 @@
         log one JSONL line; checkpoint every N steps (atomically); stop cleanly on Ctrl-C
 
 The optimizer is AdamW with fresh state (CLIP-UP: optimizer state is re-initialized after upcycling), linear
-warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes (DDP, FSDP,
-DeepSpeed); checkpoints are Accelerate's `save_state` (model, optimizer, RNG of every process) plus the
-schedule, the step and the EMA teacher, written to a temporary folder and renamed, so a checkpoint is either
-complete or absent. Resuming restores all of it and the data order, so the run continues as if never stopped.
+warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes (DDP; sharded
+engines are refused until their checkpoints are built); checkpoints (`upcycle.checkpoint`: model, optimizer,
+schedule, step, EMA teacher, every process's RNG, in safetensors/JSON with a manifest of sizes and hashes) are
+written to a temporary folder and renamed, so a checkpoint is either complete or absent. Resuming restores all
+of it and the data order, so the run continues as if never stopped.
 
 Safety (what OUT may and may not do): everything (config, model, data, the OUT location) is validated before OUT
 is touched; a new run is staged in a temporary sibling of OUT that replaces OUT only once it holds a checkpoint,
@@ -328,6 +329,12 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        # upcycle.checkpoint writes the full model and optimizer state from one process (exact under DDP); a
+        # sharded engine would need its shards gathered, which is not built yet, and a checkpoint that resumes
+        # wrong is worse than none
+        raise UpcycleError(f"`upcycle train` checkpoints are built for single-process and DDP runs; "
+                           f"{accelerator.distributed_type.name} is not supported yet")
     if cfg.batch_size % (world * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
