@@ -227,11 +227,12 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
 
     from .checks import make_probe
     from .config import CheckConfig
-    from .io import atomic_directory, load
+    from .io import atomic_directory, check_writable_output, load
 
     src, out = Path(src), Path(out)
     if out.exists() and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    check_writable_output(out)
     model = load(src)
     export_target(model, export_class)          # refuse before writing anything
     try:

@@ -120,3 +120,27 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     track_padding_masks(model)
     return model.eval()
 
+
+
+def check_writable_output(out: str | os.PathLike) -> None:
+    """Refuse an OUT that `atomic_directory` could not create, before any work is done: a parent path that runs
+    through a file, a folder without write permission, a read-only or virtual file system (/proc).
+
+    The writer creates OUT's missing parents and a temporary sibling of OUT, so what must be writable is the
+    nearest folder on the way up that exists. It is probed by creating and removing an empty temporary folder
+    there (permission bits alone miss read-only mounts, /proc, and the superuser who ignores them), so the check
+    leaves nothing behind."""
+    out = Path(out).absolute()
+    base = out.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UpcycleError(f"cannot write output {out}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UpcycleError(f"cannot write output {out}: no permission to create files in {base}")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.write-check-", dir=base)
+    except OSError as e:
+        raise UpcycleError(f"cannot write output {out}: a folder cannot be created in {base} "
+                           f"({e.strerror or e})") from None
+    os.rmdir(probe)
