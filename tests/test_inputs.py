@@ -315,7 +315,7 @@ def test_probe_text_without_a_tokenizer_is_refused_before_loading(tmp_path, tiny
     probe = tmp_path / "probe.txt"
     probe.write_text("held-out text the user wants the check to run on\n")
     assert main(["convert", str(tiny_llama), str(tmp_path / "out"), "--probe-text", str(probe), "--quiet"]) == 2
-    assert f"--probe-text {probe}: model {str(tiny_llama)!r} has no tokenizer to read it with" in \
+    assert f"check.text (--probe-text) {probe}: model {str(tiny_llama)!r} has no tokenizer to read it with" in \
         capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -327,3 +327,17 @@ def test_text_calibration_without_a_tokenizer_is_refused_before_loading(tmp_path
     assert main(["convert", str(tiny_llama), str(tmp_path / "out"), "--method", "cluster", "--calibration",
                  str(text), "--quiet"]) == 2
     assert "has no tokenizer, so calibration text cannot be tokenized" in capsys.readouterr().err
+
+
+def test_probe_text_for_a_vision_model_is_refused(tmp_path, capsys, no_weights_loaded):
+    import transformers
+
+    from upcycle.pairs import caption_tokenizer
+
+    vision = tmp_path / "vision"
+    transformers.CLIPVisionModel(make_tiny("clip").config.vision_config).save_pretrained(vision)
+    caption_tokenizer(["a photo of a cat"], max_length=16).save_pretrained(vision)   # so the text is readable
+    probe = tmp_path / "probe.txt"
+    probe.write_text("text a vision tower cannot read\n")
+    assert main(["convert", str(vision), str(tmp_path / "out"), "--probe-text", str(probe), "--quiet"]) == 2
+    assert "is a vision model and takes no text" in capsys.readouterr().err

@@ -123,11 +123,12 @@ def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: 
     towers = family_of(config).towers_of(config)
     name = cfg.model
     if cfg.check.text is not None and tokenizer is None:
-        raise UpcycleError(f"--probe-text {cfg.check.text}: model {name!r} has no tokenizer to read it with (add "
-                           f"the tokenizer files to the model folder, or leave out --probe-text to probe with "
-                           f"seeded random token ids)")
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} has no tokenizer to read "
+                           f"it with (add the tokenizer files to the model folder, or leave out --probe-text to "
+                           f"probe with seeded random token ids)")
     if cfg.check.text is not None and "text" not in towers:
-        raise UpcycleError(f"--probe-text {cfg.check.text}: model {name!r} is a vision model and takes no text")
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} is a vision model and "
+                           f"takes no text")
     if calibration_data is None:
         return
     if isinstance(calibration_data[0], dict):      # model inputs from a .safetensors file
