@@ -200,7 +200,8 @@ def test_clip_cluster_from_a_safetensors_file_of_image_caption_inputs(tmp_path):
         convert(build(ConvertConfig, {"model": str(model_dir), "method": "cluster",
                                       "calibration": {"data": str(bad)}}), tmp_path / "o2", progress=False)
     wrong = tmp_path / "wrong.safetensors"
-    save_file({"input_ids": torch.full((4, 8), 10_000)}, wrong)      # ids outside the vocabulary
+    # ids outside the vocabulary (with the images a CLIP model needs: a file without them is refused earlier)
+    save_file({"input_ids": torch.full((4, 8), 10_000), "pixel_values": torch.zeros(4, 3, 16, 16)}, wrong)
     with pytest.raises(UpcycleError, match="forward failed"):
         convert(build(ConvertConfig, {"model": str(model_dir), "method": "cluster", "placement": {"towers": ["text"]},
                                       "calibration": {"data": str(wrong)}}), tmp_path / "o3", progress=False)

@@ -73,10 +73,31 @@ def default_model_path() -> Path:
     return target
 
 
+def looks_local(name: str) -> bool:
+    """Whether a model name is meant as a path on this machine rather than a hub id: it starts with `.`, `/` or
+    `~`, or its parent folder exists (`models/typo` next to a `models/` folder). A hub id `org/name` is not
+    refused when there is no folder `org` here."""
+    if name.startswith((".", "/", "~")):
+        return True
+    parent = Path(name).parent
+    return parent != Path(".") and parent.is_dir()
+
+
 def resolve_model_name(name: str) -> str:
-    """'default' / 'smollm2' and 'minilm' name the embedded models; anything else is a hub id or a local path."""
+    """'default' / 'smollm2' and 'minilm' name the embedded models; anything else is a local folder or a hub id.
+
+    A name that looks local (see `looks_local`) and is not a folder is refused at once: tried as a hub id it
+    would only fail after half a minute of network retries, with a message about the network."""
     if name in DEFAULT_MODEL_NAMES:
         return str(default_model_path())
     if name == "minilm":
         return str(minilm_path())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise UpcycleError(f"could not load model {name!r}: it is a file; a model is a folder (with config.json), "
+                           f"a hub id or 'default'")
+    if looks_local(name):
+        raise UpcycleError(f"could not load model {name!r}: no such folder ({path.absolute()} does not exist)")
     return name

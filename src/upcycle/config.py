@@ -3,11 +3,19 @@
 A recipe is a YAML mapping with the same nesting as the dataclasses; `--set a.b=v` overrides one key (the value
 is parsed as YAML, so `3`, `0.5`, `true`, `[1, 3]` and `null` mean what they say). Unknown keys and wrong types
 are refused with the key's dotted path, before anything runs.
+
+Numbers follow one rule, here and for method arguments (`coerce`): a number-typed key takes a number in any form
+a person writes it (`1e-3`, `1E-3`, `.5`, `5.`, `1e+3`, `-2.5E-4`, `8`). YAML 1.1 reads some of these as
+strings (`1e-3` has no dot), so a string that is a decimal number literal becomes a float for a float key, and an
+int key takes a number whose value is whole (`1e5`, `8.0`) but refuses `2.5`. Only number-typed keys convert:
+`method=1e3` stays the string '1e3' (and is refused as an unknown method). Booleans are YAML's (`true`, `no`...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -67,7 +75,7 @@ class RegularizerConfig:
     limoe_global: float = 0.0
     limoe_m: float = 6.0                     # limoe_global threshold log m
     dpsl: float = 0.0
-    dpsl_alpha: float | list = 1.0           # a float, a length-E list, or a [groups][E] table
+    dpsl_alpha: float | list[float] | list[list[float]] = 1.0   # a float, a length-E list, or a [groups][E] table
     eesd: float = 0.0                        # Expert-Ensemble Self-Distillation (needs an EMA teacher)
     eesd_beta: float = 0.999
     eesd_uncertain_fraction: float = 1.0     # < 1: teacher only on the most uncertain tokens
@@ -137,31 +145,78 @@ class TrainConfig:
     # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
 
 
-def _coerce(value, hint, where: str):
+# A decimal number as people write it: sign, digits with an optional point (or a point and digits), exponent.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def _number(value, kind: type, where: str):
+    """`value` as `kind` (int or float): a YAML number, or a string YAML left unread such as '1e-3'."""
+    wrong = UpcycleError(f"{where} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, bool):          # bool is an int subclass; true is not 1 here
+        raise wrong
+    if isinstance(value, str):
+        text = value.strip()
+        if _INTEGER.fullmatch(text):
+            value = int(text)            # exact, however many digits
+        elif _NUMBER.fullmatch(text):
+            value = float(text)
+        else:
+            raise wrong
+    if kind is float and isinstance(value, (int, float)):
+        return float(value)
+    if kind is int and isinstance(value, int):
+        return value
+    if kind is int and isinstance(value, float):
+        # a whole number written as a float (`1e5` tokens, `8.0` experts) is that int; 2.5 is not an int
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise UpcycleError(f"{where} must be a whole number (int), got {value!r}")
+    raise wrong
+
+
+def _fits_shape(value, hint) -> bool:
+    """Whether `value` has the outer shape of `hint` (a sequence for a list/tuple, a mapping for a dict or
+    dataclass, a scalar otherwise): the union member whose error message to show."""
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple) or hint in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin is dict or hint is dict or dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    return not isinstance(value, (list, tuple, dict))
+
+
+def coerce(value, hint, where: str):
+    """`value` (from YAML, `--set` or Python) checked and converted to the type `hint` (see the module docstring
+    for the number rule); `where` names the key in the error."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        members = [a for a in args if a is not type(None)]
+        for arg in members:
             try:
-                return _coerce(value, arg, where)
+                return coerce(value, arg, where)
             except UpcycleError as e:
-                errors.append(str(e))
-        raise UpcycleError(errors[0])
+                errors.append((arg, str(e)))
+        # report the member the value was meant for: a list's error for a list, a number's for a scalar
+        raise UpcycleError(next((e for arg, e in errors if _fits_shape(value, arg)), errors[0][1]))
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where + ".")
-    if origin is tuple:
+    if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise UpcycleError(f"{where} must be a list, got {value!r}")
-        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        return origin(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
             raise UpcycleError(f"{where} must be a mapping, got {value!r}")
         return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
+    if hint in (int, float):
+        return _number(value, hint, where)
+    if hint is bool and not isinstance(value, bool):
+        raise UpcycleError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+    if not isinstance(value, hint):
         raise UpcycleError(f"{where} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
 
@@ -177,37 +232,59 @@ def build(cls, data: dict | None, where: str = ""):
     if unknown:
         raise UpcycleError(f"unknown config key(s) {sorted(f'{where}{k}' for k in unknown)}; "
                            f"valid keys here: {', '.join(where + n for n in names)}")
-    return cls(**{k: _coerce(v, hints[k], where + k) for k, v in data.items()})
+    return cls(**{k: coerce(v, hints[k], where + k) for k, v in data.items()})
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A one-line account of a YAML syntax error (PyYAML's own message spans several lines with a caret)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def set_override(data: dict, assignment: str) -> None:
-    """Apply one `a.b.c=value` to a nested mapping in place."""
+    """Apply one `a.b.c=value` to a nested mapping in place (the value is YAML; numbers see `coerce`)."""
     if "=" not in assignment:
         raise UpcycleError(f"--set expects key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise UpcycleError(f"--set {assignment}: the key must be dotted names such as moe.top_k, got {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise UpcycleError(f"--set {assignment}: the value is not valid YAML: {_yaml_problem(e)} "
+                           f"(quote a string, close a [list])") from None
     node = data
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise UpcycleError(f"--set {key}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    node[parts[-1]] = value
 
 
 def load_recipe(path: str | Path | None) -> dict:
-    """A YAML recipe as a nested mapping (empty when no path)."""
+    """A YAML recipe as a nested mapping (empty when no path); a file that is missing, not a file, not text,
+    not YAML or not a mapping is refused with its name."""
     if path is None:
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UpcycleError(f"recipe {path} does not exist") from None
+    except IsADirectoryError:
+        raise UpcycleError(f"recipe {path} is a directory; --config takes a YAML file") from None
+    except UnicodeDecodeError:
+        raise UpcycleError(f"recipe {path} is not a text file (a YAML recipe is UTF-8 text)") from None
+    except OSError as e:       # permissions, a device, ...
+        raise UpcycleError(f"recipe {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise UpcycleError(f"recipe {path} is not valid YAML: {e}") from None
+        raise UpcycleError(f"recipe {path} is not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UpcycleError(f"recipe {path} must be a mapping at the top level")
+        raise UpcycleError(f"recipe {path} must be a mapping of config keys at the top level, "
+                           f"got a {type(data).__name__}")
     return data
 
 

@@ -70,8 +70,9 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     return method, args
 
 
-def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
-    """A dense model (hub id, local folder, or 'default') and its tokenizer when it has one."""
+def dense_config(name: str) -> tuple[str, object]:
+    """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
+    unsupported architecture fails here, in a second."""
     import transformers
 
     path = resolve_model_name(name)
@@ -80,6 +81,23 @@ def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | N
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unloadable models
         raise UpcycleError(f"could not load model {name!r}: {e}") from None
     family_of(config)   # unsupported architectures fail here, before the weights are read
+    return path, config
+
+
+def dense_tokenizer(path: str):
+    """The model's tokenizer, or None when the folder has none."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None    # tiny test models and vision-only models have none: the probe uses random ids
+
+
+def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Module:
+    """The dense model of `dense_config(name)`, in eval mode."""
+    import transformers
+
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls or (transformers.AutoModelForCausalLM if config.model_type not in ("bert", "clip")
@@ -88,11 +106,46 @@ def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | N
         model = cls.from_pretrained(path, dtype=DTYPES[dtype])
     except Exception as e:
         raise UpcycleError(f"could not load model {name!r}: {e}") from None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    except Exception:
-        tokenizer = None    # tiny test models and vision-only models have none: the probe uses random ids
-    return model.eval(), tokenizer
+    return model.eval()
+
+
+def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
+    """A dense model (hub id, local folder, or 'default') and its tokenizer when it has one."""
+    path, config = dense_config(name)
+    tokenizer = dense_tokenizer(path)
+    return dense_weights(name, path, config, dtype), tokenizer
+
+
+def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
+    """Refuse, before the weights load, data the model cannot take: text for a model with a vision tower
+    (CLIP calibrates on image-caption pairs), text without a tokenizer, model inputs lacking a tower's input,
+    and a probe text file that would silently be replaced by random ids."""
+    towers = family_of(config).towers_of(config)
+    name = cfg.model
+    if cfg.check.text is not None and tokenizer is None:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} has no tokenizer to read "
+                           f"it with (add the tokenizer files to the model folder, or leave out --probe-text to "
+                           f"probe with seeded random token ids)")
+    if cfg.check.text is not None and "text" not in towers:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} is a vision model and "
+                           f"takes no text")
+    if calibration_data is None:
+        return
+    if isinstance(calibration_data[0], dict):      # model inputs from a .safetensors file
+        needed = {"vision": "pixel_values", "text": "input_ids"}
+        missing = [needed[t] for t in towers if needed[t] not in calibration_data[0]]
+        if missing:
+            raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} ({config.model_type}, "
+                               f"towers {', '.join(towers)}) needs {' and '.join(missing)} in every batch")
+        return
+    if "vision" in towers:
+        kind = "a two-tower CLIP model" if "text" in towers else "a vision model"
+        raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} is {kind}, which calibrates "
+                           f"on images, not text: pass image-caption pairs as a .safetensors file of model inputs "
+                           f"(pixel_values{', input_ids, attention_mask' if 'text' in towers else ''})")
+    if tokenizer is None:
+        raise UpcycleError(f"model {name!r} has no tokenizer, so calibration text cannot be tokenized; "
+                           f"pass model inputs as a .safetensors file (input_ids, attention_mask)")
 
 
 def probe_texts(cfg: ConvertConfig) -> list[str] | None:
@@ -255,18 +308,18 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     calibration_data, calibration_source = calibration_corpus(cfg)
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
-    model, tokenizer = load_dense(cfg.model, cfg.dtype)
+    path, config = dense_config(cfg.model)
+    tokenizer = dense_tokenizer(path)
+    check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
+    source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
+    texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
+    model = dense_weights(cfg.model, path, config, cfg.dtype)
     load_s = time.perf_counter() - t
     phases("model loaded")
-    source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
-    texts = probe_texts(cfg) if tokenizer else None
     calibration = None
     if calibration_data is not None and isinstance(calibration_data[0], dict):
         calibration = calibration_data               # model inputs prepared by the user
-    elif calibration_data is not None:
-        if tokenizer is None:
-            raise UpcycleError(f"model {cfg.model!r} has no tokenizer, so calibration text cannot be tokenized; "
-                               f"pass model inputs as a .safetensors file (input_ids, attention_mask, pixel_values)")
+    elif calibration_data is not None:               # text, with a tokenizer (check_model_inputs)
         c = cfg.calibration
         calibration = text_batches(tokenizer, calibration_data, tokens=c.tokens, sequence_length=c.sequence_length,
                                    batch_size=c.batch_size, seed=cfg.seed)

@@ -72,7 +72,8 @@ def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
     if not out.parent.is_dir():
         return []
     said = []
-    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*")):
+    stems = (f".{glob.escape(out.name)}.tmp-*", f".{glob.escape(out.name)}.old-*")
+    for path in sorted(p for stem in stems for p in out.parent.glob(stem)):
         alive = _owner_alive(path.name, out)
         if alive is False:
             shutil.rmtree(path, ignore_errors=True)
@@ -108,6 +109,7 @@ def check_output_location(out: str | os.PathLike, *, inputs: tuple[str | os.Path
         raise UpcycleError(f"output {out} exists and is not a folder")
     if out.exists() and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    check_writable_output(out)          # a read-only or impossible OUT is found now, not after the work
     return out
 
 
@@ -205,3 +207,27 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     track_padding_masks(model)
     return model.eval()
 
+
+
+def check_writable_output(out: str | os.PathLike) -> None:
+    """Refuse an OUT that `atomic_directory` could not create, before any work is done: a parent path that runs
+    through a file, a folder without write permission, a read-only or virtual file system (/proc).
+
+    The writer creates OUT's missing parents and a temporary sibling of OUT, so what must be writable is the
+    nearest folder on the way up that exists. It is probed by creating and removing an empty temporary folder
+    there (permission bits alone miss read-only mounts, /proc, and the superuser who ignores them), so the check
+    leaves nothing behind."""
+    out = Path(out).absolute()
+    base = out.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UpcycleError(f"cannot write output {out}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UpcycleError(f"cannot write output {out}: no permission to create files in {base}")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.write-check-", dir=base)
+    except OSError as e:
+        raise UpcycleError(f"cannot write output {out}: a folder cannot be created in {base} "
+                           f"({e.strerror or e})") from None
+    os.rmdir(probe)

@@ -7,7 +7,8 @@ A method is a pure function of one dense FFN and a seeded generator (no nn.Modul
              <method arguments with type hints and defaults>) -> ExpertInit
 
 The signature is the schema: the keyword-only arguments after the common ones are the method's arguments,
-their annotations are the types `--set method_args.x=v` is checked against, their defaults the defaults.
+their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
+`upcycle.config.coerce`: `1E-3` and `.25` are floats), their defaults the defaults.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import coerce
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
 
@@ -71,19 +73,9 @@ class Method:
         resolved = {}
         for name, arg in self.args.items():
             value = given.get(name, arg.default)
-            resolved[name] = _coerce(value, arg.type, f"method {self.name!r} argument {name!r}")
+            # the config's one rule: numbers in any written form ('1E-3', '.25') for int/float arguments
+            resolved[name] = coerce(value, arg.type, f"method {self.name!r} argument {name!r}")
         return resolved
-
-
-def _coerce(value, kind: type, what: str):
-    """Accept what YAML and `--set` produce: ints for floats, exact types otherwise."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is bool and not isinstance(value, bool):
-        raise UpcycleError(f"{what} must be true or false, got {value!r}")
-    if kind in (int, float, str) and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise UpcycleError(f"{what} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
-    return value
 
 
 METHODS: dict[str, Method] = {}
