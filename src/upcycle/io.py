@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -87,8 +89,21 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> N
         tokenizer.save_pretrained(directory)
 
 
+def _saved_dtype(weights: Path) -> torch.dtype:
+    """The dtype most of the saved parameters have (the float32 routers of a bf16 model are the exception)."""
+    sizes: dict[str, int] = {}
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            tensor = f.get_slice(key)
+            sizes[tensor.get_dtype()] = sizes.get(tensor.get_dtype(), 0) + math.prod(tensor.get_shape())
+    name = max(sizes, key=sizes.get) if sizes else "F32"
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
+        name, torch.float32)
+
+
 def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked)."""
+    """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked), in the dtype
+    its weights were saved in unless `dtype` asks for another."""
     path = Path(path)
     spec_file = path / MOE_CONFIG
     if not spec_file.exists():
@@ -105,7 +120,9 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     cls = getattr(transformers, spec["model_class"], None)
     if cls is None:
         raise UpcycleError(f"{path}: transformers has no class {spec['model_class']}")
-    model = cls(config)
+    # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no weight
+    # is rounded twice; routers stay float32 in any dtype (MoELayer)
+    model = cls._from_config(config, dtype=dtype or _saved_dtype(path / WEIGHTS))
     for layer_spec in spec["layers"]:
         layer_spec = dict(layer_spec)
         block = layer_spec.pop("block")
@@ -115,8 +132,6 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
         raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     model.tie_weights()
-    if dtype is not None:
-        model.to(dtype)
     track_padding_masks(model)
     return model.eval()
 
