@@ -126,6 +126,9 @@ def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
             "compared_rows": dense.values_NC.shape[0]}
 
 
+PARTS = 4
+
+
 class ReorderedFFN(nn.Module):
     """The dense FFN `ffn` (views of the model's own weights) computed with its intermediate dimension split in
     two halves, the second half first: the same function, summed in another order."""
@@ -135,11 +138,14 @@ class ReorderedFFN(nn.Module):
         self.ffn, self.act = ffn, activation_fn(ffn.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        F_ = self.ffn.intermediate_size
-        y = self._half(x, slice(F_ // 2, F_)) + self._half(x, slice(0, F_ // 2))
+        bounds = [self.ffn.intermediate_size * i // PARTS for i in range(PARTS + 1)]
+        y = None
+        for start, stop in reversed(list(zip(bounds, bounds[1:], strict=False))):
+            part = self._part(x, slice(start, stop))
+            y = part if y is None else y + part
         return y if self.ffn.b_down is None else y + self.ffn.b_down
 
-    def _half(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    def _part(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
         f = self.ffn
 
         def project(w, b):

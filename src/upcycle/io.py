@@ -5,7 +5,7 @@ An upcycle folder holds (DESIGN principle 7, for any architecture):
   upcycle_config.json    the MoE config: model class, and per MoE layer its block path and constructor spec
   model.safetensors      all weights (tied tensors stored once)
   run_config.yaml        the resolved run configuration        upcycle_report.json   what the run measured
-  tokenizer / generation config files, when the source had them
+  tokenizer / generation config files, when the source had them (tokenizer_class readable by 4.x and 5.x)
 
 `load(path)` rebuilds the base model from its config, installs empty MoE layers where the spec says, and loads
 the weights strictly: a missing or unexpected tensor is an error, not a silent re-initialization.
@@ -86,7 +86,24 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> N
     (directory / MOE_CONFIG).write_text(json.dumps(moe_spec(model), indent=2))
     save_model(model, str(directory / WEIGHTS))
     if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
+
+
+# transformers 5 names its generic fast tokenizer "TokenizersBackend", a class transformers 4.x does not have;
+# both majors load the same tokenizer.json as PreTrainedTokenizerFast (5.x keeps that name as an alias)
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
+    """`tokenizer.save_pretrained`, with a `tokenizer_class` that transformers 4.x and 5.x both load."""
+    tokenizer.save_pretrained(directory)
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _saved_dtype(weights: Path) -> torch.dtype:
