@@ -126,9 +126,6 @@ def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
             "compared_rows": dense.values_NC.shape[0]}
 
 
-PARTS = 4
-
-
 class ReorderedFFN(nn.Module):
     """The dense FFN `ffn` (views of the model's own weights) computed with its intermediate dimension split in
     two halves, the second half first: the same function, summed in another order."""
@@ -138,11 +135,8 @@ class ReorderedFFN(nn.Module):
         self.ffn, self.act = ffn, activation_fn(ffn.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bounds = [self.ffn.intermediate_size * i // PARTS for i in range(PARTS + 1)]
-        y = None
-        for start, stop in reversed(list(zip(bounds, bounds[1:], strict=False))):
-            part = self._part(x, slice(start, stop))
-            y = part if y is None else y + part
+        F_ = self.ffn.intermediate_size
+        y = self._part(x, slice(F_ // 2, F_)) + self._part(x, slice(0, F_ // 2))
         return y if self.ffn.b_down is None else y + self.ffn.b_down
 
     def _part(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
