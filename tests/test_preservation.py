@@ -24,14 +24,14 @@ def cfg(model="x", **data) -> ConvertConfig:
                                  **data})
 
 
-def break_first_layer(monkeypatch, scale: float, rows=(0, 0)) -> None:
-    """`copy` with `w_down[rows]` (default: row 0 of expert 0) scaled by `scale` in the first converted layer."""
+def break_layer(monkeypatch, scale: float, rows=(0, 0), layer: int = 0) -> None:
+    """`copy` with `w_down[rows]` (default: row 0 of expert 0) scaled by `scale` in the `layer`-th converted layer."""
     copy = registry.METHODS["copy"]
     calls = []
 
     def broken(ffn, **kwargs):
         init = copy.fn(ffn, **kwargs)
-        if not calls:
+        if len(calls) == layer:
             w_down = init.experts.w_down.clone()
             w_down[rows] *= scale
             init = replace(init, experts=replace(init.experts, w_down=w_down))
@@ -93,7 +93,7 @@ def tiny_with_working_ffns() -> torch.nn.Module:
 
 def test_one_expert_row_scaled_by_1_001_is_refused(tmp_path, monkeypatch):
     tiny_with_working_ffns().save_pretrained(tmp_path / "m")
-    break_first_layer(monkeypatch, 1.001)
+    break_layer(monkeypatch, 1.001)
     with pytest.raises(PreservationError, match="refusing to write") as err:
         convert(cfg(tmp_path / "m", method="copy"), tmp_path / "out", progress=False)
     p = err.value.report["preservation"]
@@ -134,6 +134,6 @@ def test_low_precision_still_refuses_a_wrong_scale(dtype, tmp_path, monkeypatch)
     forgotten fold (every expert of one layer x2, as granular's scale) is a real break and is refused: measured
     about 4x (bf16) and 30x (fp16) the allowance, while the unbroken copy stays 15-17x below it."""
     tiny_with_working_ffns().save_pretrained(tmp_path / "m")
-    break_first_layer(monkeypatch, 2.0, rows=(slice(None),))
+    break_layer(monkeypatch, 2.0, rows=(slice(None),))
     with pytest.raises(PreservationError):
         convert(cfg(tmp_path / "m", method="copy", dtype=dtype), tmp_path / "out", progress=False)
