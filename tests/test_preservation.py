@@ -137,3 +137,12 @@ def test_low_precision_still_refuses_a_wrong_scale(dtype, tmp_path, monkeypatch)
     break_layer(monkeypatch, 2.0, rows=(slice(None),))
     with pytest.raises(PreservationError):
         convert(cfg(tmp_path / "m", method="copy", dtype=dtype), tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("check", [{"noise_factor": 0.0}, {"noise_factor": float("nan")}, {"tolerance": -1.0},
+                                   {"relative_tolerance": -1e-5}])
+def test_meaningless_check_settings_are_refused(check):
+    from upcycle.errors import UpcycleError
+
+    with pytest.raises(UpcycleError, match="check.noise_factor must be > 0"):
+        upcycle_model(make_tiny("llama"), cfg(check={"tokens": 16, **check}), progress=False)

@@ -26,12 +26,16 @@ A real break (a wrong weight, a wrong scale) is not rounding and stays orders of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .config import CheckConfig
 from .ffn import FFNWeights, activation_fn
+
+if TYPE_CHECKING:
+    from .architectures import Family
 
 
 @dataclass(frozen=True)
@@ -145,14 +149,16 @@ class ReorderedFFN(nn.Module):
         def project(w, b):
             return nn.functional.linear(x, w[rows], None if b is None else b[rows])
 
-        h = self.act(project(f.w_gate, f.b_gate)) * project(f.w_up, f.b_up) if f.gated else self.act(
-            project(f.w_up, f.b_up))
+        if f.gated:
+            h = self.act(project(f.w_gate, f.b_gate)) * project(f.w_up, f.b_up)
+        else:
+            h = self.act(project(f.w_up, f.b_up))
         return nn.functional.linear(h, f.w_down[:, rows])
 
 
 @torch.no_grad()
 def rounding_noise(model: nn.Module, probe: Probe, reference: ProbeOutput, blocks: list[tuple[nn.Module, object]],
-                   family) -> float:
+                   family: Family) -> float:
     """max |difference| between `reference` (the dense model's output) and the dense model's output with the
     FFN of every block in `blocks` ((block, tower config) pairs) computed by `ReorderedFFN`. The model is
     restored exactly afterwards (module references only; no weight is copied or changed)."""

@@ -59,6 +59,8 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError(f"num_experts must be >= 1, got {cfg.moe.num_experts}")
     if not 1 <= cfg.moe.top_k <= cfg.moe.num_experts:
         raise UpcycleError(f"top_k must be between 1 and num_experts ({cfg.moe.num_experts}), got {cfg.moe.top_k}")
+    if not cfg.check.noise_factor > 0 or not cfg.check.tolerance >= 0 or not cfg.check.relative_tolerance >= 0:
+        raise UpcycleError("check.noise_factor must be > 0, check.tolerance and check.relative_tolerance >= 0")
     if cfg.dtype not in DTYPES:
         raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
