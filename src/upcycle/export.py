@@ -14,9 +14,10 @@ into weights, never left in a config key a stock class might ignore:
     shared expert's down projection is written x2 (with several shared experts, their concatenation).
   - With no shared expert, Qwen2-MoE (whose blocks always have one) gets a shared expert of width 1 with all
     weights zero: its output is exactly zero, and so is every gradient of it and of its gate (h = act(0) * 0,
-    a fixed point of training, LoRA adapters on it included), so it stays a no-op. Width 0 would be the same
-    function, but every load then warns "Initializing zero-element tensors is a no-op" and peft wraps the
-    empty projections; the cost of width 1 is 4 x hidden_size parameters per MoE block.
+    a fixed point of training), so it stays a no-op. Width 0 would be the same function, but every load in
+    transformers 5 then warns "Initializing zero-element tensors is a no-op" and peft wraps empty tensors.
+    peft 0.21's LoRA, targeted by projection name, still wraps the width-1 projections; their adapters' gradients
+    are exactly zero too (checked by hand). The cost is 4 x hidden_size parameters per MoE block.
 Weights are written in the per-expert key layout (`experts.{e}.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.{e}.w1.weight`), which transformers 4.x reads as is and 5.x converts on load.
 `config.json` is written as `save_pretrained` of a fresh stock model writes it (only the values that differ
