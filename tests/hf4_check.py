@@ -1,21 +1,36 @@
 """Run inside a virtual environment with transformers 4.x (not upcycle): load every exported folder given
-with plain AutoModelForCausalLM, compare its logits with the ones upcycle saved next to it, and generate.
-Prints one JSON line per folder. Used by tests/test_export_transformers4.py."""
+with plain AutoModelForCausalLM, compare its logits with the ones upcycle saved next to it, and generate; where
+the folder has a tokenizer, load it with AutoTokenizer, compare its ids with the ones upcycle's transformers
+produced, and run pipeline("text-generation"). Prints one JSON line per folder, with every warning raised
+while loading. Used by tests/test_export_transformers4.py."""
 
 import json
+import os
 import sys
+import warnings
 
 import torch
 import transformers
 
 for folder in sys.argv[1:]:
     saved = torch.load(f"{folder}/expected_logits.pt")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits
     generated = model.generate(saved["input_ids"][:, :4], max_new_tokens=3, do_sample=False)
-    print(json.dumps({"folder": folder, "transformers": transformers.__version__, "class": type(model).__name__,
-                      "loading_problems": {k: sorted(map(str, v)) for k, v in info.items() if v},
-                      "max_abs_diff": (logits - saved["logits"]).abs().max().item(),
-                      "generated_shape": list(generated.shape)}))
+    result = {"folder": folder, "transformers": transformers.__version__, "class": type(model).__name__,
+              "loading_problems": {k: sorted(map(str, v)) for k, v in info.items() if v},
+              "load_warnings": sorted({str(w.message) for w in caught}),
+              "max_abs_diff": (logits - saved["logits"]).abs().max().item(),
+              "generated_shape": list(generated.shape)}
+    if os.path.exists(f"{folder}/tokenizer_config.json"):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        text = saved["text"]
+        generator = transformers.pipeline("text-generation", model=folder)
+        result |= {"tokenizer_class": type(tokenizer).__name__,
+                   "ids_match": tokenizer(text)["input_ids"] == saved["text_ids"],
+                   "pipeline_text": generator(text, max_new_tokens=3, do_sample=False)[0]["generated_text"]}
+    print(json.dumps(result))

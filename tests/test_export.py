@@ -57,11 +57,12 @@ def test_every_method_and_decoder_exports_to_a_stock_class(decoder_path, tmp_pat
     stock = stock_logits_match(tmp_path / "out", result.model)
     assert type(stock).__name__ == expected
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("num_experts", "num_local_experts", "rope_theta", "rope_parameters", "torch_dtype", "mlp_only_layers"):
+    for key in ("num_experts", "num_local_experts", "rope_theta", "rope_parameters", "torch_dtype", "mlp_only_layers",
+                "router_aux_loss_coef", "transformers_version"):
         assert key in config
     assert config["norm_topk_prob"] is True and config["moe_intermediate_size"] == 64
-    if kind != "qwen3":      # no shared expert: a zero-width one, whose output is exactly zero
-        assert config["shared_expert_intermediate_size"] == 0
+    if kind != "qwen3":      # no shared expert: a width-1 one with zero weights, whose output is exactly zero
+        assert config["shared_expert_intermediate_size"] == 1
     assert not (tmp_path / "out" / "upcycle_config.json").exists()
     assert json.loads((tmp_path / "out" / "upcycle_report.json").read_text())["export"]["class"] == expected
 
@@ -171,3 +172,54 @@ def test_granular_exports_with_its_fold_in_the_weights(tmp_path):
     assert result.report["folded_scales"] and result.report["export"]["class"] == "Qwen2MoeForCausalLM"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["moe_intermediate_size"] == 32
     stock_logits_match(tmp_path / "out", result.model)
+
+
+def test_config_holds_what_the_class_needs_not_every_default(tmp_path):
+    """As save_pretrained of a fresh stock model writes it: no id2label, problem_type, output_attentions..."""
+    make_tiny("llama").save_pretrained(tmp_path / "m")
+    for cls in ("qwen2_moe", "mixtral"):
+        convert(cfg(tmp_path / "m", export_class=cls), tmp_path / cls, progress=False)
+        config = json.loads((tmp_path / cls / "config.json").read_text())
+        for noise in ("id2label", "label2id", "problem_type", "output_attentions", "return_dict", "_name_or_path"):
+            assert noise not in config, (cls, noise)
+        assert config["transformers_version"] == T.__version__ and config["router_aux_loss_coef"] == 0.001
+        assert config["model_type"] == cls and config["num_hidden_layers"] == 4 and config["hidden_size"] == 32
+        assert len(config) < 40, sorted(config)      # 58 keys when every default was dumped
+
+
+def test_no_shared_expert_loads_without_warnings_and_stays_zero_under_training(tmp_path, recwarn):
+    """Qwen2-MoE blocks always hold a shared expert: without one the export writes a width-1 shared expert of
+    zeros (not width 0, whose every load warns "Initializing zero-element tensors is a no-op"). Its output and
+    every gradient of it and of its gate are exactly zero, so training leaves it a no-op."""
+    make_tiny("llama").save_pretrained(tmp_path / "m")
+    result = convert(cfg(tmp_path / "m", method="drop"), tmp_path / "out", progress=False)
+    recwarn.clear()
+    stock = stock_logits_match(tmp_path / "out", result.model).train()
+    assert not [w for w in recwarn if "zero-element" in str(w.message)]
+    assert all(p.numel() > 0 for p in stock.parameters())
+    stock(input_ids=IDS, labels=IDS).loss.backward()
+    shared = [(n, p) for n, p in stock.named_parameters() if "shared_expert" in n]
+    assert len(shared) == 4 * 4                          # gate, up, down, and the sigmoid gate of 4 blocks
+    for name, p in shared:
+        assert torch.count_nonzero(p) == 0 and torch.count_nonzero(p.grad) == 0, name
+
+
+@pytest.mark.parametrize("export", ["hf", "upcycle"])
+def test_tokenizer_is_written_with_a_class_every_transformers_loads(tmp_path, export):
+    """transformers 5 saves its fast tokenizer as "TokenizersBackend", unknown to 4.x: the export writes
+    PreTrainedTokenizerFast (tests/test_export_transformers4.py loads it there); here it loads the same."""
+    from conftest import write_tiny_lm
+
+    dense, _, held = write_tiny_lm(tmp_path / "lm")
+    result = convert(cfg(dense, check={"tokens": 16, "text": str(held)}, export=export), tmp_path / "out",
+                     progress=False)
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    tokenizer = T.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "the cat sat on the mat."
+    assert tokenizer(text)["input_ids"] == T.AutoTokenizer.from_pretrained(dense)(text)["input_ids"]
+    assert tokenizer(text)["input_ids"] == result.tokenizer(text)["input_ids"]
+    if export == "hf":
+        generator = T.pipeline("text-generation", model=str(tmp_path / "out"))
+        out = generator("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"]
+        assert out.startswith("the cat")

@@ -58,6 +58,20 @@ def upcycled(kind: str, method: str, every: int, shared: bool = False) -> torch.
     return model.eval()
 
 
+def tokenizer_folder(tmp_path: Path):
+    """A tiny Llama with a word-level tokenizer (saved by transformers 5), converted to Qwen2-MoE by the
+    command's own path (convert), so its folder holds the tokenizer as users get it."""
+    from conftest import write_tiny_lm
+    from upcycle.convert import convert
+
+    dense, _, held = write_tiny_lm(tmp_path / "lm")
+    result = convert(build(ConvertConfig, {"model": str(dense), "method": "copy", "export": "hf",
+                                           "moe": {"num_experts": 4, "top_k": 2}, "placement": {"every": 2},
+                                           "check": {"tokens": 16, "text": str(held)}}),
+                     tmp_path / "with-tokenizer", progress=False)
+    return result.model.eval(), result.tokenizer, tmp_path / "with-tokenizer"
+
+
 CASES = {  # name: (source, method, every, export class, shared expert)
     "llama-copy-qwen2moe": ("llama", "copy", 2, "auto", False),
     "llama-shared-qwen2moe": ("llama", "noise", 1, "auto", True),
@@ -78,14 +92,25 @@ def test_exports_load_and_match_under_transformers_4(hf4_python, tmp_path):
         with torch.no_grad():
             torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits}, folder / "expected_logits.pt")
         folders.append(str(folder))
+    model, tokenizer, folder = tokenizer_folder(tmp_path)
+    text = "the cat sat on the"
+    with torch.no_grad():
+        torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits, "text": text,
+                    "text_ids": tokenizer(text)["input_ids"]}, folder / "expected_logits.pt")
+    folders.append(str(folder))
     script = Path(__file__).with_name("hf4_check.py")
     run = subprocess.run([str(hf4_python), str(script), *folders], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(CASES)
+    assert len(results) == len(CASES) + 1
     for r in results:
         assert r["transformers"] == TRANSFORMERS_4
         assert not r["loading_problems"], r
+        assert not r["load_warnings"], r        # e.g. no "Initializing zero-element tensors is a no-op"
+        # same weights; 4.57 sums the experts in its own order: measured at most 6e-8 on these logits of order 1
         assert r["max_abs_diff"] <= 1e-5, r
         assert r["generated_shape"] == [2, 7]
+    with_tokenizer = results[-1]
+    assert with_tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast" and with_tokenizer["ids_match"]
+    assert with_tokenizer["pipeline_text"].startswith("the cat sat on the")
     assert {r["class"] for r in results} == {"Qwen2MoeForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"}

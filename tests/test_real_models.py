@@ -14,6 +14,10 @@ from upcycle.convert import convert, load_dense, upcycle_model
 from upcycle.surgery import moe_layers
 
 pytestmark = pytest.mark.slow
+# Mean token KL(dense || upcycled) that float32 rounding can cause: logit differences of ~1e-4 give a KL of
+# order (1e-4)^2 = 1e-8 at most per token and far less on average (measured 5.9e-12 for granular); a real
+# change is far above (spri with rho=1e-3 on two blocks: 3e-7).
+KL_ROUNDING = 1e-8
 
 
 def test_smollm2_copy_preserves_and_round_trips(tmp_path):
@@ -25,7 +29,14 @@ def test_smollm2_copy_preserves_and_round_trips(tmp_path):
     assert r["model_type"] == "llama" and r["num_moe_layers"] == 15 and r["moe_layers"][0] == "text.1"
     assert r["preservation"]["probe_source"] == "held-out Wikipedia (embedded)"
     assert r["preservation"]["compared_rows"] == 512
-    assert r["max_abs_logit_diff"] <= 1e-4 and r["kl_to_dense"] < 1e-9
+    # float32 rounding through 15 MoE blocks, which differs between CPUs' kernels: measured 1.05e-4 here and on
+    # another machine (max |logit| 40, so relative 2.6e-6). The product's own check allows 16x the rounding
+    # noise of the dense model summed in another order (2.4e-4 here); the test's independent bound is relative,
+    # 1e-4 of the logits' scale (~40x the measured value), still ~1000x below a real break (drop: > 0.1).
+    p = r["preservation"]
+    assert p["passed"] and r["max_abs_logit_diff"] <= p["allowed_max_abs_logit_diff"]
+    assert p["relative_logit_diff"] <= 1e-4
+    assert r["kl_to_dense"] < KL_ROUNDING
     # parameters: 7 extra copies of a 3 x 576 x 1536 SwiGLU FFN per MoE layer, plus an 8 x 576 router
     ffn, router = 3 * 576 * 1536, 8 * 576
     before, after = r["parameters"]["before"], r["parameters"]["after"]
@@ -64,7 +75,9 @@ def test_minilm_bert_copy_preserves_and_round_trips(tmp_path):
     r = result.report
     assert r["model_type"] == "bert" and r["num_moe_layers"] == 6
     assert r["preservation"]["compared_output"] == "last_hidden_state" and r["kl_to_dense"] is None
-    assert r["max_abs_logit_diff"] <= 1e-4
+    # hidden states of max |value| 6.1 through 6 MoE blocks: measured 3.6e-6 (relative 6e-7); bound 1e-4
+    # relative, ~170x above it and ~100x below drop's drift (> 1e-3 absolute, the next test)
+    assert r["preservation"]["passed"] and r["preservation"]["relative_logit_diff"] <= 1e-4
     loaded = upcycle.load(out)
     probe = make_probe(loaded, result.tokenizer, ["Sparse experts add capacity at the same compute. " * 30],
                        CheckConfig(sequences=2, tokens=64), seed=0)
@@ -115,6 +128,8 @@ def test_smollm2_exports_to_qwen2_moe(tmp_path, method):
     out = tmp_path / "smollm2-qwen2moe"
     result = convert(cfg, out, progress=False)
     export = result.report["export"]
+    # the stock class runs the same kernels in the same order as our layer (moe.py sorts slots as transformers
+    # does): measured 0.0; 1e-5 is check.export_tolerance, the product's own bound
     assert export["class"] == "Qwen2MoeForCausalLM" and export["max_abs_logit_diff_vs_upcycle"] <= 1e-5
     assert export["dense_layers"] == list(range(0, 30, 2))
     stock = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -137,19 +152,21 @@ def smollm2_layers(method: str, moe: dict | None = None, **method_args) -> dict:
 
 
 def test_smollm2_spri_drift_is_of_order_rho_and_exact_at_zero():
+    # measured: rho=1e-3 drifts 0.065 (KL 3e-7), rho=1e-2 0.66 (KL 3e-5): linear in rho, so the bounds hold
+    # 15x (drift), 300x (KL) and 3.4x (growth) away from the values on any CPU (rounding is 1e-4)
     small = smollm2_layers("spri", rho=1e-3)
     assert small["max_abs_logit_diff"] < 1.0 and small["kl_to_dense"] < 1e-4
     larger = smollm2_layers("spri", rho=1e-2)
     assert larger["max_abs_logit_diff"] > 3 * small["max_abs_logit_diff"]     # drift grows with rho
     exact = smollm2_layers("spri", rho=0.0)
     assert exact["preservation"]["promised"] and exact["preservation"]["passed"]
-    assert exact["kl_to_dense"] < 1e-9
+    assert exact["kl_to_dense"] < KL_ROUNDING
 
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_smollm2_granular_reproduces_the_dense_model(normalize):
     r = smollm2_layers("granular", moe={"top_k": 4, "normalize_topk": normalize})
-    assert r["preservation"]["promised"] and r["preservation"]["passed"] and r["kl_to_dense"] < 1e-9
+    assert r["preservation"]["promised"] and r["preservation"]["passed"] and r["kl_to_dense"] < KL_ROUNDING
 
 
 def test_smollm2_cluster_from_a_user_file_through_the_cli(tmp_path, capsys):
@@ -174,3 +191,38 @@ def test_smollm2_cluster_from_a_user_file_through_the_cli(tmp_path, capsys):
         assert len(layer["router_load"]) == 4
     assert 0 < r["kl_to_dense"] < 5
     assert upcycle.load(out) is not None
+
+
+def test_smollm2_all_moe_mixtral_export_passes_the_calibrated_check(tmp_path, capsys):
+    """Issue 11: every block MoE used to be refused (0.000536 > 1e-4) although it is float32 rounding through
+    30 blocks; the allowance now follows from the rounding the dense model itself shows on the probe."""
+    from upcycle.cli import main
+
+    out = tmp_path / "mixtral"
+    code = main(["convert", "default", str(out), "--num-experts", "4", "--top-k", "2", "--every", "1",
+                 "--export", "hf", "--export-class", "mixtral", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    r = json.loads((out / "upcycle_report.json").read_text())
+    p = r["preservation"]
+    assert r["num_moe_layers"] == 30 and r["export"]["class"] == "MixtralForCausalLM"
+    # measured with 8 experts: difference 5.4e-4, rounding noise 4.0e-4 (ratio 1.4), allowed 16x = 6.3e-3
+    assert p["passed"] and 0 < p["rounding_noise"] and r["max_abs_logit_diff"] <= p["allowed_max_abs_logit_diff"]
+    assert p["allowed_max_abs_logit_diff"] == p["calibrated_tolerance"] > p["ulp_floor"]
+    assert r["kl_to_dense"] < KL_ROUNDING
+
+
+def test_smollm2_all_moe_refuses_a_one_percent_wrong_scale(monkeypatch):
+    """The other side on real weights: every expert of block 15 of 30 scaled by 1.01 (a fold off by 1%)."""
+    from test_preservation import break_layer
+    from upcycle.convert import PreservationError, probe_texts
+
+    model, tokenizer = load_dense("default")
+    cfg = build(ConvertConfig, {"method": "copy", "moe": {"num_experts": 8, "top_k": 2}})
+    break_layer(monkeypatch, 1.01, rows=(slice(None),), layer=15)
+    with pytest.raises(PreservationError) as err:
+        upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg), progress=False)
+    # measured 0.10 against an allowance of 6.3e-3 (16x); the same break in block 0 is 400x, x2 is 1400x+.
+    # One row x1.001 is not tested here: in a 30-block float32 model it moves the logits by 0 to 6.6e-3
+    # depending on the row, i.e. within the rounding (README, "What rounding can explain").
+    r = err.value.report
+    assert r["max_abs_logit_diff"] > 5 * r["preservation"]["allowed_max_abs_logit_diff"]

@@ -11,16 +11,31 @@ again and reports
 
 Which output is compared: a causal LM's `logits` (real tokens only), CLIP's `logits_per_text` (image-text
 similarities, so both towers count), a bare encoder's `last_hidden_state` (then KL is undefined).
+
+The tolerance is calibrated, not fixed: an MoE layer that reproduces the dense FFN still sums its products in
+another order (per-expert token gathers, a fused gate/up matmul, two weighted copies added), so its output
+differs from the dense FFN by rounding, and that rounding grows through the depth, the number of converted
+layers and the logits' scale, and depends on the dtype and the CPU's kernels. `rounding_noise` measures it
+on the same probe: the dense model runs once more with each converted FFN computed in an equivalent
+reordered way (its intermediate dimension in two halves, summed second half first, in the model's dtype),
+and the check allows `noise_factor` times that difference (at least a few ulps of the largest output, and
+any allowance the user adds).
+A real break (a wrong weight, a wrong scale) is not rounding and stays orders of magnitude above it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .config import CheckConfig
+from .ffn import FFNWeights, activation_fn
+
+if TYPE_CHECKING:
+    from .architectures import Family
 
 
 @dataclass(frozen=True)
@@ -111,8 +126,69 @@ def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
         kl = total / rows
     scale = dense.values_NC.abs().max().item()
     return {"compared_output": dense.name, "max_abs_logit_diff": diff, "kl_to_dense": kl,
-            "relative_logit_diff": diff / scale if scale > 0 else diff,
+            "relative_logit_diff": diff / scale if scale > 0 else diff, "output_scale": scale,
             "compared_rows": dense.values_NC.shape[0]}
+
+
+class ReorderedFFN(nn.Module):
+    """The dense FFN `ffn` (views of the model's own weights) computed with its intermediate dimension split in
+    two halves, the second half first: the same function, summed in another order."""
+
+    def __init__(self, ffn: FFNWeights):
+        super().__init__()
+        self.ffn, self.act = ffn, activation_fn(ffn.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F_ = self.ffn.intermediate_size
+        y = self._part(x, slice(F_ // 2, F_)) + self._part(x, slice(0, F_ // 2))
+        return y if self.ffn.b_down is None else y + self.ffn.b_down
+
+    def _part(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        f = self.ffn
+
+        def project(w, b):
+            return nn.functional.linear(x, w[rows], None if b is None else b[rows])
+
+        if f.gated:
+            h = self.act(project(f.w_gate, f.b_gate)) * project(f.w_up, f.b_up)
+        else:
+            h = self.act(project(f.w_up, f.b_up))
+        return nn.functional.linear(h, f.w_down[:, rows])
+
+
+@torch.no_grad()
+def rounding_noise(model: nn.Module, probe: Probe, reference: ProbeOutput, blocks: list[tuple[nn.Module, object]],
+                   family: Family) -> float:
+    """max |difference| between `reference` (the dense model's output) and the dense model's output with the
+    FFN of every block in `blocks` ((block, tower config) pairs) computed by `ReorderedFFN`. The model is
+    restored exactly afterwards (module references only; no weight is copied or changed)."""
+    saved = [(m, dict(m._modules)) for block, _ in blocks for m in block.modules()]
+    try:
+        for block, tower_config in blocks:
+            family.install(block, ReorderedFFN(family.extract(block, tower_config)))
+        reordered = probe_output(model, probe)
+    finally:
+        for module, children in saved:
+            module._modules.clear()
+            module._modules.update(children)
+    return (reference.values_NC - reordered.values_NC).abs().max().item()
+
+
+# The least difference the check allows, in units in the last place of the largest dense output: a
+# reordering that happens to round identically on the probe (tiny models) still leaves the MoE its own few ulps.
+FLOOR_ULPS = 8
+
+
+def preservation_tolerance(scale: float, noise: float, dtype: torch.dtype, check: CheckConfig) -> dict:
+    """The allowed max |difference| and its parts: `check.noise_factor` x the measured rounding noise, at least
+    FLOOR_ULPS x eps(dtype) x max |dense output|, and at least the user's allowances `check.tolerance` and
+    `check.relative_tolerance` x max |dense output| (0 by default)."""
+    parts = {"rounding_noise": noise, "noise_factor": check.noise_factor,
+             "calibrated_tolerance": check.noise_factor * noise,
+             "ulp_floor": FLOOR_ULPS * torch.finfo(dtype).eps * scale, "output_scale": scale,
+             "user_tolerance": max(check.tolerance, check.relative_tolerance * scale)}
+    limit = max(parts["calibrated_tolerance"], parts["ulp_floor"], parts["user_tolerance"])
+    return {"allowed_max_abs_logit_diff": limit, **parts}
 
 
 def count_parameters(model: nn.Module) -> dict:

@@ -12,11 +12,19 @@ dropless), a non-zero selection bias, expert biases, a source attention output b
 into weights, never left in a config key a stock class might ignore:
   - Qwen2-MoE gates its shared expert by sigmoid(shared_expert_gate x); a zero gate weight gives 0.5, so the
     shared expert's down projection is written x2 (with several shared experts, their concatenation).
-  - With no shared expert, Qwen2-MoE gets a zero-width shared expert, whose output is exactly zero.
+  - With no shared expert, Qwen2-MoE (whose blocks always have one) gets a shared expert of width 1 with all
+    weights zero: its output is exactly zero, and so is every gradient of it and of its gate (h = act(0) * 0,
+    a fixed point of training), so it stays a no-op. Width 0 would be the same function, but every load in
+    transformers 5 then warns "Initializing zero-element tensors is a no-op" and peft wraps empty tensors.
+    peft 0.21's LoRA, targeted by projection name, still wraps the width-1 projections; their adapters' gradients
+    are exactly zero too (checked by hand). The cost is 4 x hidden_size parameters per MoE block.
 Weights are written in the per-expert key layout (`experts.{e}.gate_proj.weight`, Mixtral's
-`block_sparse_moe.experts.{e}.w1.weight`), which transformers 4.x reads as is and 5.x converts on load; the
-config carries the keys both read (`num_experts` and `num_local_experts`; `rope_theta`/`rope_scaling` and
-`rope_parameters`).
+`block_sparse_moe.experts.{e}.w1.weight`), which transformers 4.x reads as is and 5.x converts on load.
+`config.json` is written as `save_pretrained` of a fresh stock model writes it (only the values that differ
+from the class's defaults), plus the keys the class needs whatever their value, among them the ones 4.x and
+5.x read under different names (`num_experts` and `num_local_experts`; `rope_theta`/`rope_scaling` and
+`rope_parameters`; `torch_dtype` and `dtype`), `router_aux_loss_coef` and `transformers_version`.
+The tokenizer is saved with a `tokenizer_class` both majors know (`upcycle.io.save_tokenizer`).
 """
 
 from __future__ import annotations
@@ -30,10 +38,22 @@ from torch import nn
 
 from .architectures import family_of
 from .errors import UpcycleError
+from .io import save_tokenizer
 from .surgery import moe_layers
 
 EXPORT_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM"}
+CONFIG_CLASSES = {"qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+# Written whatever their value: the shape of the model and the keys 4.x and 5.x read under different names, so
+# that neither major falls back to a default of its own (a default may change between versions).
+ALWAYS_WRITTEN = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+    "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "num_experts",
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "rope_theta", "rope_scaling", "rope_parameters",
+    "use_sliding_window", "sliding_window", "max_window_layers", "qkv_bias", "attention_bias",
+    "router_aux_loss_coef", "output_router_logits", "torch_dtype", "dtype", "transformers_version"})
 
 
 @dataclass(frozen=True)
@@ -94,7 +114,19 @@ def _block_index(name: str) -> int:
 
 
 def export_config(model: nn.Module, target: Target) -> dict:
-    """The stock config, with the keys both transformers 4.x and 5.x read."""
+    """The stock config as a fresh stock model would save it: the values that differ from the class's
+    defaults, plus ALWAYS_WRITTEN (see the module docstring)."""
+    import transformers
+
+    full = _full_config(model, target)
+    defaults = getattr(transformers, CONFIG_CLASSES[target.model_type])().to_dict()
+    full.setdefault("router_aux_loss_coef", defaults.get("router_aux_loss_coef", 0.001))
+    full["transformers_version"] = transformers.__version__
+    return {k: v for k, v in full.items() if k in ALWAYS_WRITTEN or k not in defaults or defaults[k] != v}
+
+
+def _full_config(model: nn.Module, target: Target) -> dict:
+    """Every key of the source config, changed to the stock class's meaning."""
     src = model.config.to_dict()
     layers = {_block_index(n): layer for n, layer in moe_layers(model).items()}
     first = next(iter(layers.values()))
@@ -127,7 +159,7 @@ def export_config(model: nn.Module, target: Target) -> dict:
     })
     if target.model_type == "qwen2_moe":
         config.update({"qkv_bias": True, "shared_expert_intermediate_size":
-                       shared.num_experts * shared.intermediate_size if shared is not None else 0})
+                       shared.num_experts * shared.intermediate_size if shared is not None else 1})
     else:
         config["attention_bias"] = bool(src.get("attention_bias", False))
     return config
@@ -162,10 +194,10 @@ def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch
         if target.model_type == "qwen2_moe":
             s = layer.shared_experts.weights() if layer.shared_experts is not None else None
             D = layer.experts.w_down.shape[1]
-            # several shared experts = one wider shared expert (their outputs add up)
-            gate = torch.cat(list(s.w_gate)) if s is not None else torch.zeros(0, D, dtype=model.dtype)
-            up = torch.cat(list(s.w_up)) if s is not None else torch.zeros(0, D, dtype=model.dtype)
-            down = torch.cat(list(s.w_down), dim=1) * 2 if s is not None else torch.zeros(D, 0, dtype=model.dtype)
+            # several shared experts = one wider shared expert (their outputs add up); none = width 1, all zero
+            gate = torch.cat(list(s.w_gate)) if s is not None else torch.zeros(1, D, dtype=model.dtype)
+            up = torch.cat(list(s.w_up)) if s is not None else torch.zeros(1, D, dtype=model.dtype)
+            down = torch.cat(list(s.w_down), dim=1) * 2 if s is not None else torch.zeros(D, 1, dtype=model.dtype)
             out[f"{name}.shared_expert.gate_proj.weight"] = gate.contiguous()
             out[f"{name}.shared_expert.up_proj.weight"] = up.contiguous()
             out[f"{name}.shared_expert.down_proj.weight"] = down.contiguous()
@@ -193,7 +225,7 @@ def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tenso
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
     diff = compare_with_stock(model, directory, input_ids)
     if diff > tolerance:
         raise UpcycleError(f"the exported {target.architecture} differs from the upcycled model by {diff:.3g} "
