@@ -20,9 +20,22 @@ matrix per expert, `w_in` [E, I, D]:
   then FFN(x) = h W_down^T + b_down.
 The activation's derivative comes from autograd on the (elementwise) activation alone, so every ACT2FN
 activation works without a hand-written derivative.
+
+Dtypes, stated rather than left to autocast: the expert matmuls run in the compute dtype (the autocast dtype
+when autocast is on for the device, else the weights' dtype); each expert's output is multiplied by its float32
+combine weight into a float32 accumulator (a sum over k experts in bfloat16 would round each term again); the
+result is returned in the input's dtype. Autocast is switched off inside, and the casts of x and the weights to
+the compute dtype are ordinary autograd ops, so gradients reach float32 parameters in float32.
+
+Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
+offsets by cumsum), so a dropless forward copies nothing to the host. The per-expert loop slices the slots of
+each expert in Python and so reads the counts once (`.tolist()`); it is chosen only for large batches, where
+its bounded working set pays for that one sync.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -72,19 +85,26 @@ def _expert_ffn(act, gated, x_nD, w_in, b_in, w_down, b_down):
     return pre, y
 
 
+ACCUMULATOR = torch.float32     # dtype the weighted expert outputs are summed in
+
+
 def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, keep: list | None):
-    """Per-expert loop: gather the expert's tokens, run its FFN, add the weighted output."""
-    y_TD = x_TD.new_zeros(x_TD.shape[0], w_down.shape[1])
+    """Per-expert loop: gather the expert's tokens, run its FFN, add the float32-weighted output."""
+    if torch.is_tensor(counts):
+        counts = counts.tolist()        # the loop slices per expert on the host: its one sync
+    y_TD = x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=ACCUMULATOR)
     for e, rows in _segments(counts):
         idx = tokens_N[rows]
         pre, y = _expert_ffn(act, gated, x_TD[idx], w_in[e], None if b_in is None else b_in[e], w_down[e],
                              None if b_down is None else b_down[e])
-        weights = weights_N[rows, None].to(y.dtype)
+        weights = weights_N[rows, None]
         if keep is not None:
             keep.append((pre, y))       # per-expert tensors: small allocations the allocator can recycle
-            y = y * weights             # y itself is kept (unweighted) for the combine weights' gradient
-        else:
+            y = y.to(ACCUMULATOR) * weights     # y itself is kept (unweighted) for the combine weights' gradient
+        elif y.dtype == ACCUMULATOR:
             y.mul_(weights)
+        else:
+            y = y.to(ACCUMULATOR).mul_(weights)
         y_TD.index_add_(0, idx, y)
     return y_TD
 
@@ -98,10 +118,10 @@ SMALL_BATCH_BYTES = 16 * 2**20
 
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
     """All experts at once with torch's grouped matmul; differentiable by autograd (small batches, CPU)."""
-    counts_E = torch.tensor(counts, device=x_TD.device)
-    offsets = counts_E.cumsum(0, dtype=torch.int32)
-    if b_in is not None or b_down is not None:
-        expert_N = torch.repeat_interleave(torch.arange(len(counts), device=x_TD.device), counts_E)
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    if b_in is not None or b_down is not None:     # output_size given: no host read of the counts' sum
+        expert_N = torch.repeat_interleave(torch.arange(counts.shape[0], device=x_TD.device), counts,
+                                           output_size=tokens_N.shape[0])
     pre = torch.nn.functional.grouped_mm(x_TD[tokens_N], w_in.transpose(-2, -1), offs=offsets)
     if b_in is not None:
         pre += b_in[expert_N]
@@ -109,13 +129,14 @@ def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w
     y = torch.nn.functional.grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
     if b_down is not None:
         y += b_down[expert_N]
-    y *= weights_N[:, None].to(y.dtype)
-    return x_TD.new_zeros(x_TD.shape[0], w_down.shape[1]).index_add_(0, tokens_N, y)
+    y = y.to(ACCUMULATOR) * weights_N[:, None]
+    return x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=ACCUMULATOR).index_add_(0, tokens_N, y)
 
 
 class GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
+        counts = counts.tolist()
         ctx.kept = []
         y_TD = _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, ctx.kept)
         ctx.counts, ctx.act, ctx.gated = counts, act, gated
@@ -140,7 +161,7 @@ class GroupedFFN(torch.autograd.Function):
             gy = gy_TD[idx]
             if g_weights is not None:
                 g_weights[rows] = (gy * y).sum(-1, dtype=torch.float32).to(g_weights.dtype)
-            gy = gy * weights_N[rows, None].to(gy.dtype)
+            gy = (gy * weights_N[rows, None]).to(w_down.dtype)      # float32 accumulator -> compute dtype
             h, g_pre = _hidden(ctx.act, pre, ctx.gated, torch.mm(gy, w_down[e]))
             if g_w_down is not None:
                 torch.mm(gy.t(), h, out=g_w_down[e])
@@ -161,18 +182,44 @@ class GroupedFFN(torch.autograd.Function):
         return gx_TD, None, g_weights, None, None, None, g_w_in, g_b_in, g_w_down, g_b_down
 
 
-def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor, counts: list[int], act,
-                gated: bool, w_in: torch.Tensor, b_in: torch.Tensor | None, w_down: torch.Tensor,
-                b_down: torch.Tensor | None) -> torch.Tensor:
-    """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring)."""
-    args = (x_TD.contiguous(), tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down)
-    tensors = (x_TD, weights_N, w_in, b_in, w_down, b_down)
-    size = w_in.element_size()
-    small = tokens_N.numel() * w_in.shape[1] * size <= SMALL_BATCH_BYTES
+def compute_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype:
+    """The autocast dtype when autocast is on for this device, else the weights' own dtype."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weights_dtype
+
+
+def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
+                counts: torch.Tensor | list[int], act, gated: bool, w_in: torch.Tensor, b_in: torch.Tensor | None,
+                w_down: torch.Tensor, b_down: torch.Tensor | None) -> torch.Tensor:
+    """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring).
+    `counts` [E]: slots per expert (a tensor on x's device keeps the forward free of host syncs)."""
+    device = x_TD.device
+    dtype = compute_dtype(device, w_in.dtype)
+    counts = torch.as_tensor(counts, device=device)
+    off = torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
+        else contextlib.nullcontext()
+    with off:
+        def cast(t):
+            return None if t is None else t.to(dtype)
+
+        args = (cast(x_TD).contiguous(), tokens_N, weights_N.to(ACCUMULATOR), counts, act, gated, cast(w_in),
+                cast(b_in), cast(w_down), cast(b_down))
+        y_TD = _dispatch(args, tokens_N, w_in.shape, w_down.shape, dtype)
+    return y_TD.to(x_TD.dtype)
+
+
+def _dispatch(args: tuple, tokens_N: torch.Tensor, w_in_shape, w_down_shape, dtype: torch.dtype) -> torch.Tensor:
+    """The grouped-matmul path for small batches whose rows grouped_mm can address, else the per-expert loop
+    (autograd Function when a gradient is needed)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    small = tokens_N.numel() * w_in_shape[1] * size <= SMALL_BATCH_BYTES
     # grouped_mm wants every row stride to be a multiple of 16 bytes
-    aligned = all(d * size % 16 == 0 for d in (w_in.shape[1], w_in.shape[2], w_down.shape[2]))
+    aligned = all(d * size % 16 == 0 for d in (w_in_shape[1], w_in_shape[2], w_down_shape[2]))
+    x_TD = args[0]
     if small and aligned and x_TD.device.type == "cpu" and hasattr(torch.nn.functional, "grouped_mm"):
         return _run_grouped_mm(*args)
+    tensors = (args[0], args[2], *args[6:])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return GroupedFFN.apply(*args)
     return _run(*args, keep=None)     # inference: nothing kept for a backward

@@ -45,6 +45,19 @@ def padding_mask(mask_BS: torch.Tensor | None):
         _PADDING_MASK.reset(token)
 
 
+def router_logits(router: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
+    """float32 router logits [T, E] under any autocast (ST-MoE, torchtitan: routing is precision-sensitive).
+
+    Autocast would run the linear in bfloat16 even on float32 inputs, so it is switched off around it; the
+    .float() calls are no-ops on a float32 router and guard against a model-wide .to(bfloat16)."""
+    device = x_TD.device.type
+    off = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
+           else contextlib.nullcontext())
+    with off:
+        bias = None if router.bias is None else router.bias.float()
+        return F.linear(x_TD.float(), router.weight.float(), bias)
+
+
 @dataclass
 class RoutingRecord:
     """What one forward of one MoE layer decided; read by the losses and the analysis."""
@@ -129,7 +142,7 @@ class Experts(nn.Module):
                           activation=self.activation)
 
     def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
-                counts: list[int]) -> torch.Tensor:
+                counts: torch.Tensor | list[int]) -> torch.Tensor:
         """y[t] = sum of weights_N[s] * expert_s(x[t]) over token t's slots; slots sorted by expert."""
         return grouped_ffn(x_TD, tokens_N, weights_N, counts, self.act, self.gated, self.w_in, self.b_in,
                            self.w_down, self.b_down)
@@ -141,7 +154,7 @@ class Experts(nn.Module):
         tokens_N = torch.arange(T, device=x_TD.device).repeat(E)
         weights_N = (torch.ones(E * T, device=x_TD.device) if weights_TE is None
                      else weights_TE.t().reshape(-1))
-        return self.forward(x_TD, tokens_N, weights_N, [T] * E)
+        return self.forward(x_TD, tokens_N, weights_N, torch.full((E,), T, device=x_TD.device))
 
 
 def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
@@ -219,15 +232,12 @@ class MoELayer(nn.Module):
         return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
 
     def route(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None = None) -> RoutingRecord:
-        # .float() is a no-op on the float32 router; it guards against a model-wide .to(bfloat16).
-        bias = None if self.router.bias is None else self.router.bias.float()
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float(), bias)
+        logits_TE = router_logits(self.router, x_TD)
         probs_TE = logits_TE.softmax(dim=-1)
-        if torch.any(self.selection_bias != 0):
-            ids_TK = (probs_TE.detach() + self.selection_bias).topk(self.top_k, dim=-1).indices
-            weights_TK = probs_TE.gather(-1, ids_TK)
-        else:
-            weights_TK, ids_TK = probs_TE.topk(self.top_k, dim=-1)
+        # The selection bias is applied unconditionally: testing whether it is zero would copy a flag to the
+        # host on every forward, and a zero bias selects exactly what topk(probs) selects.
+        ids_TK = (probs_TE.detach() + self.selection_bias).topk(self.top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(-1, ids_TK)
         if self.normalize_topk:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         kept_TK = None
@@ -254,9 +264,10 @@ class MoELayer(nn.Module):
         # Order within an expert's group does not matter mathematically, but the matmul's rounding depends on a
         # row's position: sorting as transformers' MoE experts do keeps exported stock models bit-identical.
         order_N = torch.sort(ids_N).indices
-        counts = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts].tolist()
-        slots_N = order_N[: sum(counts)]
-        y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts)
+        counts_E = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts]
+        # dropless: every slot runs, a size known on the host; with capacity the kept count is read (one sync)
+        slots_N = order_N if record.kept_TK is None else order_N[: int(counts_E.sum())]
+        y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts_E)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
         if self.record_routing:

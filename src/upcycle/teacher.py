@@ -17,20 +17,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .losses import eesd
-from .moe import MoELayer
+from .moe import MoELayer, router_logits
 from .surgery import moe_layers
 
 
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     """sum_i softmax(router(x))_i E_i(x) (+ shared experts): the layer's dense all-expert ensemble."""
-    bias = None if layer.router.bias is None else layer.router.bias.float()
-    probs_TE = F.linear(x_TD.float(), layer.router.weight.float(), bias).softmax(-1)
+    probs_TE = router_logits(layer.router, x_TD).softmax(-1)
     x = x_TD.to(layer.experts.w_down.dtype)
-    y_TD = layer.experts.forward_dense(x, probs_TE.to(x.dtype))
+    y_TD = layer.experts.forward_dense(x, probs_TE)      # combine weights stay float32 (the kernel's rule)
     if layer.shared_experts is not None:
         y_TD = y_TD + layer.shared_experts.forward_dense(x)
     return y_TD

@@ -324,6 +324,13 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     if resume and overwrite:
         raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
     out = Path(out).expanduser()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Accelerate keeps one state per process: without a reset, a second run in the same Python process with
+        # another mixed_precision is refused. Under `accelerate launch` (WORLD_SIZE > 1) the launcher's state stays.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
     # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
     accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
