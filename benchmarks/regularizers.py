@@ -14,10 +14,11 @@ expert forwards per token, an MoE layer's forward + backward about 3k, so teache
 (times the fraction of tokens for the uncertain-only teacher). The MoE layers' forward + backward is estimated as
 3 x their measured forward.
 
-DPSL: forward + backward of `dpsl` on B = 73,728 tokens x 16 experts (alpha = 1), median of repetitions, as a
-fraction of one training step at 73,728 tokens. On this CPU machine a step at 73,728 tokens takes minutes, so
-the step time is measured at 1,024 and 2,048 tokens and extrapolated along the line through them (a fixed
-part, mostly AdamW over 413M parameters, plus a per-token part).
+DPSL: forward + backward of `dpsl` on B = 73,728 tokens x 16 experts, alpha = 1 and 0.75, with each Beta-CDF
+backend side by side (the on-device continued fraction, `torch`, and scipy.special.betainc, `scipy`, which `auto`
+uses for CPU tensors), median of repetitions, interleaved; plus the largest difference between the two losses.
+(A share of a CPU training step says little about a GPU run, so it is no longer reported.) `--only dpsl`
+rewrites just this section of the JSON.
 
 Effect of the uncertain-only teacher: on one batch, the share of the full EESD loss (per-token squared error
 against the ensemble) that the 25% highest-entropy tokens carry, against the 25% a random subset carries.
@@ -55,18 +56,32 @@ def machine() -> dict:
 
 
 def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
+    """dpsl forward + backward per (alpha, backend), repetitions interleaved across the backends."""
+    import upcycle.dpsl as module
     from upcycle.dpsl import dpsl
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, experts, generator=g).requires_grad_(True)
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        loss = dpsl(logits.softmax(-1), 1.0)
-        loss.backward()
-        times.append(time.perf_counter() - t)
-        logits.grad = None
-    return {"tokens": tokens, "experts": experts, "median_s": statistics.median(times[1:]), "reps": reps}
+    real_cdf = module.beta_cdf
+    rows = []
+    for alpha in (1.0, 0.75):
+        times: dict[str, list[float]] = {"torch": [], "scipy": []}
+        losses = {}
+        for rep in range(reps + 1):
+            for backend in times:
+                module.beta_cdf = lambda *a, backend_=backend, **k: real_cdf(*a, backend=backend_, **k)
+                t = time.perf_counter()
+                loss = dpsl(logits.softmax(-1), alpha)
+                loss.backward()
+                if rep:                                 # the first round warms up
+                    times[backend].append(time.perf_counter() - t)
+                losses[backend] = float(loss.detach())
+                logits.grad = None
+        module.beta_cdf = real_cdf
+        medians = {b: statistics.median(ts) for b, ts in times.items()}
+        rows.append({"alpha": alpha, "median_s": medians, "torch_over_scipy": medians["torch"] / medians["scipy"],
+                     "loss_difference": abs(losses["torch"] - losses["scipy"])})
+    return {"tokens": tokens, "experts": experts, "reps": reps, "auto_backend_on_cpu": "scipy", "rows": rows}
 
 
 def child(mode: str, tokens: int, steps: int) -> dict:
@@ -167,14 +182,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "regularizers.json"))
+    parser.add_argument("--only", choices=["dpsl"], help="rerun only this section, keeping the rest of --out")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]))))
         return
 
     info = machine()
-    dpsl_time = time_dpsl()
-    print(f"dpsl fwd+bwd at 73,728 x 16: {dpsl_time['median_s'] * 1000:.1f} ms", flush=True)
+    dpsl_time = {**time_dpsl(), "machine": info}
+    for row in dpsl_time["rows"]:
+        print(f"dpsl fwd+bwd at 73,728 x 16, alpha {row['alpha']}: torch {row['median_s']['torch'] * 1000:.0f} ms, "
+              f"scipy {row['median_s']['scipy'] * 1000:.0f} ms", flush=True)
+    if args.only == "dpsl":
+        results = json.loads(Path(args.out).read_text())
+        results["dpsl"] = dpsl_time
+        for stale in ("dpsl_fraction_of_step", "step_s_at_73728_tokens_extrapolated"):
+            results.pop(stale, None)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"wrote the dpsl section of {args.out}")
+        return
     runs = {}
     for mode, tokens in (("plain_half", args.tokens // 2), ("plain", args.tokens), ("eesd", args.tokens),
                          ("eesd_uncertain", args.tokens)):
@@ -185,7 +211,6 @@ def main() -> None:
     (t1, s1), (t2, s2) = ((runs[m]["tokens_per_step"], runs[m]["step_median_s"]) for m in ("plain_half", "plain"))
     per_token = (s2 - s1) / (t2 - t1)
     fixed = s1 - per_token * t1
-    step_at_dpsl_tokens = fixed + per_token * dpsl_time["tokens"]
     k, E = 2, 8
     eesd = {}
     for mode, fraction in (("eesd", 1.0), ("eesd_uncertain", 0.25)):
@@ -204,14 +229,12 @@ def main() -> None:
         "step_s_per_token": per_token, "step_s_fixed": fixed,
         "linearity_check": {"tokens": [runs["plain_half"]["tokens_per_step"], runs["plain"]["tokens_per_step"]],
                             "step_s": [runs["plain_half"]["step_median_s"], runs["plain"]["step_median_s"]]},
-        "step_s_at_73728_tokens_extrapolated": step_at_dpsl_tokens,
-        "dpsl_fraction_of_step": dpsl_time["median_s"] / step_at_dpsl_tokens,
         "eesd": eesd,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     results["eesd"]["eesd_uncertain"]["effect"] = runs["eesd"]["effect"]
-    print(json.dumps({k: results[k] for k in ("dpsl_fraction_of_step", "linearity_check", "eesd")}, indent=2))
+    print(json.dumps({k: results[k] for k in ("dpsl", "linearity_check", "eesd")}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -16,20 +16,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dpsl_shaping import ks_tests, shape  # noqa: E402
 
 
-def test_beta_cdf_matches_scipy_over_the_prior_range_including_endpoints():
+@pytest.mark.parametrize("backend", ["torch", "scipy"])
+def test_beta_cdf_matches_scipy_over_the_prior_range_including_endpoints(backend):
+    """The on-device continued fraction (torch) against SciPy, and the SciPy backend's own wiring (clamping,
+    broadcasting, dtype), over the priors' range and the endpoints."""
     x = torch.cat([torch.tensor([0.0, 1e-300, 1e-12, 1e-6, 1 - 1e-6, 1 - 1e-12, 1.0], dtype=torch.float64),
                    torch.linspace(0, 1, 1001, dtype=torch.float64)])
     params = np.geomspace(0.1, 10, 15)
     a, b = np.meshgrid(params, params, indexing="ij")
     a_t = torch.tensor(a.ravel())[:, None]
     b_t = torch.tensor(b.ravel())[:, None]
-    ours = beta_cdf(x[None, :].expand(a_t.shape[0], -1), a_t, b_t).numpy()
+    ours = beta_cdf(x[None, :].expand(a_t.shape[0], -1), a_t, b_t, backend=backend).numpy()
     ref = special.betainc(a.ravel()[:, None], b.ravel()[:, None], x.numpy()[None, :])
     assert np.abs(ours - ref).max() <= 1e-9
     # a realistic prior: 16 experts, alpha = 1 each -> Beta(1, 15); and a large-A table entry
     for aa, bb in ((1.0, 15.0), (10.0, 150.0), (0.2, 0.4)):
-        assert np.abs(beta_cdf(x, aa, bb).numpy() - special.betainc(aa, bb, x.numpy())).max() <= 1e-9
-    assert beta_cdf(x.float(), 0.5, 2.0).dtype == torch.float32        # computed in float64, returned as given
+        assert np.abs(beta_cdf(x, aa, bb, backend=backend).numpy() - special.betainc(aa, bb, x.numpy())).max() <= 1e-9
+    assert beta_cdf(x.float(), 0.5, 2.0, backend=backend).dtype == torch.float32   # float64 inside, returned as given
+
+
+def test_dpsl_backends_agree_and_cpu_uses_scipy(monkeypatch):
+    """The loss and its gradient are the same (1e-9) with either CDF backend; on CPU `auto` takes SciPy, the
+    faster one there (benchmarks/regularizers.py)."""
+    import upcycle.dpsl as module
+
+    probs = torch.randn(2048, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).softmax(-1)
+    results = {}
+    for backend in ("torch", "scipy"):
+        monkeypatch.setattr(module, "beta_cdf", lambda *a, backend_=backend, **k: _cdf(*a, backend=backend_, **k))
+        p = probs.clone().requires_grad_(True)
+        loss = dpsl(p, [0.75] * 8)
+        loss.backward()
+        results[backend] = (loss.detach(), p.grad)
+    assert abs(float(results["torch"][0] - results["scipy"][0])) <= 1e-9
+    assert (results["torch"][1] - results["scipy"][1]).abs().max() <= 1e-9
+    monkeypatch.undo()
+    called = []
+    real = module._incomplete_beta_scipy
+    monkeypatch.setattr(module, "_incomplete_beta_scipy", lambda *a: called.append(1) or real(*a))
+    dpsl(probs, 1.0)
+    assert called
+    with pytest.raises(ValueError, match="backend"):
+        beta_cdf(probs, 1.0, 1.0, backend="fortran")
+
+
+_cdf = beta_cdf
 
 
 def test_beta_cdf_gradient_is_the_density_and_matches_finite_differences():

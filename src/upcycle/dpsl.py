@@ -17,6 +17,11 @@ x > (a + 1) / (a + b + 2) so the fraction always converges fast. A fixed number 
 loop, no host sync) in float64, chosen from the priors' largest parameter (`ITERATIONS`): within 1e-10 of
 scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1] (tests/test_dpsl.py checks 1e-9). Torch has no
 betainc; the DPSL paper's implementation copied to the CPU for SciPy.
+
+Which backend (`backend="auto"`): tensors on an accelerator use the continued fraction on the device (no copy to
+the host, METHODS §4.4); CPU tensors call scipy.special.betainc directly, which is the faster of the two there
+(73,728 x 16, float64: 0.045 s against 0.49 s at alpha = 1, 0.30 s against 0.80 s at alpha = 0.75; the two agree
+to 3e-15). The gradient is the Beta density either way.
 """
 
 from __future__ import annotations
@@ -73,25 +78,45 @@ def beta_pdf(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.exp((a - 1.0) * torch.log(x) + (b - 1.0) * torch.log1p(-x) - _log_beta(a, b))
 
 
+def _incomplete_beta_scipy(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """scipy.special.betainc on CPU float64 tensors (broadcast), as a tensor."""
+    from scipy.special import betainc
+
+    value = betainc(a.numpy(), b.numpy(), x.clamp(0.0, 1.0).numpy())
+    return torch.from_numpy(value).broadcast_to(torch.broadcast_shapes(x.shape, a.shape, b.shape))
+
+
+BACKENDS = ("auto", "torch", "scipy")
+
+
 class _BetaCDF(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, a, b, iterations):
+    def forward(ctx, x, a, b, iterations, backend):
         x64, a64, b64 = x.double(), a.double(), b.double()
         ctx.save_for_backward(x64, a64, b64)
         ctx.dtype = x.dtype
+        if backend == "scipy":
+            return _incomplete_beta_scipy(x64, a64, b64).to(x.dtype)
         return _incomplete_beta(x64, a64, b64, iterations).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x64, a64, b64 = ctx.saved_tensors
-        return (grad.double() * beta_pdf(x64, a64, b64)).to(ctx.dtype), None, None, None
+        return (grad.double() * beta_pdf(x64, a64, b64)).to(ctx.dtype), None, None, None, None
 
 
 def beta_cdf(x: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float, *,
-             iterations: int | None = None) -> torch.Tensor:
+             iterations: int | None = None, backend: str = "auto") -> torch.Tensor:
     """I_x(a, b), the Beta(a, b) CDF at x (broadcast), on x's device; differentiable in x (gradient = density).
     a and b are treated as constants. `iterations` defaults to what the largest of a and b needs (read on the
-    host when a and b are numbers or CPU tensors; MAX_ITERATIONS for accelerator tensors, to avoid a sync)."""
+    host when a and b are numbers or CPU tensors; MAX_ITERATIONS for accelerator tensors, to avoid a sync).
+    `backend`: auto (SciPy for CPU tensors, the on-device continued fraction elsewhere), torch or scipy."""
+    if backend not in BACKENDS:
+        raise ValueError(f"beta_cdf: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "scipy" if x.device.type == "cpu" else "torch"
+    if backend == "scipy" and x.device.type != "cpu":
+        raise ValueError("beta_cdf: the scipy backend needs CPU tensors (use torch on an accelerator)")
     on_host = [t for t in (a, b) if not isinstance(t, torch.Tensor) or t.device.type == "cpu"]
     if iterations is None:
         iterations = (iterations_for(max(float(torch.as_tensor(t).max()) for t in (a, b)))
@@ -100,7 +125,7 @@ def beta_cdf(x: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float, 
         raise ValueError("beta_cdf: a and b must be > 0")
     a = torch.as_tensor(a, dtype=torch.float64, device=x.device)
     b = torch.as_tensor(b, dtype=torch.float64, device=x.device)
-    return _BetaCDF.apply(x, *torch.broadcast_tensors(a, b), iterations)
+    return _BetaCDF.apply(x, *torch.broadcast_tensors(a, b), iterations, backend)
 
 
 def _alpha_table(alpha, K: int) -> torch.Tensor:
