@@ -72,7 +72,7 @@ def child_convert(method: str, tokens: int) -> dict:
 def child_naive(tokens: int) -> dict:
     from upcycle.calibration import text_batches
     from upcycle.config import PlacementConfig
-    from upcycle.convert import load_dense
+    from upcycle.loading import load_dense
     from upcycle.surgery import plan_targets
     from upcycle.text import wikipedia_split
 

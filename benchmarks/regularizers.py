@@ -87,7 +87,8 @@ def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
 def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.calibration import text_batches
     from upcycle.config import ConvertConfig, RegularizerConfig, build
-    from upcycle.convert import load_dense, upcycle_model
+    from upcycle.convert import upcycle_model
+    from upcycle.loading import load_dense
     from upcycle.objective import Regularized, train_step
     from upcycle.surgery import moe_layers
     from upcycle.text import wikipedia_split

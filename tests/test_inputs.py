@@ -243,7 +243,7 @@ def test_export_checks_out_before_reading_the_source(tmp_path, capsys):
                                   "../models/typo"])
 def test_local_path_typo_is_a_missing_folder_at_once(tmp_path, monkeypatch, capsys, name):
     """A name that looks local and does not exist is never tried as a hub id (30 s of retries offline)."""
-    from upcycle.convert import load_dense
+    from upcycle.loading import load_dense
 
     (tmp_path / "work" / "models").mkdir(parents=True)
     (tmp_path / "models").mkdir()

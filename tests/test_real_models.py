@@ -10,7 +10,8 @@ import torch
 import upcycle
 from upcycle.checks import make_probe, probe_output
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.convert import convert, load_dense, upcycle_model
+from upcycle.convert import convert, upcycle_model
+from upcycle.loading import load_dense
 from upcycle.surgery import moe_layers
 
 pytestmark = pytest.mark.slow

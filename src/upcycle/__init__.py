@@ -7,8 +7,6 @@
     train(upcycle.TrainConfig(model="out/smollm2-moe", steps=40), "out/train-copy")
 """
 
-__version__ = "0.1.0"
-
 from . import balance, losses, teacher  # noqa: E402  (upcycle.losses.*, upcycle.balance, upcycle.teacher)
 from .config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig  # noqa: E402
 from .convert import convert, upcycle_model  # noqa: E402
@@ -16,6 +14,7 @@ from .errors import UpcycleError  # noqa: E402
 from .io import load  # noqa: E402
 from .methods import METHODS  # noqa: E402
 from .moe import MoELayer, RoutingRecord  # noqa: E402
+from .version import __version__  # noqa: E402
 
 __all__ = ["ConvertConfig", "MoEConfig", "PlacementConfig", "RegularizerConfig", "TrainConfig", "convert",
            "upcycle_model",

@@ -13,27 +13,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import __version__
 from .analysis.metrics import diversity, expert_similarity
 from .analysis.routing import layer_routing_stats
 from .architectures import family_of
-from .assets import DEFAULT_MODEL_NAMES, resolve_model_name
+from .assets import DEFAULT_MODEL_NAMES
 from .calibration import capture_ffn_inputs, real_tokens, tensor_batches, text_batches
 from .checks import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
 from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
 from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import atomic_directory, check_output_location, save
+from .loading import DTYPES, dense_config, dense_tokenizer, dense_weights
 from .methods import Method, get_method
 from .moe import MoELayer
 from .surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .version import __version__
 
 
 @dataclass
@@ -70,52 +68,6 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     if cfg.export_class not in ("auto", *EXPORT_CLASSES):
         raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
     return method, args
-
-
-def dense_config(name: str) -> tuple[str, object]:
-    """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
-    unsupported architecture fails here, in a second."""
-    import transformers
-
-    path = resolve_model_name(name)
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unloadable models
-        raise UpcycleError(f"could not load model {name!r}: {e}") from None
-    family_of(config)   # unsupported architectures fail here, before the weights are read
-    return path, config
-
-
-def dense_tokenizer(path: str):
-    """The model's tokenizer, or None when the folder has none."""
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None    # tiny test models and vision-only models have none: the probe uses random ids
-
-
-def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Module:
-    """The dense model of `dense_config(name)`, in eval mode."""
-    import transformers
-
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    cls = cls or (transformers.AutoModelForCausalLM if config.model_type not in ("bert", "clip")
-                  else transformers.AutoModel)
-    try:
-        model = cls.from_pretrained(path, dtype=DTYPES[dtype])
-    except Exception as e:
-        raise UpcycleError(f"could not load model {name!r}: {e}") from None
-    return model.eval()
-
-
-def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
-    """A dense model (hub id, local folder, or 'default') and its tokenizer when it has one."""
-    path, config = dense_config(name)
-    tokenizer = dense_tokenizer(path)
-    return dense_weights(name, path, config, dtype), tokenizer
 
 
 def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:

@@ -120,8 +120,8 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
 
     from .data import pack_documents
     from .errors import UpcycleError
+    from .loading import check_sequence_length, load_model, task_of
     from .pairs import load_pairs
-    from .tasks import check_sequence_length, load_model, task_of
     from .text import read_texts, wikipedia_split
 
     if tokens < 1:

@@ -45,10 +45,11 @@ from .config import TrainConfig, build, to_dict
 from .errors import UpcycleError
 from .freezing import Freezer
 from .io import atomic_directory, check_output_location, clean_stale_temporaries, replace_directory, save, temp_prefix
+from .loading import load_model
 from .moe import RoutingRecord
 from .objective import Regularized
 from .surgery import moe_layers
-from .tasks import TASKS, load_model, make_task
+from .tasks import TASKS, make_task
 
 RUN_CONFIG = "run_config.yaml"
 LOG = "log.jsonl"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
 from ..linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
-from . import ExpertInit, register
+from .registry import ExpertInit, register
 
 
 @register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True)

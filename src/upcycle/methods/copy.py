@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 
 @register("copy", paper="Komatsuzaki et al. 2022, Sparse Upcycling, arXiv:2212.05055",

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 # tensor name -> the dimension that indexes intermediate neurons, in a single (unstacked) tensor
 NEURON_DIM = {"w_up": 0, "w_gate": 0, "b_up": 0, "b_gate": 0, "w_down": 1}

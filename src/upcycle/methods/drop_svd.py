@@ -31,7 +31,7 @@ import torch
 
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 MATRICES = ("w_up", "w_gate", "w_down")
 

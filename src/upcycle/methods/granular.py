@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 
 @register("granular", paper="He et al. 2024, Upcycling Large Language Models into Mixture of Experts, "

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 
 @register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)")

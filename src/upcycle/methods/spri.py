@@ -36,7 +36,7 @@ import torch
 
 from ..errors import UpcycleError
 from ..ffn import FFNWeights
-from . import ExpertInit, random_router, register
+from .registry import ExpertInit, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}
 

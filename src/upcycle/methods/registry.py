@@ -1,0 +1,117 @@
+"""Registry of upcycling initializations (one registered method per file, mergekit style).
+
+A method is a pure function of one dense FFN and a seeded generator (no nn.Module, no I/O):
+
+    @register("name", paper="...", preserves_function=...)
+    def name(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
+             <method arguments with type hints and defaults>) -> ExpertInit
+
+The signature is the schema: the keyword-only arguments after the common ones are the method's arguments,
+their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
+`upcycle.config.coerce`: `1E-3` and `.25` are floats), their defaults the defaults.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import coerce
+from ..errors import UpcycleError
+from ..ffn import FFNWeights
+
+# Arguments the conversion provides (a method declares the ones it needs), not the user.
+COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")
+
+
+@dataclass(frozen=True)
+class ExpertInit:
+    """A method's output for one layer: stacked experts, router rows, optional shared experts, facts."""
+
+    experts: FFNWeights
+    router_ED: torch.Tensor
+    router_bias_E: torch.Tensor | None = None
+    shared: FFNWeights | None = None
+    info: dict = field(default_factory=dict)
+    # data methods: a group id per calibration token (cluster's partition), compared with the router's top-1
+    token_clusters: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MethodArg:
+    name: str
+    type: type
+    default: object
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    fn: Callable[..., ExpertInit]
+    paper: str
+    summary: str
+    args: dict[str, MethodArg]
+    common: frozenset[str]          # which COMMON_ARGS the method's signature takes
+    needs_calibration: bool
+    # Whether the initialized layer reproduces the dense FFN, given (method args, normalize_topk, dropless).
+    preserves: Callable[[dict, bool, bool], bool]
+
+    def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
+        """Run the method with resolved `args` and the common arguments its signature takes."""
+        return self.fn(ffn, **{k: v for k, v in common.items() if k in self.common}, **args)
+
+    def resolve_args(self, given: dict) -> dict:
+        """Defaults filled in, unknown names and wrong types refused (before any weight is touched)."""
+        unknown = set(given) - set(self.args)
+        if unknown:
+            known = ", ".join(self.args) or "none"
+            raise UpcycleError(f"method {self.name!r} has no argument(s) {sorted(unknown)}; its arguments: {known}")
+        resolved = {}
+        for name, arg in self.args.items():
+            value = given.get(name, arg.default)
+            # the config's one rule: numbers in any written form ('1E-3', '.25') for int/float arguments
+            resolved[name] = coerce(value, arg.type, f"method {self.name!r} argument {name!r}")
+        return resolved
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict, bool, bool], bool] = False,
+             needs_calibration: bool = False):
+    """Register `fn` under `name`; its keyword-only arguments beyond COMMON_ARGS are the method's schema."""
+
+    def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
+        if needs_calibration and "activations" not in inspect.signature(fn).parameters:
+            raise TypeError(f"method {name}: needs calibration data but takes no `activations` argument")
+        hints = typing.get_type_hints(fn)
+        args = {}
+        params = inspect.signature(fn).parameters
+        common = frozenset(name for name in params if name in COMMON_ARGS)
+        for p in params.values():
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in COMMON_ARGS:
+                continue
+            if p.default is inspect.Parameter.empty:
+                raise TypeError(f"method {name}: argument {p.name} needs a default")
+            args[p.name] = MethodArg(p.name, hints[p.name], p.default)
+        preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
+        summary = (inspect.getdoc(fn) or "").split("\n")[0]
+        METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves)
+        return fn
+
+    return wrap
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise UpcycleError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+def random_router(num_experts: int, hidden_size: int, std: float, generator: torch.Generator) -> torch.Tensor:
+    """Router rows ~ N(0, std^2) (Sparse Upcycling: the router is the only freshly initialized part)."""
+    return torch.randn(num_experts, hidden_size, generator=generator, dtype=torch.float32) * std

@@ -1,0 +1,77 @@
+"""The package's import graph has no cycles (issue 12): every `import` and `from ... import` in src/upcycle,
+at module level or inside a function, read with `ast` (nothing is imported to check it)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "upcycle"
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (`from . import x` counts as importing module x)."""
+    modules = {module_name(p, package): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                candidates = [target] + [f"{target}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {c for c in candidates if c in modules and c != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path [a, b, ..., a], or None (depth-first search with colours)."""
+    colour = dict.fromkeys(graph, 0)       # 0 unseen, 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if colour[nxt] == 1:
+                return path[path.index(nxt):] + [nxt]
+            if colour[nxt] == 0 and (cycle := visit(nxt)):
+                return cycle
+        colour[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if colour[start] == 0 and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_package_import_graph_is_acyclic():
+    graph = import_graph()
+    assert len(graph) > 30 and graph["upcycle.convert"]        # the walk found the package and its imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles(tmp_path):
+    """A package with a -> b -> a (one import inside a function) is reported, so the check above can fail."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import f\n")
+    (package / "b.py").write_text("def f():\n    from . import a\n")
+    (package / "c.py").write_text("from . import b\n")
+    graph = import_graph(package)
+    # `from . import x` imports the package itself first, so it is an edge to the package's __init__ too
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg", "pkg.a"}, "pkg.c": {"pkg", "pkg.b"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
