@@ -34,6 +34,8 @@ class MoEConfig:
     capacity_factor_train: float | None = None   # None = dropless
     capacity_factor_eval: float | None = None
     renormalize_after_drop: bool = False
+    score: str = "softmax"                 # router score function: softmax, or sigmoid (DeepSeek-V3; normalized top-k)
+    route_scale: float = 1.0               # multiplies the combine weights (DeepSeek-V3's routed scaling factor)
 
 
 @dataclass(frozen=True, kw_only=True)

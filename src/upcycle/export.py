@@ -89,6 +89,10 @@ def export_target(model: nn.Module, export_class: str = "auto") -> Target:
             problems.append("expert or router biases")
         if wanted != "qwen2_moe" and layer.shared_experts is not None:
             problems.append(f"shared experts ({wanted} has none)")
+        if layer.router.score != "softmax":
+            problems.append(f"{layer.router.score} routing (the stock classes route by softmax)")
+        if layer.router.route_scale != 1.0:
+            problems.append("a route scale (the stock classes have none)")
         if wanted == "mixtral" and not layer.normalize_topk:
             problems.append("raw top-k weights (Mixtral always renormalizes)")
         if problems:

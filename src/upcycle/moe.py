@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import grouped_ffn
+from .router import Router, RoutingRecord, capacity_keep, router_logits  # noqa: F401  (re-exported names)
 
 # The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
 # `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
@@ -43,34 +42,6 @@ def padding_mask(mask_BS: torch.Tensor | None):
         yield
     finally:
         _PADDING_MASK.reset(token)
-
-
-def router_logits(router: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
-    """float32 router logits [T, E] under any autocast (ST-MoE, torchtitan: routing is precision-sensitive).
-
-    Autocast would run the linear in bfloat16 even on float32 inputs, so it is switched off around it; the
-    .float() calls are no-ops on a float32 router and guard against a model-wide .to(bfloat16)."""
-    device = x_TD.device.type
-    off = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
-           else contextlib.nullcontext())
-    with off:
-        bias = None if router.bias is None else router.bias.float()
-        return F.linear(x_TD.float(), router.weight.float(), bias)
-
-
-@dataclass
-class RoutingRecord:
-    """What one forward of one MoE layer decided; read by the losses and the analysis."""
-
-    logits_TE: torch.Tensor           # float32 router logits, still in the autograd graph
-    topk_ids_TK: torch.Tensor         # selected experts, best first
-    topk_weights_TK: torch.Tensor     # float32 combine weights as applied (0 for dropped slots)
-    kept_TK: torch.Tensor | None      # False where capacity dropped the slot; None when dropless
-    mask_T: torch.Tensor | None       # True for real tokens; None when the model has no padding mask
-
-    @property
-    def probs_TE(self) -> torch.Tensor:
-        return self.logits_TE.softmax(dim=-1)
 
 
 class Experts(nn.Module):
@@ -157,24 +128,6 @@ class Experts(nn.Module):
         return self.forward(x_TD, tokens_N, weights_N, torch.full((E,), T, device=x_TD.device))
 
 
-def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
-                  mask_T: torch.Tensor | None = None) -> torch.Tensor:
-    """First-come-first-serve slots (Switch/GShard): top-1 choices in token order, then top-2, ...
-
-    Returns `kept_TK`, False where expert e already holds `capacity` slots. Padding slots are never kept
-    and take no capacity.
-    """
-    T, K = ids_TK.shape
-    ids_KT = ids_TK.t()
-    onehot_KTE = F.one_hot(ids_KT, num_experts)
-    if mask_T is not None:
-        onehot_KTE = onehot_KTE * mask_T.view(1, T, 1).to(onehot_KTE.dtype)
-    # position of each slot in its expert's queue, counting in (choice rank, token) order
-    position_KT = (onehot_KTE.reshape(K * T, num_experts).cumsum(0).view(K, T, num_experts) * onehot_KTE).sum(-1)
-    kept_KT = (position_KT >= 1) & (position_KT <= capacity)
-    return kept_KT.t()
-
-
 class MoELayer(nn.Module):
     """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
 
@@ -184,7 +137,8 @@ class MoELayer(nn.Module):
                  capacity_factor_train: float | None = None, capacity_factor_eval: float | None = None,
                  renormalize_after_drop: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None, router_bias: bool = False,
-                 output_dropout: float = 0.0, dtype: torch.dtype | None = None) -> None:
+                 output_dropout: float = 0.0, score: str = "softmax", route_scale: float = 1.0,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
@@ -193,11 +147,11 @@ class MoELayer(nn.Module):
             if factor is not None and factor <= 0:
                 raise ValueError(f"{name} must be positive or None (dropless), got {factor}")
         self.num_experts, self.top_k = num_experts, top_k
-        self.normalize_topk = normalize_topk
         self.capacity_factor_train, self.capacity_factor_eval = capacity_factor_train, capacity_factor_eval
-        self.renormalize_after_drop = renormalize_after_drop
         # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
-        self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=torch.float32)
+        self.router = Router(hidden_size, num_experts, top_k, bias=router_bias, score=score,
+                             normalize_topk=normalize_topk, route_scale=route_scale,
+                             renormalize_after_drop=renormalize_after_drop)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, gated=gated,
                                bias_in=bias_in, bias_down=bias_down, dtype=dtype)
         # shared experts have the routed experts' structure: both come from one dense FFN
@@ -223,7 +177,16 @@ class MoELayer(nn.Module):
                 "renormalize_after_drop": self.renormalize_after_drop,
                 "num_shared_experts": s.num_experts if s is not None else 0,
                 "shared_intermediate_size": s.intermediate_size if s is not None else None,
-                "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p}
+                "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p,
+                "score": self.router.score, "route_scale": self.router.route_scale}
+
+    @property
+    def normalize_topk(self) -> bool:
+        return self.router.normalize_topk
+
+    @property
+    def renormalize_after_drop(self) -> bool:
+        return self.router.renormalize_after_drop
 
     def capacity(self, num_tokens: int) -> int | None:
         factor = self.capacity_factor_train if self.training else self.capacity_factor_eval
@@ -232,22 +195,9 @@ class MoELayer(nn.Module):
         return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
 
     def route(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None = None) -> RoutingRecord:
-        logits_TE = router_logits(self.router, x_TD)
-        probs_TE = logits_TE.softmax(dim=-1)
-        # The selection bias is applied unconditionally: testing whether it is zero would copy a flag to the
-        # host on every forward, and a zero bias selects exactly what topk(probs) selects.
-        ids_TK = (probs_TE.detach() + self.selection_bias).topk(self.top_k, dim=-1).indices
-        weights_TK = probs_TE.gather(-1, ids_TK)
-        if self.normalize_topk:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        kept_TK = None
-        capacity = self.capacity(int(mask_T.sum()) if mask_T is not None else x_TD.shape[0])
-        if capacity is not None:
-            kept_TK = capacity_keep(ids_TK, self.num_experts, capacity, mask_T)
-            weights_TK = weights_TK * kept_TK
-            if self.renormalize_after_drop:
-                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        return RoutingRecord(logits_TE, ids_TK, weights_TK, kept_TK, mask_T)
+        capacity = self.capacity(int(mask_T.sum()) if mask_T is not None else x_TD.shape[0]) \
+            if self.capacity_factor_train is not None or self.capacity_factor_eval is not None else None
+        return self.router.route(x_TD, self.selection_bias, mask_T, capacity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

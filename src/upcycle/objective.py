@@ -48,12 +48,12 @@ def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Ten
         if record is None:
             continue
         g, mask = _groups_for(record, groups), record.mask_T
-        logits = record.logits_TE
+        logits = record.balance_logits_TE      # softmax of these = the router's probabilities (sigmoid too)
         if cfg.load_balance:
             terms.setdefault("load_balance", []).append(
                 losses.load_balance(logits, record.topk_ids_TK, mask_T=mask, groups_T=g))
         if cfg.z_loss:
-            terms.setdefault("z_loss", []).append(losses.z_loss(logits, mask_T=mask, groups_T=g))
+            terms.setdefault("z_loss", []).append(losses.z_loss(record.logits_TE, mask_T=mask, groups_T=g))
         if cfg.limoe_local:
             terms.setdefault("limoe_local", []).append(losses.limoe_local(logits, mask_T=mask, groups_T=g))
         if cfg.limoe_global:

@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from .losses import eesd
-from .moe import MoELayer, router_logits
+from .moe import MoELayer
 from .surgery import moe_layers
 
 
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     """sum_i softmax(router(x))_i E_i(x) (+ shared experts): the layer's dense all-expert ensemble."""
-    probs_TE = router_logits(layer.router, x_TD).softmax(-1)
+    probs_TE = layer.router.dense_weights(x_TD)     # full softmax (or normalized sigmoid affinities), float32
     x = x_TD.to(layer.experts.w_down.dtype)
     y_TD = layer.experts.forward_dense(x, probs_TE)      # combine weights stay float32 (the kernel's rule)
     if layer.shared_experts is not None:
