@@ -42,7 +42,7 @@ def test_identical_experts_with_normalized_top_k_compute_the_dense_ffn(score):
 
 
 def test_sigmoid_weights_are_normalized_scores_of_the_biased_selection():
-    router = Router(8, 4, 2, score="sigmoid", route_scale=1.5)
+    router = Router(8, MoEConfig(num_experts=4, top_k=2, score="sigmoid", route_scale=1.5))
     with torch.no_grad():
         router.weight.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
@@ -61,7 +61,7 @@ def test_sigmoid_weights_are_normalized_scores_of_the_biased_selection():
 
 
 def test_softmax_record_is_unchanged_by_the_router_module():
-    router = Router(8, 4, 2)
+    router = Router(8, MoEConfig(num_experts=4, top_k=2))
     x = torch.randn(10, 8)
     record = router.route(x, torch.zeros(4))
     p = torch.softmax(x @ router.weight.t(), -1)
@@ -72,13 +72,25 @@ def test_softmax_record_is_unchanged_by_the_router_module():
     torch.testing.assert_close(record.topk_weights_TK, w / w.sum(-1, keepdim=True))
 
 
-def test_router_refuses_what_it_cannot_compute():
-    with pytest.raises(ValueError, match="normalize_topk must be true"):
-        Router(8, 4, 2, score="sigmoid", normalize_topk=False)
-    with pytest.raises(ValueError, match="score must be one of"):
-        Router(8, 4, 2, score="relu")
-    with pytest.raises(ValueError, match="route_scale"):
-        Router(8, 4, 2, route_scale=0.0)
+def test_the_layer_config_refuses_what_no_router_computes():
+    """One place validates the routing options: MoEConfig, before any layer exists (from a recipe, the CLI, or
+    Python); the layer, the router, the saved spec and the converter all take that object."""
+    for options, message in (({"score": "sigmoid", "normalize_topk": False}, "normalize_topk must be true"),
+                             ({"score": "relu"}, "score must be one of"), ({"route_scale": 0.0}, "route_scale"),
+                             ({"top_k": 9}, "top_k must be between"), ({"capacity_factor_eval": -1.0}, "positive"),
+                             ({"num_experts": 0}, "num_experts must be >= 1")):
+        with pytest.raises(UpcycleError, match=message):
+            MoEConfig(**options)
+
+
+def test_the_layer_keeps_one_config_through_its_spec():
+    config = MoEConfig(num_experts=4, top_k=1, score="sigmoid", route_scale=2.0, capacity_factor_train=1.5)
+    layer = MoELayer(hidden_size=8, intermediate_size=16, activation="silu", gated=True, config=config)
+    assert layer.config is config and layer.router.config is config
+    rebuilt = MoELayer(**layer.spec())
+    assert rebuilt.config == config and rebuilt.spec() == layer.spec()
+    with pytest.raises(TypeError, match="not both"):
+        MoELayer(hidden_size=8, intermediate_size=16, activation="silu", gated=True, config=config, top_k=2)
 
 
 def _tiny_folder(tmp_path):

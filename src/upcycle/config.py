@@ -25,9 +25,15 @@ import yaml
 
 from .errors import UpcycleError
 
+SCORES = ("softmax", "sigmoid")     # router score functions (upcycle.router)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
+    """The MoE layer's routing options (METHODS §1), one object for the run config, the layer (`MoELayer.config`),
+    its saved spec (upcycle_config.json), the converter and the exporter. It refuses an impossible combination
+    when it is made, so no layer is built from one."""
+
     num_experts: int = 8
     top_k: int = 2
     normalize_topk: bool = True            # renormalize the top-k weights to sum to 1 (exact copy preservation)
@@ -36,6 +42,23 @@ class MoEConfig:
     renormalize_after_drop: bool = False
     score: str = "softmax"                 # router score function: softmax, or sigmoid (DeepSeek-V3; normalized top-k)
     route_scale: float = 1.0               # multiplies the combine weights (DeepSeek-V3's routed scaling factor)
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise UpcycleError(f"moe.num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UpcycleError(f"moe.top_k must be between 1 and num_experts ({self.num_experts}), got {self.top_k}")
+        for name in ("capacity_factor_train", "capacity_factor_eval"):
+            factor = getattr(self, name)
+            if factor is not None and not 0 < factor < float("inf"):
+                raise UpcycleError(f"moe.{name} must be a positive number or null (dropless), got {factor}")
+        if self.score not in SCORES:
+            raise UpcycleError(f"moe.score must be one of {SCORES}, got {self.score!r}")
+        if self.score == "sigmoid" and not self.normalize_topk:
+            raise UpcycleError("moe.score sigmoid normalizes the selected scores (DeepSeek-V3): moe.normalize_topk "
+                               "must be true")
+        if not 0 < self.route_scale < float("inf"):
+            raise UpcycleError(f"moe.route_scale must be a positive finite number, got {self.route_scale}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,6 @@ from .io import atomic_directory, check_output_location, save
 from .loading import DTYPES, dense_config, dense_tokenizer, dense_weights
 from .methods import Method, get_method
 from .moe import MoELayer
-from .router import SCORES
 from .surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
 from .version import __version__
 
@@ -51,22 +50,11 @@ class PreservationError(UpcycleError):
 
 
 def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
-    """Checks that need no model: method, its arguments, expert counts, dtype."""
+    """Checks that need no model: method, its arguments, dtype, export (the MoE options check themselves: MoEConfig)."""
     method = get_method(cfg.method)
     args = method.resolve_args(cfg.method_args)
-    if cfg.moe.num_experts < 1:
-        raise UpcycleError(f"num_experts must be >= 1, got {cfg.moe.num_experts}")
-    if not 1 <= cfg.moe.top_k <= cfg.moe.num_experts:
-        raise UpcycleError(f"top_k must be between 1 and num_experts ({cfg.moe.num_experts}), got {cfg.moe.top_k}")
     if not cfg.check.noise_factor > 0 or not cfg.check.tolerance >= 0 or not cfg.check.relative_tolerance >= 0:
         raise UpcycleError("check.noise_factor must be > 0, check.tolerance and check.relative_tolerance >= 0")
-    if cfg.moe.score not in SCORES:
-        raise UpcycleError(f"moe.score must be one of {SCORES}, got {cfg.moe.score!r}")
-    if cfg.moe.score == "sigmoid" and not cfg.moe.normalize_topk:
-        raise UpcycleError("moe.score sigmoid normalizes the selected scores (DeepSeek-V3): moe.normalize_topk must "
-                           "be true")
-    if not 0 < cfg.moe.route_scale < float("inf"):
-        raise UpcycleError(f"moe.route_scale must be a positive finite number, got {cfg.moe.route_scale}")
     if cfg.dtype not in DTYPES:
         raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
@@ -205,12 +193,9 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
                       generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk,
                       activations=activations)
-        layer = MoELayer.from_init(
-            init.experts, init.router_ED, top_k=cfg.moe.top_k, shared=init.shared, router_bias_E=init.router_bias_E,
-            dtype=dense.w_up.dtype, normalize_topk=cfg.moe.normalize_topk,
-            capacity_factor_train=cfg.moe.capacity_factor_train, capacity_factor_eval=cfg.moe.capacity_factor_eval,
-            renormalize_after_drop=cfg.moe.renormalize_after_drop, output_dropout=family.output_dropout(tcfg),
-            score=cfg.moe.score, route_scale=cfg.moe.route_scale)
+        layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
+                                   router_bias_E=init.router_bias_E, dtype=dense.w_up.dtype,
+                                   output_dropout=family.output_dropout(tcfg))
         built.append((target, layer.train(block.training)))
         entry = {"name": target.name, "block": target.path, **init.info,
                  "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)}

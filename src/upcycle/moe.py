@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
+from .config import MoEConfig
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import grouped_ffn
 from .router import Router, RoutingRecord, capacity_keep, router_logits  # noqa: F401  (re-exported names)
@@ -131,28 +133,25 @@ class Experts(nn.Module):
 class MoELayer(nn.Module):
     """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
 
-    def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 activation: str, gated: bool, bias_in: bool = False, bias_down: bool = False,
-                 normalize_topk: bool = True,
-                 capacity_factor_train: float | None = None, capacity_factor_eval: float | None = None,
-                 renormalize_after_drop: bool = False, num_shared_experts: int = 0,
+    def __init__(self, *, hidden_size: int, intermediate_size: int, activation: str, gated: bool,
+                 bias_in: bool = False, bias_down: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None, router_bias: bool = False,
-                 output_dropout: float = 0.0, score: str = "softmax", route_scale: float = 1.0,
-                 dtype: torch.dtype | None = None) -> None:
+                 output_dropout: float = 0.0, config: MoEConfig | None = None, dtype: torch.dtype | None = None,
+                 **options) -> None:
+        """Structure (widths, activation, biases, shared experts) as arguments; the routing options as `config`,
+        or one by one as its keys (`num_experts=8, top_k=2`, the flat form a saved spec lists them in)."""
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        for name, factor in (("capacity_factor_train", capacity_factor_train),
-                             ("capacity_factor_eval", capacity_factor_eval)):
-            if factor is not None and factor <= 0:
-                raise ValueError(f"{name} must be positive or None (dropless), got {factor}")
-        self.num_experts, self.top_k = num_experts, top_k
-        self.capacity_factor_train, self.capacity_factor_eval = capacity_factor_train, capacity_factor_eval
+        if config is not None and options:
+            raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
+        try:
+            config = config or MoEConfig(**options)
+        except TypeError as e:            # an unknown keyword: not a MoEConfig key either
+            raise TypeError(f"MoELayer: {e}") from None
+        self.config = config
+        self.num_experts, self.top_k = config.num_experts, config.top_k
         # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
-        self.router = Router(hidden_size, num_experts, top_k, bias=router_bias, score=score,
-                             normalize_topk=normalize_topk, route_scale=route_scale,
-                             renormalize_after_drop=renormalize_after_drop)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, gated=gated,
+        self.router = Router(hidden_size, config, bias=router_bias)
+        self.experts = Experts(config.num_experts, hidden_size, intermediate_size, activation, gated=gated,
                                bias_in=bias_in, bias_down=bias_down, dtype=dtype)
         # shared experts have the routed experts' structure: both come from one dense FFN
         self.shared_experts = (
@@ -160,33 +159,38 @@ class MoELayer(nn.Module):
                     gated=gated, bias_in=bias_in, bias_down=bias_down, dtype=dtype)
             if num_shared_experts else None)
         # Selection-only bias for aux-loss-free balancing; saved with the model (persistent buffer).
-        self.register_buffer("selection_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("selection_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.dropout = nn.Dropout(output_dropout)
         self.record_routing = True
         self.last_record: RoutingRecord | None = None
 
     def spec(self) -> dict:
-        """Constructor arguments that rebuild this layer's structure (saved in upcycle_config.json)."""
+        """Constructor arguments that rebuild this layer (saved in upcycle_config.json): its structure, and its
+        MoEConfig's keys, flat (files written before the config object hold the same keys, minus newer ones)."""
         e, s = self.experts, self.shared_experts
         return {"hidden_size": e.w_down.shape[1], "intermediate_size": e.intermediate_size,
-                "num_experts": self.num_experts, "top_k": self.top_k, "activation": e.activation,
-                "gated": e.gated, "bias_in": e.b_in is not None, "bias_down": e.b_down is not None,
-                "normalize_topk": self.normalize_topk,
-                "capacity_factor_train": self.capacity_factor_train,
-                "capacity_factor_eval": self.capacity_factor_eval,
-                "renormalize_after_drop": self.renormalize_after_drop,
+                "activation": e.activation, "gated": e.gated, "bias_in": e.b_in is not None,
+                "bias_down": e.b_down is not None,
                 "num_shared_experts": s.num_experts if s is not None else 0,
                 "shared_intermediate_size": s.intermediate_size if s is not None else None,
                 "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p,
-                "score": self.router.score, "route_scale": self.router.route_scale}
+                **dataclasses.asdict(self.config)}
 
     @property
     def normalize_topk(self) -> bool:
-        return self.router.normalize_topk
+        return self.config.normalize_topk
 
     @property
     def renormalize_after_drop(self) -> bool:
-        return self.router.renormalize_after_drop
+        return self.config.renormalize_after_drop
+
+    @property
+    def capacity_factor_train(self) -> float | None:
+        return self.config.capacity_factor_train
+
+    @property
+    def capacity_factor_eval(self) -> float | None:
+        return self.config.capacity_factor_eval
 
     def capacity(self, num_tokens: int) -> int | None:
         factor = self.capacity_factor_train if self.training else self.capacity_factor_eval
@@ -225,17 +229,25 @@ class MoELayer(nn.Module):
         return self.dropout(y_TD).view(shape)
 
     @classmethod
-    def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, top_k: int,
+    def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, config: MoEConfig | None = None,
                   shared: FFNWeights | None = None, router_bias_E: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None, **options) -> MoELayer:
-        """Build a layer from a method's output (stacked experts, router rows, optional shared experts)."""
+                  dtype: torch.dtype | None = None, output_dropout: float = 0.0, **options) -> MoELayer:
+        """Build a layer from a method's output (stacked experts, router rows, optional shared experts); the
+        routing options as `config` or as its keys (num_experts defaults to the experts given)."""
+        if config is None:
+            config = MoEConfig(**{"num_experts": experts.num_experts, **options})
+        elif options:
+            raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
+        if config.num_experts != experts.num_experts:
+            raise ValueError(f"config.num_experts is {config.num_experts}, the method made {experts.num_experts}")
         layer = cls(hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size,
-                    num_experts=experts.num_experts, top_k=top_k, activation=experts.activation,
-                    gated=experts.gated, bias_in=experts.b_up is not None or experts.b_gate is not None,
+                    activation=experts.activation, gated=experts.gated,
+                    bias_in=experts.b_up is not None or experts.b_gate is not None,
                     bias_down=experts.b_down is not None,
                     num_shared_experts=shared.num_experts if shared is not None else 0,
                     shared_intermediate_size=shared.intermediate_size if shared is not None else None,
-                    router_bias=router_bias_E is not None, dtype=dtype or experts.w_up.dtype, **options)
+                    router_bias=router_bias_E is not None, output_dropout=output_dropout, config=config,
+                    dtype=dtype or experts.w_up.dtype)
         layer.experts.load_weights(experts)
         if shared is not None:
             layer.shared_experts.load_weights(shared)

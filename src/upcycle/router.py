@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORES = ("softmax", "sigmoid")
+from .config import SCORES, MoEConfig  # noqa: F401  (SCORES: the score functions, listed with the config)
 
 
 def router_logits(router: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
@@ -85,24 +85,14 @@ def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
 
 class Router(nn.Linear):
     """The router: a float32 linear map to E scores (state dict `weight`, `bias` as an nn.Linear's), and the
-    routing rule of the module docstring."""
+    routing rule of the module docstring, with the options of a `MoEConfig` (validated there)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, bias: bool = False,
-                 score: str = "softmax", normalize_topk: bool = True, route_scale: float = 1.0,
-                 renormalize_after_drop: bool = False) -> None:
-        if score not in SCORES:
-            raise ValueError(f"router score must be one of {SCORES}, got {score!r}")
-        if score == "sigmoid" and not normalize_topk:
-            raise ValueError("sigmoid routing normalizes the selected scores (DeepSeek-V3): normalize_topk must be "
-                             "true")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if not (isinstance(route_scale, (int, float)) and 0 < route_scale < float("inf")):
-            raise ValueError(f"route_scale must be a positive finite number, got {route_scale!r}")
-        super().__init__(hidden_size, num_experts, bias=bias, dtype=torch.float32)
-        self.num_experts, self.top_k = num_experts, top_k
-        self.score, self.normalize_topk, self.route_scale = score, normalize_topk, float(route_scale)
-        self.renormalize_after_drop = renormalize_after_drop
+    def __init__(self, hidden_size: int, config: MoEConfig, *, bias: bool = False) -> None:
+        super().__init__(hidden_size, config.num_experts, bias=bias, dtype=torch.float32)
+        self.config = config
+        self.num_experts, self.top_k = config.num_experts, config.top_k
+        self.score, self.normalize_topk = config.score, config.normalize_topk
+        self.route_scale, self.renormalize_after_drop = float(config.route_scale), config.renormalize_after_drop
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
