@@ -6,9 +6,10 @@ import pytest
 import torch
 import transformers as T
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "clip")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2", "bert", "clip")
 DECODERS = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM),
-            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}
+            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+            "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}
 
 
 def make_tiny(kind: str, *, layers: int = 4, seed: int = 0) -> torch.nn.Module:
@@ -19,6 +20,11 @@ def make_tiny(kind: str, *, layers: int = 4, seed: int = 0) -> torch.nn.Module:
         model = model_cls(config_cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                      bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif kind == "gemma3":        # GeGLU; head_dim given (its default, 256, would dwarf the tiny width)
+        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=16, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2))
     elif kind == "gpt2":
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
                                                bos_token_id=1, eos_token_id=2))

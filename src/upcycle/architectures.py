@@ -4,6 +4,8 @@ DESIGN principle 1: methods never see model classes. An adapter maps a family's 
 `FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row.
 
   gated decoders (llama, mistral, qwen2, qwen3): block.mlp = {gate,up,down}_proj  -> block.mlp = MoE
+  gemma3_text: the same layout, GeGLU (the activation is `hidden_activation`)
+  phi3: block.mlp = {gate_up_proj (gate rows first), down_proj}, fused -> split into gate and up
   gpt2: block.mlp = {c_fc, c_proj} as Conv1D ([in, out] weights, transposed here) -> block.mlp = MoE
   bert: the FFN is split: block.intermediate (dense + act) and block.output (dense, dropout, residual,
         LayerNorm) -> block.intermediate = MoE (whole FFN), block.output.dense = Identity, so BertOutput
@@ -41,6 +43,11 @@ class Family:
     towers_by_type: dict[str, dict[str, Tower]] | None = None
     # the module of a block whose first input is the FFN's input (calibration captures it there)
     ffn_input: Callable[[nn.Module], nn.Module] = lambda block: block.mlp
+    # stock transformers MoE classes that compute an upcycled model of each source model type (`--export hf`),
+    # the first being `auto`'s choice; a type not listed has none (the upcycle format is its output)
+    stock_exports: dict[str, tuple[str, ...]] | None = None
+    # the transformers Auto class a dense checkpoint without a known architecture class loads with
+    auto_class: str = "AutoModelForCausalLM"
 
     def towers_of(self, config) -> dict[str, Tower]:
         return (self.towers_by_type or {}).get(config.model_type, self.towers)
@@ -65,6 +72,18 @@ def _activation(cfg, attr: str = "hidden_act") -> str:
 def _gated_extract(block, cfg) -> FFNWeights:
     mlp = block.mlp
     return _linear_parts(mlp.up_proj, mlp.down_proj, _activation(cfg), gate=mlp.gate_proj)
+
+
+def _gemma_extract(block, cfg) -> FFNWeights:
+    mlp = block.mlp
+    return _linear_parts(mlp.up_proj, mlp.down_proj, _activation(cfg, "hidden_activation"), gate=mlp.gate_proj)
+
+
+def _phi3_extract(block, cfg) -> FFNWeights:
+    """Phi-3's fused gate_up_proj [2F, D] holds gate rows first (its forward chunks gate, up in that order)."""
+    fused = block.mlp.gate_up_proj.weight.detach()
+    gate, up = fused.chunk(2, dim=0)
+    return FFNWeights(w_gate=gate, w_up=up, w_down=block.mlp.down_proj.weight.detach(), activation=_activation(cfg))
 
 
 def _gpt2_extract(block, cfg) -> FFNWeights:
@@ -93,15 +112,21 @@ def _set_mlp(block, moe) -> None:
 
 FAMILIES = (
     Family("gated-decoder", ("llama", "mistral", "qwen2", "qwen3"), {"text": Tower("layers", 1)},
-           _gated_extract, _set_mlp),
+           _gated_extract, _set_mlp,
+           stock_exports={"llama": ("qwen2_moe", "mixtral"), "mistral": ("qwen2_moe", "mixtral"),
+                          "qwen2": ("qwen2_moe",), "qwen3": ("qwen3_moe",)}),
+    # Gemma 3: norms around the FFN and a scaled embedding that no stock MoE class has, so no export
+    Family("gemma", ("gemma3_text",), {"text": Tower("layers", 1)}, _gemma_extract, _set_mlp),
+    # Phi-3: fused qkv attention, which the stock MoE classes lack, so no export
+    Family("phi3", ("phi3",), {"text": Tower("layers", 1)}, _phi3_extract, _set_mlp),
     Family("gpt2", ("gpt2",), {"text": Tower("h", 1)}, _gpt2_extract, _set_mlp,
            output_dropout=lambda cfg: cfg.resid_pdrop),
     Family("bert", ("bert",), {"text": Tower("encoder.layer", 2)}, _bert_extract, _bert_install,
-           ffn_input=lambda block: block.intermediate),
+           ffn_input=lambda block: block.intermediate, auto_class="AutoModel"),
     Family("clip", ("clip", "clip_text_model", "clip_vision_model"),
            {"text": Tower("text_model.encoder.layers", 2, "text_config"),
             "vision": Tower("vision_model.encoder.layers", None, "vision_config")},
-           _clip_extract, _set_mlp,
+           _clip_extract, _set_mlp, auto_class="AutoModel",
            # transformers 5's CLIPTextModel / CLIPVisionModel hold their encoder at the top level
            towers_by_type={"clip_text_model": {"text": Tower("encoder.layers", 2)},
                            "clip_vision_model": {"vision": Tower("encoder.layers", None)}}),

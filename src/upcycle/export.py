@@ -65,14 +65,13 @@ class Target:
 def export_target(model: nn.Module, export_class: str = "auto") -> Target:
     """The stock class this upcycled model exports to, or an UpcycleError that says why none fits."""
     source = model.config.model_type
-    if family_of(model.config).name != "gated-decoder":
+    allowed = (family_of(model.config).stock_exports or {}).get(source)
+    if not allowed:
         raise UpcycleError(f"no stock transformers MoE class computes a {source!r} model's function "
                            "(stock MoE classes are Llama-style decoders); the upcycle format is the output")
     if export_class not in ("auto", *EXPORT_CLASSES):
         raise UpcycleError(f"export class must be auto or one of {sorted(EXPORT_CLASSES)}, got {export_class!r}")
-    wanted = export_class if export_class != "auto" else ("qwen3_moe" if source == "qwen3" else "qwen2_moe")
-    allowed = {"qwen3": {"qwen3_moe"}, "qwen2": {"qwen2_moe"}, "llama": {"qwen2_moe", "mixtral"},
-               "mistral": {"qwen2_moe", "mixtral"}}[source]
+    wanted = export_class if export_class != "auto" else allowed[0]
     if wanted not in allowed:
         raise UpcycleError(f"a {source} source exports to {sorted(allowed)}, not {wanted}")
     layers = moe_layers(model)

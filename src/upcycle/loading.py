@@ -52,8 +52,7 @@ def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Mo
     """The dense model of `dense_config(name)`, in eval mode."""
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
-    cls = cls or (transformers.AutoModelForCausalLM if config.model_type not in ("bert", "clip")
-                  else transformers.AutoModel)
+    cls = cls or getattr(transformers, family_of(config).auto_class)
     try:
         model = cls.from_pretrained(path, dtype=DTYPES[dtype])
     except Exception as e:
