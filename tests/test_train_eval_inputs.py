@@ -138,3 +138,19 @@ def test_gpt2_rows_longer_than_its_positions_are_refused(tiny_lm, tmp_path, caps
     assert main(["eval", str(folder), "--data", str(tiny_lm[3]), "--sequence-length", "65"]) == 2
     assert "longer than the 64 positions" in capsys.readouterr().err
     assert main(["train", str(folder), str(tmp_path / "run"), *args, "--sequence-length", "64"]) == 0
+
+
+def test_a_broken_tokenizer_is_reported_not_replaced_by_random_ids(tiny_lm, tmp_path, capsys):
+    """Tokenizer files that fail to load are an error for convert and eval; a folder without any stays fine."""
+    folder = tmp_path / "dense"
+    shutil.copytree(tiny_lm[0], folder)
+    (folder / "tokenizer.json").write_text("{ not json")
+    assert main(["convert", str(folder), str(tmp_path / "out"), "--num-experts", "2", "--top-k", "1",
+                 "--quiet"]) == 2
+    assert "tokenizer files there do not load" in capsys.readouterr().err
+    assert main(["eval", str(folder), "--data", str(tiny_lm[3])]) == 2
+    assert "tokenizer files there do not load" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    make_tiny("llama").save_pretrained(bare)                      # no tokenizer files at all
+    assert main(["convert", str(bare), str(tmp_path / "out2"), "--num-experts", "2", "--top-k", "1",
+                 "--quiet"]) == 0

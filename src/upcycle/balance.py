@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .moe import MoELayer
+from .router import expert_counts
 from .surgery import moe_layers
 
 
@@ -38,8 +39,8 @@ class AuxFreeBalancer:
             record = layer.last_record
             if not layer.training or record is None:
                 return
-            ids = record.topk_ids_TK if record.mask_T is None else record.topk_ids_TK[record.mask_T]
-            self.counts[name] += torch.bincount(ids.reshape(-1), minlength=layer.num_experts).to(self.counts[name])
+            self.counts[name] += expert_counts(record.topk_ids_TK, layer.num_experts, record.mask_T).to(
+                self.counts[name])
         return count
 
     @torch.no_grad()

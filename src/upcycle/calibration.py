@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .architectures import family_of, find_tower_layers
 from .errors import UpcycleError
+from .modes import eval_mode
 from .surgery import Target
 
 
@@ -250,9 +251,7 @@ def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[di
     for t in targets:
         by_tower.setdefault(t.tower, {})[t.index] = t
     towers = {name: find_tower_layers(model, tower_specs[name])[1] for name in by_tower}
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):   # the replay runs the dense blocks as at inference; the caller's mode comes back
         inputs = _first_block_inputs(model, towers, batches)
         bar = tqdm(total=sum(max(wanted) + 1 for wanted in by_tower.values()), desc="calibration", unit="block",
                    disable=not progress, leave=False)
@@ -277,5 +276,3 @@ def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[di
                 del sample   # the consumer now holds the only reference and drops it before asking again
             del states
         bar.close()
-    finally:
-        model.train(was_training)

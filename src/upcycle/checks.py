@@ -33,6 +33,7 @@ from torch import nn
 
 from .config import CheckConfig
 from .ffn import FFNWeights, activation_fn
+from .modes import eval_mode
 
 if TYPE_CHECKING:
     from .architectures import Family
@@ -93,12 +94,8 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
 
 @torch.no_grad()
 def probe_output(model: nn.Module, probe: Probe) -> ProbeOutput:
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         out = model(**probe.inputs)
-    finally:
-        model.train(was_training)
     if getattr(out, "logits_per_text", None) is not None:
         return ProbeOutput(out.logits_per_text.float(), "logits_per_text", True)
     mask = probe.inputs.get("attention_mask")

@@ -27,7 +27,7 @@ from .config import ConvertConfig, to_dict
 from .errors import UpcycleError
 from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import atomic_directory, check_output_location, save
-from .loading import DTYPES, dense_config, dense_tokenizer, dense_weights
+from .loading import DTYPES, dense_config, dense_weights, load_tokenizer
 from .methods import Method, get_method
 from .moe import MoELayer
 from .surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
@@ -267,7 +267,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
     path, config = dense_config(cfg.model)
-    tokenizer = dense_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
     texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too

@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modes import eval_mode
+
 
 @torch.no_grad()
 def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: torch.Tensor, *,
                batch_size: int = 8) -> dict:
     """{"perplexity", "nll", "tokens"} of `model` on packed rows (token t predicts t+1 within a row; positions
     whose target is padding are excluded)."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for start in range(0, input_ids_NS.shape[0], batch_size):
             ids = input_ids_NS[start:start + batch_size].to(device)
             mask = attention_mask_NS[start:start + batch_size].to(device)
@@ -31,8 +31,6 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
                                   ignore_index=-100, reduction="sum")
             total += float(nll)
             count += int((targets != -100).sum())
-    finally:
-        model.train(was_training)
     mean = total / max(count, 1)
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
 
@@ -85,9 +83,7 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
     captions this is the usual Flickr/COCO Recall@K; templated captions repeat, so identical captions are one
     candidate rather than ties that would split the ranks.
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         distinct = sorted(set(pairs.captions))
         text_CP = text_features(model, tokenizer, distinct, batch_size)
         image_NP = image_features(model, pairs.images, batch_size)
@@ -107,8 +103,6 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
             predicted = (image_NP @ class_KP.t()).argmax(1)
             result["zero_shot"] = {"accuracy": float((predicted == torch.tensor(pairs.labels)).double().mean()),
                                    "classes": len(pairs.class_names), "templates": list(templates)}
-    finally:
-        model.train(was_training)
     return result
 
 

@@ -39,6 +39,7 @@ from torch import nn
 from .architectures import family_of
 from .errors import UpcycleError
 from .io import save_tokenizer
+from .modes import eval_mode
 from .surgery import moe_layers
 
 EXPORT_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -244,12 +245,8 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     from transformers import AutoModelForCausalLM
 
     stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).eval()
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         ours = model(input_ids=input_ids).logits.float()
-    finally:
-        model.train(was_training)
     return (stock(input_ids=input_ids).logits.float() - ours).abs().max().item()
 
 
@@ -258,20 +255,16 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
     """`upcycle export IN OUT`: an upcycle-format folder -> a stock checkpoint, checked against the original."""
     import json
 
-    from transformers import AutoTokenizer
-
     from .checks import make_probe
     from .config import CheckConfig
     from .io import atomic_directory, check_output_location, load
+    from .loading import load_tokenizer
 
     src, out = Path(src), Path(out)
     check_output_location(out, inputs=(src,), overwrite=overwrite)
     model = load(src)
     export_target(model, export_class)          # refuse before writing anything
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
-    except Exception:
-        tokenizer = None
+    tokenizer = load_tokenizer(src)
     probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
     report_file = src / "upcycle_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}

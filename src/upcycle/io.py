@@ -90,6 +90,11 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+
+
 def check_output_location(out: str | os.PathLike, *, inputs: tuple[str | os.PathLike | None, ...] = (),
                           overwrite: bool = False) -> Path:
     """Refuse an OUT that replacing could destroy what the user gave us: an input (model folder, data file,
@@ -109,8 +114,7 @@ def check_output_location(out: str | os.PathLike, *, inputs: tuple[str | os.Path
                                " Choose another folder for OUT")
     if out.exists() and not out.is_dir():
         raise UpcycleError(f"output {out} exists and is not a folder")
-    if out.exists() and not overwrite:
-        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    refuse_existing(out, overwrite)
     check_writable_output(out)          # a read-only or impossible OUT is found now, not after the work
     return out
 
@@ -122,8 +126,7 @@ def atomic_directory(out: str | os.PathLike, *, overwrite: bool = False):
     The temporary is a sibling named after its owner (`temp_prefix`), so a run killed with SIGKILL leaves a
     folder that the next run of the same OUT recognizes and removes (`clean_stale_temporaries`)."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     for message in clean_stale_temporaries(out):
         print(f"[upcycle] {message}", file=sys.stderr)

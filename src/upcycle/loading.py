@@ -40,12 +40,24 @@ def dense_config(name: str) -> tuple[str, object]:
     return path, config
 
 
-def dense_tokenizer(path: str):
-    """The model's tokenizer, or None when the folder has none."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                   "spiece.model")
+
+
+def load_tokenizer(path: str | Path):
+    """The model's tokenizer; None when a local folder has no tokenizer files (tiny test models, vision models:
+    the probe then uses seeded random ids). Tokenizer files that do not load are an error, not a silent None
+    that would turn a text probe into random ids."""
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None    # tiny test models and vision-only models have none: the probe uses random ids
+    except Exception as e:
+        if not folder.is_dir():         # a hub id without a tokenizer (or offline): nothing local to report
+            return None
+        raise UpcycleError(f"{path}: the tokenizer files there do not load ({type(e).__name__}: {e}); fix or "
+                           f"remove them") from None
 
 
 def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Module:
@@ -63,15 +75,8 @@ def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Mo
 def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
     """A dense model (hub id, local folder, or 'default') and its tokenizer when it has one."""
     path, config = dense_config(name)
-    tokenizer = dense_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     return dense_weights(name, path, config, dtype), tokenizer
-
-
-def _tokenizer_of(folder: str):
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception:
-        return None
 
 
 def load_model(name: str) -> tuple[nn.Module, object | None]:
@@ -85,7 +90,7 @@ def load_model(name: str) -> tuple[nn.Module, object | None]:
             raise
         except Exception as e:      # a truncated or corrupt weights file, a config that does not build
             raise UpcycleError(f"could not load the upcycle folder {name}: {type(e).__name__}: {e}") from None
-        return model, _tokenizer_of(name)
+        return model, load_tokenizer(name)
     if folder.is_dir() and (folder / "config.json").is_file():
         try:
             config = transformers.AutoConfig.from_pretrained(name)
@@ -96,7 +101,7 @@ def load_model(name: str) -> tuple[nn.Module, object | None]:
                 model = transformers.AutoModelForCausalLM.from_pretrained(name)
             except Exception as e:
                 raise UpcycleError(f"could not load {name}: {type(e).__name__}: {e}") from None
-            return model.eval(), _tokenizer_of(name)
+            return model.eval(), load_tokenizer(name)
     model, tokenizer = load_dense(name)
     track_padding_masks(model)
     return model, tokenizer

@@ -59,15 +59,17 @@ def z_loss(logits_TE: torch.Tensor, *, mask_T: torch.Tensor | None = None,
     return _per_group(lambda sel: (lse_T[sel] ** 2).mean(), logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
 
 
-def _entropy(probs_xE: torch.Tensor) -> torch.Tensor:
-    # xlogy: 0 log 0 = 0, so a saturated softmax gives a finite entropy and gradient
+def token_entropy(probs_xE: torch.Tensor) -> torch.Tensor:
+    """H(p) in nats over the last dimension (the losses, the routing statistics and the EESD teacher's
+    uncertain-token choice all use this one); xlogy: 0 log 0 = 0, so a saturated softmax gives a finite entropy
+    and gradient."""
     return -torch.special.xlogy(probs_xE, probs_xE).sum(-1)
 
 
 def limoe_local(logits_TE: torch.Tensor, *, mask_T: torch.Tensor | None = None,
                 groups_T: torch.Tensor | None = None) -> torch.Tensor:
     probs_TE = logits_TE.float().softmax(-1)
-    return _per_group(lambda sel: _entropy(probs_TE[sel]).mean(), logits_TE.shape[0], logits_TE.device,
+    return _per_group(lambda sel: token_entropy(probs_TE[sel]).mean(), logits_TE.shape[0], logits_TE.device,
                       mask_T, groups_T)
 
 
@@ -77,7 +79,7 @@ def limoe_global(logits_TE: torch.Tensor, *, m: float = 6.0, mask_T: torch.Tenso
         raise ValueError(f"limoe_global: m must be in [1, E={logits_TE.shape[1]}], got {m}")
     probs_TE = logits_TE.float().softmax(-1)
     threshold = math.log(m)
-    return _per_group(lambda sel: (threshold - _entropy(probs_TE[sel].mean(0))).clamp_min(0),
+    return _per_group(lambda sel: (threshold - token_entropy(probs_TE[sel].mean(0))).clamp_min(0),
                       logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
 
 

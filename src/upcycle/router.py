@@ -83,6 +83,13 @@ def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
     return kept_KT.t()
 
 
+def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-slots per expert [E] over the real tokens (padding excluded): the load that the aux-free balancer
+    and the routing statistics read."""
+    ids = topk_ids_TK if mask_T is None else topk_ids_TK[mask_T]
+    return torch.bincount(ids.reshape(-1), minlength=num_experts)
+
+
 class Router(nn.Linear):
     """The router: a float32 linear map to E scores (state dict `weight`, `bias` as an nn.Linear's), and the
     routing rule of the module docstring, with the options of a `MoEConfig` (validated there)."""

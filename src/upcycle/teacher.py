@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from .losses import eesd
+from .losses import eesd, token_entropy
 from .moe import MoELayer
 from .surgery import moe_layers
 
@@ -74,7 +74,7 @@ class EMATeacher:
         if self.uncertain_fraction >= 1:
             return None if real_T is None else real_T.nonzero().flatten()
         probs_TE = record.probs_TE.detach()
-        entropy_T = -torch.special.xlogy(probs_TE, probs_TE).sum(-1)
+        entropy_T = token_entropy(probs_TE)
         if real_T is not None:
             entropy_T = entropy_T.masked_fill(~real_T, -math.inf)
         n_real = int(real_T.sum()) if real_T is not None else T

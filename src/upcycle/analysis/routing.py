@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from ..losses import token_entropy
 from ..moe import MoELayer
+from ..router import expert_counts
 
 
 def routing_entropy(probs_TE: torch.Tensor, mask_T: torch.Tensor | None = None) -> float:
-    p = probs_TE.double()
-    h_T = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    h_T = token_entropy(probs_TE.double())
     return float(h_T[mask_T].mean() if mask_T is not None else h_T.mean())
 
 
 def router_load(ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Tensor | None = None) -> list[float]:
-    ids = ids_TK[mask_T] if mask_T is not None else ids_TK
-    counts_E = torch.bincount(ids.reshape(-1), minlength=num_experts).double()
+    counts_E = expert_counts(ids_TK, num_experts, mask_T).double()
     return (counts_E / counts_E.sum().clamp_min(1)).tolist()
 
 
