@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .moe import MoELayer
+from .moe import MoELayer, moe_layers
 from .router import expert_counts
-from .surgery import moe_layers
 
 
 class AuxFreeBalancer:

@@ -190,7 +190,7 @@ def preservation_tolerance(scale: float, noise: float, dtype: torch.dtype, check
 
 def count_parameters(model: nn.Module) -> dict:
     """Total parameters (shared tensors once) and parameters active per token (k of E routed experts)."""
-    from .surgery import moe_layers
+    from .moe import moe_layers
 
     total = sum(p.numel() for p in model.parameters())   # parameters() yields tied tensors once
     inactive = 0

@@ -40,7 +40,7 @@ from .architectures import family_of
 from .errors import UpcycleError
 from .io import save_tokenizer
 from .modes import eval_mode
-from .surgery import moe_layers
+from .moe import moe_layers
 
 EXPORT_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM"}

@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import FreezeRule
 from .errors import UpcycleError
-from .surgery import moe_layers
+from .moe import moe_layers
 
 GROUPS = ("all", "dense", "moe", "routed", "router", "experts", "experts_in", "experts_gate", "experts_up",
           "experts_down", "shared_experts")

@@ -33,8 +33,8 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .errors import UpcycleError
-from .moe import MoELayer
-from .surgery import install, moe_layers, track_padding_masks
+from .moe import MoELayer, moe_layers
+from .surgery import install, track_padding_masks
 
 FORMAT_VERSION = 1
 MOE_CONFIG = "upcycle_config.json"

@@ -36,14 +36,24 @@ from .router import Router, RoutingRecord, capacity_keep, router_logits  # noqa:
 _PADDING_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("upcycle_mask", default=None)
 
 
+def set_padding_mask(mask_BS: torch.Tensor | None) -> contextvars.Token:
+    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) until `reset_padding_mask`
+    (what the model-root hooks of `surgery.track_padding_masks` do around a forward)."""
+    return _PADDING_MASK.set(mask_BS)
+
+
+def reset_padding_mask(token: contextvars.Token) -> None:
+    _PADDING_MASK.reset(token)
+
+
 @contextlib.contextmanager
 def padding_mask(mask_BS: torch.Tensor | None):
     """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) inside this block."""
-    token = _PADDING_MASK.set(mask_BS)
+    token = set_padding_mask(mask_BS)
     try:
         yield
     finally:
-        _PADDING_MASK.reset(token)
+        reset_padding_mask(token)
 
 
 class Experts(nn.Module):
@@ -256,3 +266,8 @@ class MoELayer(nn.Module):
             if router_bias_E is not None:
                 layer.router.bias.copy_(router_bias_E)
         return layer
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """Every MoE layer of a model, by qualified name (discovery lives next to the layer it finds)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}

@@ -20,9 +20,8 @@ from .balance import AuxFreeBalancer
 from .config import RegularizerConfig
 from .dpsl import dpsl
 from .errors import UpcycleError
-from .moe import RoutingRecord
+from .moe import RoutingRecord, moe_layers
 from .stock_moe import StockRouting, is_stock_moe
-from .surgery import moe_layers
 from .teacher import EMATeacher
 
 
@@ -39,28 +38,33 @@ def routing_records(model: nn.Module) -> dict[str, RoutingRecord | None]:
     return {name: layer.last_record for name, layer in moe_layers(model).items()}
 
 
+# The router regularizers (METHODS §4), one row each: (name = the RegularizerConfig coefficient key, the pure loss
+# of one layer's routing record, its mask and token groups). A new router loss is one row here and one key there.
+RouterLoss = Callable[[RoutingRecord, torch.Tensor | None, torch.Tensor | None, RegularizerConfig], torch.Tensor]
+ROUTER_LOSSES: tuple[tuple[str, RouterLoss], ...] = (
+    # balance_logits: softmax of these = the router's probabilities (sigmoid routers' normalized affinities too)
+    ("load_balance", lambda r, mask, g, cfg: losses.load_balance(r.balance_logits_TE, r.topk_ids_TK, mask_T=mask,
+                                                                 groups_T=g)),
+    ("z_loss", lambda r, mask, g, cfg: losses.z_loss(r.logits_TE, mask_T=mask, groups_T=g)),
+    ("limoe_local", lambda r, mask, g, cfg: losses.limoe_local(r.balance_logits_TE, mask_T=mask, groups_T=g)),
+    ("limoe_global", lambda r, mask, g, cfg: losses.limoe_global(r.balance_logits_TE, m=cfg.limoe_m, mask_T=mask,
+                                                                 groups_T=g)),
+    ("dpsl", lambda r, mask, g, cfg: dpsl(r.probs_TE, cfg.dpsl_alpha, groups=g, mask=mask)),
+)
+
+
 def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Tensor | None = None,
                   records: dict[str, RoutingRecord | None] | None = None) -> dict[str, torch.Tensor]:
-    """Each enabled router loss, averaged over the MoE layers' latest routing records (unweighted); `records`
-    replaces the model's own layers' (a stock MoE class's routers, `upcycle.stock_moe`)."""
+    """Each enabled router loss (a non-zero coefficient), averaged over the MoE layers' latest routing records
+    (unweighted); `records` replaces the model's own layers' (a stock MoE class's routers, `upcycle.stock_moe`)."""
+    enabled = [(name, fn) for name, fn in ROUTER_LOSSES if getattr(cfg, name)]
     terms: dict[str, list[torch.Tensor]] = {}
     for record in (routing_records(model) if records is None else records).values():
         if record is None:
             continue
-        g, mask = _groups_for(record, groups), record.mask_T
-        logits = record.balance_logits_TE      # softmax of these = the router's probabilities (sigmoid too)
-        if cfg.load_balance:
-            terms.setdefault("load_balance", []).append(
-                losses.load_balance(logits, record.topk_ids_TK, mask_T=mask, groups_T=g))
-        if cfg.z_loss:
-            terms.setdefault("z_loss", []).append(losses.z_loss(record.logits_TE, mask_T=mask, groups_T=g))
-        if cfg.limoe_local:
-            terms.setdefault("limoe_local", []).append(losses.limoe_local(logits, mask_T=mask, groups_T=g))
-        if cfg.limoe_global:
-            terms.setdefault("limoe_global", []).append(
-                losses.limoe_global(logits, m=cfg.limoe_m, mask_T=mask, groups_T=g))
-        if cfg.dpsl:
-            terms.setdefault("dpsl", []).append(dpsl(record.probs_TE, cfg.dpsl_alpha, groups=g, mask=mask))
+        g = _groups_for(record, groups)
+        for name, fn in enabled:
+            terms.setdefault(name, []).append(fn(record, record.mask_T, g, cfg))
     return {name: torch.stack(values).mean() for name, values in terms.items()}
 
 

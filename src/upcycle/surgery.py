@@ -16,7 +16,7 @@ from torch import nn
 from .architectures import Family, family_of, find_tower_layers, mask_root, tower_config
 from .config import PlacementConfig
 from .errors import UpcycleError
-from .moe import _PADDING_MASK, MoELayer
+from .moe import MoELayer, moe_layers, reset_padding_mask, set_padding_mask  # noqa: F401  (moe_layers: re-exported)
 
 
 @dataclass(frozen=True)
@@ -83,24 +83,19 @@ def install(model: nn.Module, block_path: str, layer: MoELayer) -> None:
     family_of(model.config).install(model.get_submodule(block_path), layer)
 
 
-def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
-    """Every MoE layer of a model, by qualified name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
-
-
 def _mask_pre_hook(module, args, kwargs):
     try:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
         mask = bound.arguments.get("attention_mask")
     except TypeError:
         mask = kwargs.get("attention_mask")
-    module._upcycle_mask_token = _PADDING_MASK.set(mask if mask is not None and mask.dim() == 2 else None)
+    module._upcycle_mask_token = set_padding_mask(mask if mask is not None and mask.dim() == 2 else None)
 
 
 def _mask_post_hook(module, args, kwargs, output):
     token = getattr(module, "_upcycle_mask_token", None)
     if token is not None:
-        _PADDING_MASK.reset(token)
+        reset_padding_mask(token)
         module._upcycle_mask_token = None
 
 

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from .losses import eesd, token_entropy
-from .moe import MoELayer
-from .surgery import moe_layers
+from .moe import MoELayer, moe_layers
 
 
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:

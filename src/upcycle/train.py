@@ -46,9 +46,8 @@ from .errors import UpcycleError
 from .freezing import Freezer
 from .io import atomic_directory, check_output_location, clean_stale_temporaries, replace_directory, save, temp_prefix
 from .loading import load_model
-from .moe import RoutingRecord
+from .moe import RoutingRecord, moe_layers
 from .objective import Regularized
-from .surgery import moe_layers
 from .tasks import TASKS, make_task
 
 RUN_CONFIG = "run_config.yaml"
