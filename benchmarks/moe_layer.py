@@ -11,13 +11,18 @@ that machine noise hits all of them alike; we report medians.
   hf_grouped_mm      transformers MixtralSparseMoeBlock, experts_implementation="grouped_mm"
   (Qwen3-MoE's sparse block runs the same `@use_experts_implementation` experts code as Mixtral's.)
 
-Run: python benchmarks/moe_layer.py [--tokens 512 4096 16384] [--reps 7] [--min-seconds 3]
-     -> benchmarks/results/moe_layer.json
+With `--autocast bf16` every implementation runs under torch.autocast("cpu", bfloat16) (weights float32, as in
+mixed-precision training) and the results go to moe_layer_bf16.json; an implementation that fails under autocast
+is recorded with its error instead of a time.
+
+Run: python benchmarks/moe_layer.py [--tokens 512 4096 16384] [--reps 7] [--min-seconds 3] [--autocast bf16]
+     -> benchmarks/results/moe_layer.json (moe_layer_bf16.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,6 +41,12 @@ from upcycle.moe import MoELayer
 
 E, K, D, FF = 8, 2, 576, 1536
 RESULTS = Path(__file__).parent / "results"
+AUTOCAST: dict = {"dtype": None}     # set by --autocast: every timed call runs under CPU autocast in that dtype
+
+
+def precision():
+    dtype = AUTOCAST["dtype"]
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def machine() -> dict:
@@ -74,9 +85,11 @@ def timed(fn, x: torch.Tensor, backward: bool) -> float:
         p.grad = None
     start = time.perf_counter()
     if backward:
-        fn(x).square().mean().backward()
+        with precision():
+            y = fn(x)
+        y.float().square().mean().backward()
     else:
-        with torch.no_grad():
+        with torch.no_grad(), precision():
             fn(x)
     return time.perf_counter() - start
 
@@ -88,10 +101,18 @@ def measure(n_tokens: int, reps: int, min_seconds: float) -> dict:
     impls["dense"].params = list(dense.tensors().values())
     for module in (ours, *hf.values()):
         module.params = list(module.parameters())
-    with torch.no_grad():   # same routing and weights: the outputs must agree
-        ref = ours(x)
-        agreement = {name: (block(x) - ref).abs().max().item() for name, block in hf.items()}
-    result = {"tokens": n_tokens, "max_abs_diff_vs_upcycle": agreement}
+    failed = {}
+    with torch.no_grad(), precision():   # same routing and weights: the outputs must agree (float32: exactly)
+        ref = ours(x).float()
+        agreement = {}
+        for name, block in hf.items():
+            try:
+                agreement[name] = (block(x).float() - ref).abs().max().item()
+            except RuntimeError as e:     # e.g. a dtype mismatch under autocast
+                failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in failed:
+        impls.pop(name)
+    result = {"tokens": n_tokens, "max_abs_diff_vs_upcycle": agreement, "failed": failed}
     for mode, backward in (("forward", False), ("forward_backward", True)):
         times = {name: [] for name in impls}
         warm = {name: timed(fn, x.clone().requires_grad_(backward), backward) for name, fn in impls.items()}
@@ -107,7 +128,8 @@ def measure(n_tokens: int, reps: int, min_seconds: float) -> dict:
             "reps": n_reps,
             "median_s": {"dense_x_k": baseline, **{n: v for n, v in med.items() if n != "dense"}},
             "ratio_to_dense_x_k": {n: v / baseline for n, v in med.items() if n != "dense"},
-            "upcycle_vs_best_hf": med["upcycle"] / min(med[n] for n in hf),
+            "upcycle_vs_best_hf": med["upcycle"] / min(med[n] for n in hf if n in med) if set(hf) & set(med)
+            else None,
         }
     return result
 
@@ -117,8 +139,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     parser.add_argument("--reps", type=int, default=7, help="at least this many timed repetitions")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="repeat short calls to fill this time")
-    parser.add_argument("--out", type=Path, default=RESULTS / "moe_layer.json")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--autocast", choices=["bf16"], help="run under CPU autocast in this dtype")
     args = parser.parse_args()
+    AUTOCAST["dtype"] = torch.bfloat16 if args.autocast == "bf16" else None
+    args.out = args.out or RESULTS / ("moe_layer_bf16.json" if args.autocast else "moe_layer.json")
     torch.manual_seed(0)
     runs = []
     for n in args.tokens:
@@ -128,11 +153,14 @@ def main() -> None:
         print(f"N={n:6d}  fwd: " + "  ".join(f"{k} {v:.2f}x" for k, v in fw.items())
               + "  | fwd+bwd: " + "  ".join(f"{k} {v:.2f}x" for k, v in fb.items()), flush=True)
     out = {"benchmark": "moe_layer", "setting": {"num_experts": E, "top_k": K, "hidden": D, "intermediate": FF,
-                                                  "dtype": "float32", "activation": "silu", "reps": args.reps},
+                                                  "dtype": "float32", "activation": "silu", "reps": args.reps,
+                                                  "autocast": args.autocast},
            "machine": machine(), "results": runs,
            "command": "python benchmarks/moe_layer.py " + " ".join(["--tokens", *map(str, args.tokens),
                                                                     "--reps", str(args.reps),
-                                                                    "--min-seconds", str(args.min_seconds)])}
+                                                                    "--min-seconds", str(args.min_seconds)]
+                                                                   + (["--autocast", args.autocast] if args.autocast
+                                                                      else []))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
