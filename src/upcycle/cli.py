@@ -144,9 +144,7 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
 
 def _apply_sets(data: dict, assignments: list[str]) -> None:
     for assignment in assignments:
-        probe: dict = {}
-        set_override(probe, assignment)
-        refuse_overwrite_key(probe, f"--set {assignment}")
+        refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--set {assignment}")
         set_override(data, assignment)
 
 

@@ -61,15 +61,15 @@ def _owner_alive(name: str, out: Path) -> bool | None:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
             return False
-        except PermissionError:       # another user's process
-            return True
+        except PermissionError:       # another user's process: alive
+            pass
         return True
     return None
 
 
 def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
-    """Remove temporaries of `out` whose owner process is gone (a run killed while writing), and return what
-    was removed and what was left (an owner still running, or on another host), as messages."""
+    """Remove temporaries of `out` whose owner process is gone (a run killed while writing); say on stderr (and
+    return) what was removed and what was left (an owner still running, or on another host)."""
     out = Path(out)
     if not out.parent.is_dir():
         return []
@@ -83,6 +83,8 @@ def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
         elif alive is None:
             said.append(f"left {path} in place: a temporary of {out} from another host or an older upcycle; "
                         f"remove it by hand if no run is writing it")
+    for message in said:
+        print(f"[upcycle] {message}", file=sys.stderr)
     return said
 
 
@@ -128,8 +130,7 @@ def atomic_directory(out: str | os.PathLike, *, overwrite: bool = False):
     out = Path(out)
     refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for message in clean_stale_temporaries(out):
-        print(f"[upcycle] {message}", file=sys.stderr)
+    clean_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp

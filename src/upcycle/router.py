@@ -96,10 +96,15 @@ class Router(nn.Linear):
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, bias: bool = False) -> None:
         super().__init__(hidden_size, config.num_experts, bias=bias, dtype=torch.float32)
-        self.config = config
-        self.num_experts, self.top_k = config.num_experts, config.top_k
-        self.score, self.normalize_topk = config.score, config.normalize_topk
-        self.route_scale, self.renormalize_after_drop = float(config.route_scale), config.renormalize_after_drop
+        self.config = config        # frozen: the options are read from it, never copied
+
+    @property
+    def score(self) -> str:
+        return self.config.score
+
+    @property
+    def route_scale(self) -> float:
+        return self.config.route_scale
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
@@ -118,16 +123,16 @@ class Router(nn.Linear):
         scores_TE = self.scores(logits_TE)
         # The selection bias is applied unconditionally: testing whether it is zero would copy a flag to the
         # host on every forward, and a zero bias selects exactly what topk(scores) selects.
-        ids_TK = (scores_TE.detach() + selection_bias_E).topk(self.top_k, dim=-1).indices
+        ids_TK = (scores_TE.detach() + selection_bias_E).topk(self.config.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(-1, ids_TK)
-        if self.normalize_topk:
+        if self.config.normalize_topk:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         if self.route_scale != 1.0:
             weights_TK = weights_TK * self.route_scale
         kept_TK = None
         if capacity is not None:
-            kept_TK = capacity_keep(ids_TK, self.num_experts, capacity, mask_T)
+            kept_TK = capacity_keep(ids_TK, self.config.num_experts, capacity, mask_T)
             weights_TK = weights_TK * kept_TK
-            if self.renormalize_after_drop:
+            if self.config.renormalize_after_drop:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20) * self.route_scale
         return RoutingRecord(logits_TE, ids_TK, weights_TK, kept_TK, mask_T, self.score)

@@ -34,7 +34,6 @@ CHECKPOINTS = "checkpoints"
 RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every"}
 
 
-
 def checkpoints(out: Path) -> list[Path]:
     """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.checkpoint.problem`)."""
     folder = out / CHECKPOINTS
@@ -102,8 +101,7 @@ class RunFolder:
         self.created = not out.exists()
         name = str(out)
         if accelerator.is_main_process:
-            for message in clean_stale_temporaries(out):
-                print(f"[upcycle] {message}", file=sys.stderr)
+            clean_stale_temporaries(out)
             out.parent.mkdir(parents=True, exist_ok=True)
             if replacing:
                 name = tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent)

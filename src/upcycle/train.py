@@ -304,15 +304,19 @@ def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokeni
                 shutil.rmtree(old, ignore_errors=True)
         run.committed()
 
+    def any_process(flag: bool) -> bool:
+        """Whether `flag` holds on any process (all processes must take the same branch)."""
+        value = torch.tensor([float(flag)], device=accelerator.device)
+        if world > 1:
+            value = accelerator.reduce(value, reduction="max")
+        return value.item() > 0
+
     def nonfinite(sums: dict[str, float], grad_norm) -> str | None:
         """Why this step must not update the weights (NaN/inf loss or gradient), agreed by every process."""
         bad = [f"{k} loss {v}" for k, v in sums.items() if not math.isfinite(v)]
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             bad.append(f"gradient norm {float(grad_norm)}")
-        flag = torch.tensor([float(bool(bad))], device=accelerator.device)
-        if world > 1:
-            flag = accelerator.reduce(flag, reduction="max")
-        return (", ".join(bad) or "non-finite values on another process") if flag.item() > 0 else None
+        return (", ".join(bad) or "non-finite values on another process") if any_process(bool(bad)) else None
 
     first_eval = evaluate(0) if state["step"] == 0 else None
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not (progress and is_main), desc="train",
@@ -385,10 +389,7 @@ def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokeni
             bar.update(1)
             bar.set_postfix(loss=f"{loss_terms['total']:.4f}", tok_s=f"{tokens / seconds:,.0f}")
 
-            flag = torch.tensor([float(stop.requested)], device=accelerator.device)
-            if world > 1:       # all processes must agree to stop at the same step
-                flag = accelerator.reduce(flag, reduction="max")
-            if flag.item() > 0 and state["step"] < end:
+            if any_process(stop.requested) and state["step"] < end:     # every process stops at the same step
                 interrupted = True
                 break
             if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < end:
