@@ -52,7 +52,7 @@ def peak_rss_mb() -> float:
 
 def child_convert(method: str, tokens: int) -> dict:
     from upcycle.config import ConvertConfig, build
-    from upcycle.convert import convert
+    from upcycle.conversion.converter import convert
 
     cfg = build(ConvertConfig, {"model": "default", "method": method, "moe": {"num_experts": 8, "top_k": 2},
                                 "placement": {"every": 2}, "calibration": {"tokens": tokens}})
@@ -70,11 +70,11 @@ def child_convert(method: str, tokens: int) -> dict:
 
 @torch.no_grad()
 def child_naive(tokens: int) -> dict:
-    from upcycle.calibration import text_batches
     from upcycle.config import PlacementConfig
-    from upcycle.loading import load_dense
-    from upcycle.surgery import plan_targets
-    from upcycle.text import wikipedia_split
+    from upcycle.conversion.calibration import text_batches
+    from upcycle.conversion.loading import load_dense
+    from upcycle.core.surgery import plan_targets
+    from upcycle.data.text import wikipedia_split
 
     t = time.perf_counter()
     model, tokenizer = load_dense("default")

@@ -1,4 +1,4 @@
-"""Spherical k-means speed and quality: upcycle.linalg.spherical_kmeans vs faiss.Kmeans(spherical=True).
+"""Spherical k-means speed and quality: upcycle.methods.linalg.spherical_kmeans vs faiss.Kmeans(spherical=True).
 
 Setting (METHODS §2.5 step 3 at calibration scale): N = 131,072 float32 points in D = 768 drawn from a mixture
 (8 random unit centres + isotropic Gaussian noise, sigma per coordinate 0.05, so a point's cosine to its centre
@@ -9,7 +9,7 @@ k-means++ and stops a restart at a fixed point (assignments repeat, or the mean 
 seeds with random points and always runs `niter` iterations. Both timings include the normalization each needs.
 
 Both objectives (mean cosine of each point to its most similar centroid) are computed the same way, by
-upcycle.linalg.spherical_assign from each method's centroids. Repetitions are interleaved (order rotated each
+upcycle.methods.linalg.spherical_assign from each method's centroids. Repetitions are interleaved (order rotated each
 time); we report medians. `ours_fixed_iters` disables our early stopping (every restart runs all `iters` steps,
 as faiss does): the per-iteration like-for-like comparison; the targets are judged on `ours` (defaults).
 Purity = fraction of points whose cluster's majority true component is their own.
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from upcycle.linalg import spherical_assign, spherical_kmeans
+from upcycle.methods.linalg import spherical_assign, spherical_kmeans
 
 
 def machine(threads: int, faiss_version: str) -> dict:

@@ -6,7 +6,7 @@ the repetitions are interleaved round-robin (rotated each time, so none always f
 that machine noise hits all of them alike; we report medians.
 
   dense_x_k          one dense SwiGLU FFN on the N tokens, time x k: the FLOP-equivalent baseline
-  upcycle            upcycle.moe.MoELayer
+  upcycle            upcycle.core.moe.MoELayer
   hf_eager           transformers MixtralSparseMoeBlock, experts_implementation="eager"
   hf_grouped_mm      transformers MixtralSparseMoeBlock, experts_implementation="grouped_mm"
   (Qwen3-MoE's sparse block runs the same `@use_experts_implementation` experts code as Mixtral's.)
@@ -36,8 +36,8 @@ import transformers
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from upcycle.ffn import FFNWeights
-from upcycle.moe import MoELayer
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
 
 E, K, D, FF = 8, 2, 576, 1536
 RESULTS = Path(__file__).parent / "results"

@@ -57,8 +57,8 @@ def machine() -> dict:
 
 def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
     """dpsl forward + backward per (alpha, backend), repetitions interleaved across the backends."""
-    import upcycle.dpsl as module
-    from upcycle.dpsl import dpsl
+    import upcycle.train.dpsl as module
+    from upcycle.train.dpsl import dpsl
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, experts, generator=g).requires_grad_(True)
@@ -85,13 +85,13 @@ def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
 
 
 def child(mode: str, tokens: int, steps: int) -> dict:
-    from upcycle.calibration import text_batches
     from upcycle.config import ConvertConfig, RegularizerConfig, build
-    from upcycle.convert import upcycle_model
-    from upcycle.loading import load_dense
-    from upcycle.objective import Regularized, train_step
-    from upcycle.surgery import moe_layers
-    from upcycle.text import wikipedia_split
+    from upcycle.conversion.calibration import text_batches
+    from upcycle.conversion.converter import upcycle_model
+    from upcycle.conversion.loading import load_dense
+    from upcycle.core.surgery import moe_layers
+    from upcycle.data.text import wikipedia_split
+    from upcycle.train.objective import Regularized, train_step
 
     torch.manual_seed(0)
     model, tokenizer = load_dense("default")
@@ -109,7 +109,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
 
     clock = {"teacher": 0.0, "moe_forward": 0.0}
     if reg.teacher is not None:
-        import upcycle.teacher as teacher_module
+        import upcycle.train.teacher as teacher_module
         original = teacher_module.ensemble_output
 
         def timed(*args, **kwargs):
@@ -146,8 +146,8 @@ def uncertain_share(model, teacher, batch: dict, fraction: float = 0.25) -> dict
     """The effect of an uncertain-only teacher: the share of the full EESD loss (per-token squared errors
     against the all-expert ensemble) carried by the `fraction` of tokens with the highest routing entropy,
     against `fraction` (what a random subset carries on average), mean over MoE layers."""
-    from upcycle.surgery import moe_layers
-    from upcycle.teacher import ensemble_output
+    from upcycle.core.surgery import moe_layers
+    from upcycle.train.teacher import ensemble_output
 
     teacher.enabled = False
     seen, shares = {}, []

@@ -7,7 +7,7 @@ and compare with continuing the dense model for the same steps (the compute-matc
     .venv/bin/python benchmarks/tiny_clip.py --quick    # a CI-sized run (as tests/test_clip_protocol.py does)
 
 Metrics on the 359 held-out digits (every 5th image): zero-shot accuracy with class-name prompts, and
-image->text / text->image Recall@1/5 over the distinct captions (upcycle.evaluate.clip_metrics).
+image->text / text->image Recall@1/5 over the distinct captions (upcycle.train.evaluate.clip_metrics).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch
 
 from upcycle import ConvertConfig, MoEConfig, PlacementConfig, convert
 from upcycle.config import TrainConfig, build, load_recipe
-from upcycle.io import atomic_directory
-from upcycle.pairs import caption_tokenizer, digits_pairs, tiny_clip
-from upcycle.train import train
+from upcycle.data.clip_pairs import caption_tokenizer, digits_pairs
+from upcycle.data.tiny_clip import tiny_clip
+from upcycle.files import atomic_directory
+from upcycle.train.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

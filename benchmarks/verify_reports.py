@@ -26,8 +26,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import upcycle
-from upcycle.assets import resolve_model_name
-from upcycle.text import wikipedia_split
+from upcycle.data.assets import resolve_model_name
+from upcycle.data.text import wikipedia_split
 
 
 def verify(folder: Path) -> dict:

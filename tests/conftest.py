@@ -62,7 +62,7 @@ def write_tiny_lm(folder, *, seed: int = 0):
     """A tiny random Llama with a word-level tokenizer, and train/held-out text it can learn: (model, train, held)."""
     import random
 
-    from upcycle.pairs import caption_tokenizer
+    from upcycle.data.clip_pairs import caption_tokenizer
 
     rng = random.Random(seed)
     docs = [" ".join(rng.choice(TOY_WORDS) for _ in range(rng.randint(5, 30))) + "." for _ in range(400)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.architectures import family_of
+from upcycle.core.architectures import family_of
+from upcycle.core.ffn import activation_fn
 from upcycle.errors import UpcycleError
-from upcycle.ffn import activation_fn
 
 
 def _canonical(ffn, x):

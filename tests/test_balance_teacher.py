@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from conftest import make_tiny
-from upcycle.balance import AuxFreeBalancer
 from upcycle.config import ConvertConfig, RegularizerConfig, build
-from upcycle.convert import upcycle_model
-from upcycle.ffn import FFNWeights
-from upcycle.moe import MoELayer
-from upcycle.objective import Regularized, router_losses, train_step
-from upcycle.teacher import EMATeacher, ensemble_output
+from upcycle.conversion.converter import upcycle_model
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
+from upcycle.train.balance import AuxFreeBalancer
+from upcycle.train.objective import Regularized, router_losses, train_step
+from upcycle.train.teacher import EMATeacher, ensemble_output
 
 D, F, E = 16, 32, 8
 

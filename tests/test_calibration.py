@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.architectures import family_of
-from upcycle.calibration import Reservoir, capture_ffn_inputs, text_batches
 from upcycle.config import PlacementConfig
+from upcycle.conversion.calibration import Reservoir, capture_ffn_inputs, text_batches
+from upcycle.core.architectures import family_of
+from upcycle.core.surgery import plan_targets
 from upcycle.errors import UpcycleError
-from upcycle.surgery import plan_targets
 
 
 def batches_for(kind: str, n: int = 3, seed: int = 0) -> list[dict]:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from upcycle.cli import main
+from upcycle.data.clip_pairs import digits_pairs, read_pairs
 from upcycle.errors import UpcycleError
-from upcycle.evaluate import recall_at
-from upcycle.pairs import digits_pairs, read_pairs
+from upcycle.train.evaluate import recall_at
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,11 @@ import torch
 from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.config import ConvertConfig, build
-from upcycle.convert import convert, upcycle_model
+from upcycle.conversion.converter import convert, upcycle_model
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
 from upcycle.errors import UpcycleError
-from upcycle.ffn import FFNWeights
 from upcycle.methods import get_method
-from upcycle.moe import MoELayer
 
 D, F, E = 16, 40, 4
 

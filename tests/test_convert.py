@@ -12,12 +12,12 @@ import torch
 import upcycle
 from conftest import make_tiny
 from upcycle import methods as registry
-from upcycle.checks import make_probe, probe_output
 from upcycle.cli import main
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.convert import PreservationError, convert, upcycle_model
+from upcycle.conversion.converter import PreservationError, convert, upcycle_model
+from upcycle.conversion.preservation import make_probe, probe_output
+from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
-from upcycle.surgery import moe_layers
 
 
 def cfg(model="x", **overrides) -> ConvertConfig:
@@ -178,7 +178,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, interrupt)
     def fail(*args, **kwargs):
         raise interrupt("stopped while writing")
 
-    monkeypatch.setattr("upcycle.io.save_model", fail)
+    monkeypatch.setattr("upcycle.conversion.io.save_model", fail)
     with pytest.raises(interrupt):
         convert(cfg(model_dir), out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["m"]

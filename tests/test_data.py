@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from upcycle.data import PackedBatches, labels_for, pack_documents
+from upcycle.data.packing import PackedBatches, labels_for, pack_documents
 from upcycle.errors import UpcycleError
 
 

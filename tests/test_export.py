@@ -12,12 +12,12 @@ import upcycle
 from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
-from upcycle.convert import convert, upcycle_model
+from upcycle.conversion.converter import convert, upcycle_model
+from upcycle.conversion.export import export_hf
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
+from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
-from upcycle.export import export_hf
-from upcycle.ffn import FFNWeights
-from upcycle.moe import MoELayer
-from upcycle.surgery import moe_layers
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -18,12 +18,12 @@ import torch
 
 from conftest import make_tiny
 from upcycle.config import ConvertConfig, build
-from upcycle.convert import upcycle_model
-from upcycle.export import export_hf
-from upcycle.ffn import FFNWeights
-from upcycle.moe import MoELayer
-from upcycle.surgery import moe_layers
-from upcycle.text import cache_dir
+from upcycle.conversion.converter import upcycle_model
+from upcycle.conversion.export import export_hf
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
+from upcycle.core.surgery import moe_layers
+from upcycle.data.text import cache_dir
 
 pytestmark = pytest.mark.slow
 TRANSFORMERS_4 = "4.57.6"
@@ -62,7 +62,7 @@ def tokenizer_folder(tmp_path: Path):
     """A tiny Llama with a word-level tokenizer (saved by transformers 5), converted to Qwen2-MoE by the
     command's own path (convert), so its folder holds the tokenizer as users get it."""
     from conftest import write_tiny_lm
-    from upcycle.convert import convert
+    from upcycle.conversion.converter import convert
 
     dense, _, held = write_tiny_lm(tmp_path / "lm")
     result = convert(build(ConvertConfig, {"model": str(dense), "method": "copy", "export": "hf",

@@ -58,7 +58,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_import_graph_is_acyclic():
     graph = import_graph()
-    assert len(graph) > 30 and graph["upcycle.convert"]        # the walk found the package and its imports
+    assert len(graph) > 30 and graph["upcycle.conversion.converter"]        # the walk found the package and its imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -75,3 +75,51 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
     # `from . import x` imports the package itself first, so it is an edge to the package's __init__ too
     assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg", "pkg.a"}, "pkg.c": {"pkg", "pkg.b"}}
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+# DESIGN's layering: a module imports only its own sub-package and the layers below it. The leaves (version,
+# config, output folders) know only the error type; core and data are independent of each other; methods and
+# analysis read core; conversion uses those; train uses conversion (loading folders, saving); the CLI and the
+# package root are on top.
+LAYERS = {
+    "upcycle.errors": 0,
+    "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
+    "upcycle.core": 2, "upcycle.data": 2,
+    "upcycle.methods": 3, "upcycle.analysis": 3,
+    "upcycle.conversion": 4,
+    "upcycle.train": 5,
+    "upcycle.cli": 6, "upcycle": 6,
+}
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """The sub-package (or leaf module) a module belongs to, and its layer."""
+    for unit in (".".join(module.split(".")[:2]), module.split(".")[0]):
+        if unit in LAYERS:
+            return unit, LAYERS[unit]
+    raise AssertionError(f"{module} is in no layer: add its sub-package to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Edges that go up a layer, or sideways into another unit of the same layer."""
+    bad = []
+    for module, targets in graph.items():
+        unit, layer = layer_of(module)
+        for target in targets:
+            other, other_layer = layer_of(target)
+            if other != unit and other_layer >= layer:
+                bad.append(f"{module} -> {target}")
+    return sorted(bad)
+
+
+def test_imports_only_go_down_the_layers():
+    graph = import_graph()
+    assert {layer_of(m)[0] for m in graph} == set(LAYERS)      # every unit exists and every module has a layer
+    assert upward_imports(graph) == []
+
+
+def test_an_upward_import_is_reported():
+    graph = {"upcycle.core.moe": {"upcycle.train.losses"}, "upcycle.train.losses": {"upcycle.core.router"},
+             "upcycle.core.router": set(), "upcycle.data.text": {"upcycle.core.moe"}}
+    assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.train.losses",
+                                     "upcycle.data.text -> upcycle.core.moe"]

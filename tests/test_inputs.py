@@ -20,7 +20,7 @@ import yaml
 from conftest import make_tiny
 from upcycle.cli import _parser, convert_config, main
 from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, set_override
-from upcycle.convert import validate
+from upcycle.conversion.converter import validate
 from upcycle.errors import UpcycleError
 
 # (as written, the number it means): YAML 1.1 reads only some of these as floats by itself
@@ -191,8 +191,8 @@ def no_weights_loaded(monkeypatch):
     """Fail the test if the conversion gets as far as loading the dense weights."""
     def refuse(*args, **kwargs):
         raise AssertionError("the dense weights were loaded before the input was refused")
-    # the module, not the `upcycle.convert` function the package exports under the same name
-    monkeypatch.setattr(importlib.import_module("upcycle.convert"), "dense_weights", refuse)
+    # the converter module (the package root exports a function `convert` of the same name)
+    monkeypatch.setattr(importlib.import_module("upcycle.conversion.converter"), "dense_weights", refuse)
 
 
 def test_out_under_a_file_is_refused_before_loading(tmp_path, tiny_llama, capsys, no_weights_loaded):
@@ -243,7 +243,7 @@ def test_export_checks_out_before_reading_the_source(tmp_path, capsys):
                                   "../models/typo"])
 def test_local_path_typo_is_a_missing_folder_at_once(tmp_path, monkeypatch, capsys, name):
     """A name that looks local and does not exist is never tried as a hub id (30 s of retries offline)."""
-    from upcycle.loading import load_dense
+    from upcycle.conversion.loading import load_dense
 
     (tmp_path / "work" / "models").mkdir(parents=True)
     (tmp_path / "models").mkdir()
@@ -259,7 +259,7 @@ def test_local_path_typo_is_a_missing_folder_at_once(tmp_path, monkeypatch, caps
 
 
 def test_hub_ids_and_files_as_model_names(tmp_path, monkeypatch):
-    from upcycle.assets import resolve_model_name
+    from upcycle.data.assets import resolve_model_name
 
     monkeypatch.chdir(tmp_path)
     # no folder `HuggingFaceTB` here: a hub id, passed on untouched
@@ -273,7 +273,7 @@ def test_hub_ids_and_files_as_model_names(tmp_path, monkeypatch):
 
 
 def _tiny_clip_with_tokenizer(folder: Path) -> Path:
-    from upcycle.pairs import caption_tokenizer
+    from upcycle.data.clip_pairs import caption_tokenizer
 
     make_tiny("clip").save_pretrained(folder)
     caption_tokenizer(["a photo of a cat", "a photo of a dog"], max_length=16).save_pretrained(folder)
@@ -332,7 +332,7 @@ def test_text_calibration_without_a_tokenizer_is_refused_before_loading(tmp_path
 def test_probe_text_for_a_vision_model_is_refused(tmp_path, capsys, no_weights_loaded):
     import transformers
 
-    from upcycle.pairs import caption_tokenizer
+    from upcycle.data.clip_pairs import caption_tokenizer
 
     vision = tmp_path / "vision"
     transformers.CLIPVisionModel(make_tiny("clip").config.vision_config).save_pretrained(vision)

@@ -1,4 +1,5 @@
-"""upcycle.linalg: spherical k-means, whitening, the rank rule, data-aware truncated SVD and PCA (METHODS §2.5)."""
+"""upcycle.methods.linalg: spherical k-means, whitening, the rank rule, data-aware truncated SVD and PCA
+(METHODS §2.5)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from upcycle.linalg import (
+from upcycle.methods.linalg import (
     data_aware_truncation,
     pca,
     spherical_assign,

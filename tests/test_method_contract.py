@@ -8,9 +8,9 @@ import torch
 from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.config import ConvertConfig, build
-from upcycle.convert import upcycle_model
+from upcycle.conversion.converter import upcycle_model
+from upcycle.core.surgery import moe_layers
 from upcycle.methods import METHODS
-from upcycle.surgery import moe_layers
 
 # methods whose experts are a deterministic function of the dense FFN (only the router is drawn)
 DETERMINISTIC_EXPERTS = {"copy", "granular"}

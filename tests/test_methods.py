@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from upcycle.core.ffn import FFNWeights
 from upcycle.errors import UpcycleError
-from upcycle.ffn import FFNWeights
 from upcycle.methods import METHODS, get_method
 
 D, F, E = 16, 40, 4
@@ -129,7 +129,7 @@ def test_plain_mlp_is_supported():
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_granular_layer_reproduces_the_dense_ffn(normalize, gated, bias):
     """16 experts top-8 = 4 replicas x 4 shards (the DPSL paper's granular setting): exact at init."""
-    from upcycle.moe import MoELayer
+    from upcycle.core.moe import MoELayer
 
     ffn = dense(gated=gated, bias=bias)
     method = get_method("granular")

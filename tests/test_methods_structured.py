@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
 from upcycle.errors import UpcycleError
-from upcycle.ffn import FFNWeights
 from upcycle.methods import METHODS, get_method
-from upcycle.moe import MoELayer
 
 D, F, E, K = 16, 40, 4, 2
 

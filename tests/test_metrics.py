@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from upcycle.analysis.metrics import diversity, expert_similarity, mean_pairwise_cosine
-from upcycle.ffn import FFNWeights
+from upcycle.core.ffn import FFNWeights
 
 
 def test_identical_experts_have_similarity_one_and_diversity_zero():

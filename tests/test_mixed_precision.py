@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-import upcycle.grouped_ffn as kernel
-from upcycle.ffn import FFNWeights, activation_fn
-from upcycle.moe import MoELayer
-from upcycle.teacher import ensemble_output
+import upcycle.core.grouped_ffn as kernel
+from upcycle.core.ffn import FFNWeights, activation_fn
+from upcycle.core.moe import MoELayer
+from upcycle.train.teacher import ensemble_output
 
 DTYPES = [torch.bfloat16, torch.float16]
 # Bound: a matmul of width <= 64 in bfloat16 (8-bit mantissa, eps 2^-8 = 3.9e-3) or float16 (eps 2^-11 = 4.9e-4)
@@ -162,7 +162,7 @@ def test_train_with_bf16_mixed_precision_stays_finite(tiny_lm, tmp_path):
 def test_bfloat16_weights_convert_and_train(tiny_lm, tmp_path):
     """--dtype bfloat16 conversion, then training the bfloat16 weights (routers stay float32)."""
     import upcycle
-    from upcycle.surgery import moe_layers
+    from upcycle.core.surgery import moe_layers
 
     dense, _, train_txt, held = tiny_lm
     moe = tmp_path / "moe-bf16"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from upcycle.ffn import FFNWeights
-from upcycle.moe import MoELayer, capacity_keep, padding_mask
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer, capacity_keep, padding_mask
 
 
 def random_layer(*, E=4, K=2, D=8, F=12, gated=True, bias=False, shared=0, seed=0, **options) -> MoELayer:
@@ -96,7 +96,7 @@ def test_gradients_match_reference(kernel_path, gated, freeze):
 @pytest.fixture(params=["small-batch grouped_mm", "per-expert loop"])
 def kernel_path(request, monkeypatch):
     """Run a test through both expert paths (grouped_ffn picks one by batch size)."""
-    import upcycle.grouped_ffn as kernel
+    import upcycle.core.grouped_ffn as kernel
     monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if request.param.startswith("small") else 0)
     return request.param
 

@@ -1,5 +1,5 @@
-"""The preservation check's tolerance is calibrated on the dense model itself (upcycle.checks): it passes the
-rounding of every dtype and fails a real break, and `upcycle.load` keeps the dtype a model was saved in."""
+"""The preservation check's tolerance is calibrated on the dense model itself (upcycle.conversion.preservation): it
+passes the rounding of every dtype and fails a real break, and `upcycle.load` keeps the dtype a model was saved in."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 import upcycle
 from conftest import make_tiny
 from upcycle import methods as registry
-from upcycle.checks import FLOOR_ULPS, ReorderedFFN, make_probe, probe_output, rounding_noise
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.convert import PreservationError, convert, upcycle_model
-from upcycle.ffn import FFNWeights
-from upcycle.surgery import plan_targets, tower_cfg
+from upcycle.conversion.converter import PreservationError, convert, upcycle_model
+from upcycle.conversion.preservation import FLOOR_ULPS, ReorderedFFN, make_probe, probe_output, rounding_noise
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.surgery import plan_targets, tower_cfg
 
 
 def cfg(model="x", **data) -> ConvertConfig:
@@ -57,7 +57,7 @@ def test_rounding_noise_leaves_the_model_exactly_as_it_was(family):
     modules = [type(m).__name__ for m in model.modules()]
     probe = make_probe(model, None, None, CheckConfig(tokens=16), seed=0)
     dense = probe_output(model, probe)
-    from upcycle.architectures import family_of
+    from upcycle.core.architectures import family_of
     fam = family_of(model.config)
     blocks = [(model.get_submodule(t.path), tower_cfg(model, fam, t)) for t in plan_targets(model, cfg().placement)]
     noise = rounding_noise(model, probe, dense, blocks, fam)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import upcycle
-from upcycle.checks import make_probe, probe_output
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.convert import convert, upcycle_model
-from upcycle.loading import load_dense
-from upcycle.surgery import moe_layers
+from upcycle.conversion.converter import convert, upcycle_model
+from upcycle.conversion.loading import load_dense
+from upcycle.conversion.preservation import make_probe, probe_output
+from upcycle.core.surgery import moe_layers
 
 pytestmark = pytest.mark.slow
 # Mean token KL(dense || upcycled) that float32 rounding can cause: logit differences of ~1e-4 give a KL of
@@ -148,7 +148,7 @@ def smollm2_layers(method: str, moe: dict | None = None, **method_args) -> dict:
     cfg = build(ConvertConfig, {"method": method, "method_args": method_args,
                                 "moe": {"num_experts": 8, "top_k": 2, **(moe or {})},
                                 "placement": {"layers": [3, 20]}})
-    from upcycle.convert import probe_texts
+    from upcycle.conversion.converter import probe_texts
     return upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg), progress=False)
 
 
@@ -172,7 +172,7 @@ def test_smollm2_granular_reproduces_the_dense_model(normalize):
 
 def test_smollm2_cluster_from_a_user_file_through_the_cli(tmp_path, capsys):
     from upcycle.cli import main
-    from upcycle.text import wikipedia_split
+    from upcycle.data.text import wikipedia_split
 
     calib = tmp_path / "calib.jsonl"
     calib.write_text("\n".join(json.dumps({"text": t}) for t in wikipedia_split()[0][:20]))
@@ -215,7 +215,7 @@ def test_smollm2_all_moe_mixtral_export_passes_the_calibrated_check(tmp_path, ca
 def test_smollm2_all_moe_refuses_a_one_percent_wrong_scale(monkeypatch):
     """The other side on real weights: every expert of block 15 of 30 scaled by 1.01 (a fold off by 1%)."""
     from test_preservation import break_layer
-    from upcycle.convert import PreservationError, probe_texts
+    from upcycle.conversion.converter import PreservationError, probe_texts
 
     model, tokenizer = load_dense("default")
     cfg = build(ConvertConfig, {"method": "copy", "moe": {"num_experts": 8, "top_k": 2}})

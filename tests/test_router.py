@@ -10,11 +10,11 @@ import torch
 
 from conftest import make_tiny
 from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
+from upcycle.core.router import Router
 from upcycle.errors import UpcycleError
-from upcycle.ffn import FFNWeights
-from upcycle.losses import load_balance
-from upcycle.moe import MoELayer
-from upcycle.router import Router
+from upcycle.train.losses import load_balance
 
 
 def _copies(E: int = 4, seed: int = 0) -> tuple[FFNWeights, FFNWeights]:
@@ -144,7 +144,7 @@ def test_a_checkpoint_without_router_keys_still_loads(tiny_lm, tmp_path):
         layer.pop("score", None)
         layer.pop("route_scale", None)
     spec_file.write_text(json.dumps(spec))
-    from upcycle.surgery import moe_layers
+    from upcycle.core.surgery import moe_layers
 
     model = upcycle.load(old)
     layers = moe_layers(model)

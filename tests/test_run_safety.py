@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from upcycle import checkpoint
 from upcycle.cli import main
 from upcycle.config import TrainConfig
 from upcycle.errors import UpcycleError
-from upcycle.train import TrainingStopped, checkpoints, train
+from upcycle.train import checkpoint
+from upcycle.train.trainer import TrainingStopped, checkpoints, train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
 
@@ -186,7 +186,7 @@ def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
 
 def _failing_loss(monkeypatch, at_call: int, failure):
     """Make the causal-LM loss return NaN (or raise) on its `at_call`-th call (1-based)."""
-    import upcycle.tasks as tasks
+    import upcycle.train.tasks as tasks
 
     real, calls = tasks.causal_lm_loss, {"n": 0}
 

@@ -1,4 +1,4 @@
-"""Tests for upcycle.text: markup stripping, dump parsing, splits, caches, files."""
+"""Tests for upcycle.data.text: markup stripping, dump parsing, splits, caches, files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from upcycle import text as T
+from upcycle.data import text as T
 
 # ---------------------------------------------------------------------------
 # strip_wiki_markup

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.errors import UpcycleError
-from upcycle.freezing import Freezer
-from upcycle.train import checkpoints, lr_factor, train
+from upcycle.train.freezing import Freezer
+from upcycle.train.trainer import checkpoints, lr_factor, train
 
 BIN = Path(sys.executable).parent
 TIMING = ("tokens_per_s", "seconds")
@@ -217,7 +217,7 @@ def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
                          ids=lambda p: p.name)
 def test_shipped_train_recipes_are_valid(recipe):
     from upcycle.config import build, load_recipe
-    from upcycle.train import validate
+    from upcycle.train.trainer import validate
 
     validate(build(TrainConfig, load_recipe(recipe)))
 

@@ -15,8 +15,8 @@ from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import RegularizerConfig, TrainConfig
 from upcycle.errors import UpcycleError
-from upcycle.evaluate import evaluate_model
-from upcycle.train import train
+from upcycle.train.evaluate import evaluate_model
+from upcycle.train.trainer import train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
 
@@ -24,7 +24,7 @@ RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet"
 @pytest.fixture(scope="module")
 def exported(tiny_lm, tmp_path_factory) -> Path:
     """The tiny upcycled Llama exported to the stock Qwen2-MoE class (with its tokenizer)."""
-    from upcycle.export import export_folder
+    from upcycle.conversion.export import export_folder
 
     out = tmp_path_factory.mktemp("export") / "qwen2moe"
     export_folder(tiny_lm[1], out)

@@ -152,7 +152,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.resume and args.config is None:   # the run's own config, with any flags on top (which must agree)
         from pathlib import Path
 
-        from .train import saved_config
+        from .train.trainer import saved_config
 
         data = saved_config(Path(args.out))
     else:
@@ -169,7 +169,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import train
+    from .train.trainer import train
 
     cfg = train_config(args)
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
@@ -185,7 +185,7 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .evaluate import evaluate_model
+    from .train.evaluate import evaluate_model
 
     path = Path(args.model)
     if (path / "model").is_dir():      # a training run folder
@@ -208,8 +208,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _tiny_clip(args: argparse.Namespace) -> int:
-    from .io import atomic_directory, check_output_location
-    from .pairs import caption_tokenizer, load_pairs, tiny_clip
+    from .data.clip_pairs import caption_tokenizer, load_pairs
+    from .data.tiny_clip import tiny_clip
+    from .files import atomic_directory, check_output_location
 
     check_output_location(args.out, overwrite=args.overwrite)
 
@@ -251,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tiny-clip":
             return _tiny_clip(args)
         if args.command == "export":
-            from .export import export_folder
+            from .conversion.export import export_folder
 
             info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite)
             print(json.dumps(info, indent=2))
             print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
             return 0
-        from .convert import convert
+        from .conversion.converter import convert
 
         if args.quiet:
             from transformers.utils import logging as hf_logging

@@ -25,7 +25,7 @@ import yaml
 
 from .errors import UpcycleError
 
-SCORES = ("softmax", "sigmoid")     # router score functions (upcycle.router)
+SCORES = ("softmax", "sigmoid")     # router score functions (upcycle.core.router)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +73,9 @@ class CheckConfig:
     # A method that promises preservation passes when max |logit difference| <= noise_factor x the rounding
     # noise measured on the same probe (the dense model run with its converted FFNs summed in another order, in
     # the conversion dtype, so it follows depth, converted layers, logit scale, dtype and CPU), or a few units
-    # in the last place of max |dense logit| when that noise is smaller (upcycle.checks). 16: the conversions
-    # measured differ from the dense model by 0.4-1.5x that noise in float32 and up to 6.4x in bfloat16
-    # (SmolLM2 with every block MoE), so 16 passes them with room for other CPUs' kernels.
+    # in the last place of max |dense logit| when that noise is smaller (upcycle.conversion.preservation).
+    # 16: the conversions measured differ from the dense model by 0.4-1.5x that noise in float32 and up to 6.4x
+    # in bfloat16 (SmolLM2 with every block MoE), so 16 passes them with room for other CPUs' kernels.
     noise_factor: float = 16.0
     # Allowances a user may add on top (0 = none): pass anyway when max |logit difference| <= tolerance or
     # <= relative_tolerance x max |dense logit|.
@@ -135,7 +135,7 @@ class ConvertConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FreezeRule:
-    # Parameter groups (see upcycle.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
+    # Parameter groups (see upcycle.train.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
     # step < until x steps (until = 1.0: the whole run).
     params: tuple[str, ...]
     until: float = 1.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ffn import FFNWeights
+from ..core.ffn import FFNWeights
 
 
 def _mean_offdiagonal_cosine(gram_EE: torch.Tensor) -> float | None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..losses import token_entropy
-from ..moe import MoELayer
-from ..router import expert_counts
+from ..core.moe import MoELayer
+from ..core.router import expert_counts, token_entropy
 
 
 def routing_entropy(probs_TE: torch.Tensor, mask_T: torch.Tensor | None = None) -> float:

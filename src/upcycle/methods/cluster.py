@@ -29,9 +29,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
-from ..linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
+from .linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
 from .registry import ExpertInit, register
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ffn import FFNWeights
+from ..core.ffn import FFNWeights
 from .registry import ExpertInit, random_router, register
 
 

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import torch
 
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
 from .registry import ExpertInit, random_router, register
 
 # tensor name -> the dimension that indexes intermediate neurons, in a single (unstacked) tensor

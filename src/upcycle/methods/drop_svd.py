@@ -29,8 +29,8 @@ from dataclasses import replace
 
 import torch
 
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
 from .registry import ExpertInit, random_router, register
 
 MATRICES = ("w_up", "w_gate", "w_down")

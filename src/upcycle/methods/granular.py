@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
 from .registry import ExpertInit, random_router, register
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import coerce
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
 
 # Arguments the conversion provides (a method declares the ones it needs), not the user.
 COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")

@@ -34,8 +34,8 @@ from dataclasses import replace
 
 import torch
 
+from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from ..ffn import FFNWeights
 from .registry import ExpertInit, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}

@@ -1,0 +1,278 @@
+"""Calibration: the FFN-input activations of the layers being converted, captured layer by layer.
+
+DESIGN principle 6 ("stream, don't copy"), the approach GPTQ-style quantizers take (Frantar et al. 2023,
+"GPTQ", §4 "Step 3"): the dense model runs once only up to the first block of each tower, whose inputs are kept
+(hidden states and the keyword arguments the model passes its blocks: masks, rotary embeddings). Then the
+blocks are replayed one at a time on those hidden states, each block's output becoming the next block's input.
+While a target block runs, a hook on its FFN collects the FFN's input for real tokens only (padding excluded)
+into a reservoir of at most `budget` tokens. The layer's activations are handed to the method and dropped
+before the next block runs, so memory stays at one model, one copy of the calibration hidden states and one
+layer's reservoir, however many layers are converted.
+
+The reservoir is a uniform sample without replacement from the token stream: each token gets a uniform random
+key and the `budget` smallest keys are kept (Efraimidis & Spirakis 2006, "Weighted random sampling with a
+reservoir", with equal weights), updated in place per batch. Keys come from a seeded generator per layer, so a
+seed fixes the sample. Shape suffixes: B batch, S sequence, D width, N tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..core.architectures import family_of, find_tower_layers
+from ..core.modes import eval_mode
+from ..core.surgery import Target
+from ..errors import UpcycleError
+
+
+class Reservoir:
+    """A uniform random sample of at most `capacity` rows from a stream of [n, D] chunks, in stream order."""
+
+    def __init__(self, capacity: int, generator: torch.Generator) -> None:
+        if capacity < 1:
+            raise ValueError(f"reservoir capacity must be >= 1, got {capacity}")
+        self.capacity, self.generator, self.seen = capacity, generator, 0
+        self.rows_ND: torch.Tensor | None = None
+        self.keys_N = torch.empty(0)
+        self.position_N = torch.empty(0, dtype=torch.long)
+        self.filled = 0
+
+    def add(self, rows_ND: torch.Tensor) -> None:
+        n = rows_ND.shape[0]
+        if n == 0:
+            return
+        rows_ND = rows_ND.detach().float()
+        keys_N = torch.rand(n, generator=self.generator)
+        position_N = torch.arange(self.seen, self.seen + n)
+        self.seen += n
+        if self.rows_ND is None:
+            self.rows_ND = rows_ND.new_empty(self.capacity, rows_ND.shape[1])
+            self.keys_N = torch.empty(self.capacity)
+            self.position_N = torch.empty(self.capacity, dtype=torch.long)
+        free = min(self.capacity - self.filled, n)
+        if free:   # not full yet: take the first rows as they come
+            sl = slice(self.filled, self.filled + free)
+            self.rows_ND[sl], self.keys_N[sl], self.position_N[sl] = rows_ND[:free], keys_N[:free], position_N[:free]
+            self.filled += free
+            rows_ND, keys_N, position_N = rows_ND[free:], keys_N[free:], position_N[free:]
+        if rows_ND.shape[0] == 0:
+            return
+        # full: keep the `capacity` smallest keys among the held and the new rows; new winners take the slots of
+        # the held rows that lost
+        keep = torch.topk(torch.cat([self.keys_N, keys_N]), self.capacity, largest=False).indices
+        new = keep[keep >= self.capacity] - self.capacity
+        if new.numel() == 0:
+            return
+        held = torch.zeros(self.capacity, dtype=torch.bool)
+        held[keep[keep < self.capacity]] = True
+        slots = (~held).nonzero().flatten()
+        self.rows_ND[slots] = rows_ND[new.to(rows_ND.device)]
+        self.keys_N[slots], self.position_N[slots] = keys_N[new], position_N[new]
+
+    def sample(self) -> torch.Tensor:
+        """The kept rows [min(seen, capacity), D] in the order they arrived."""
+        if self.rows_ND is None:
+            raise ValueError("the reservoir is empty")
+        order = torch.argsort(self.position_N[: self.filled])
+        return self.rows_ND[: self.filled][order.to(self.rows_ND.device)]
+
+
+def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: int = 512, batch_size: int = 8,
+                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Model inputs holding at least `tokens` real tokens: documents in a seeded random order, each cut into
+    rows of at most `sequence_length` tokens (a row never spans two documents), right-padded per batch."""
+    if tokens < 1 or sequence_length < 1 or batch_size < 1:
+        raise UpcycleError(f"calibration tokens, sequence_length and batch_size must be >= 1, got {tokens}, "
+                           f"{sequence_length}, {batch_size}")
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows, total = [], 0
+    for i in order:
+        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), sequence_length):
+            rows.append(ids[start:start + sequence_length])
+            total += len(rows[-1])
+            if total >= tokens:
+                break
+        if total >= tokens:
+            break
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    batches = []
+    for b in range(0, len(rows), batch_size):
+        chunk = rows[b:b + batch_size]
+        width = max(len(r) for r in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, r in enumerate(chunk):
+            ids[j, :len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[j, :len(r)] = 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    return batches
+
+
+INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "token_type_ids")
+
+
+def tensor_batches(path: str | Path, *, batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Model inputs prepared by the user, as a .safetensors file of equally long tensors named like the model's
+    arguments (`input_ids`, `attention_mask`, `pixel_values`, `token_type_ids`): image-caption pairs for CLIP,
+    or pre-tokenized text for a model without a tokenizer. Split into batches of `batch_size` rows."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise UpcycleError(f"calibration data {path}: not a readable .safetensors file ({e})") from None
+    unknown = sorted(set(tensors) - set(INPUT_KEYS))
+    if unknown or not tensors:
+        raise UpcycleError(f"calibration data {path}: tensors must be named from {list(INPUT_KEYS)}, got "
+                           f"{sorted(tensors)}")
+    rows = {t.shape[0] for t in tensors.values()}
+    if len(rows) != 1:
+        raise UpcycleError(f"calibration data {path}: tensors have different first dimensions "
+                           f"{ {k: v.shape[0] for k, v in tensors.items()} }")
+    n = rows.pop()
+    return [{k: v[i:i + batch_size] for k, v in tensors.items()} for i in range(0, n, batch_size)]
+
+
+def real_tokens(batches: list[dict[str, torch.Tensor]]) -> int:
+    """Real (unpadded) text tokens in the batches, or image count x 1 for image-only batches."""
+    total = 0
+    for batch in batches:
+        if "attention_mask" in batch:
+            total += int(batch["attention_mask"].sum())
+        elif "input_ids" in batch:
+            total += batch["input_ids"].numel()
+        elif "pixel_values" in batch:
+            total += batch["pixel_values"].shape[0]
+    return total
+
+
+@dataclass
+class _BlockInput:
+    args: list
+    kwargs: dict
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor) -> None:
+        if self.args:
+            self.args[0] = value
+        else:
+            self.kwargs["hidden_states"] = value
+
+
+class _Stop(Exception):
+    """Raised by the first-block hook once every tower's block inputs are recorded: the rest of the forward is
+    not needed."""
+
+
+def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList],
+                        batches: list[dict[str, torch.Tensor]]) -> dict[str, list[_BlockInput]]:
+    inputs = {name: [] for name in towers}
+    pending: set[str] = set()
+
+    def hook(name):
+        def record(module, args, kwargs):
+            inputs[name].append(_BlockInput(list(args), dict(kwargs)))
+            pending.discard(name)
+            if not pending:
+                raise _Stop
+        return record
+
+    handles = [blocks[0].register_forward_pre_hook(hook(name), with_kwargs=True) for name, blocks in towers.items()]
+    device = next(model.parameters()).device
+    extra = {"use_cache": False} if hasattr(model.config, "use_cache") else {}
+    try:
+        for batch in batches:
+            pending.update(towers)
+            try:
+                model(**{k: v.to(device) for k, v in batch.items()}, **extra)
+            except _Stop:
+                pass
+            except Exception as e:   # a batch that does not fit the model (vocabulary, image size, names)
+                raise UpcycleError(f"calibration: the model's forward failed on a calibration batch "
+                                   f"({type(e).__name__}: {e})") from e
+            if pending:
+                raise UpcycleError(f"calibration: the forward pass never reached the first block of {sorted(pending)}"
+                                   f" (does each batch have that tower's inputs?)")
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs
+
+
+def _replay(block: nn.Module, states: list[_BlockInput], masks: list[torch.Tensor | None],
+            ffn: nn.Module | None = None, reservoir: Reservoir | None = None) -> None:
+    """Run `block` on every batch's hidden states, replacing them by its output; with `ffn`, add the FFN's
+    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`."""
+    current: dict[str, torch.Tensor | None] = {}
+
+    def collect(module, args):
+        x_BSD, mask_BS = args[0], current["mask"]
+        if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
+            reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
+        else:
+            reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
+
+    handle = ffn.register_forward_pre_hook(collect) if ffn is not None else None
+    try:
+        for state, mask in zip(states, masks, strict=True):
+            current["mask"] = mask
+            out = block(*state.args, **state.kwargs)
+            state.hidden = out[0] if isinstance(out, tuple) else out
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@torch.no_grad()
+def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[dict[str, torch.Tensor]], *,
+                       budget: int, seed: int = 0,
+                       progress: bool = True) -> Iterator[tuple[Target, torch.Tensor, int]]:
+    """Yield (target, activations [n, D] float32, tokens seen) for each target in `targets`' order: the FFN
+    inputs of the dense model's block on the calibration batches, padding excluded, reservoir-sampled to at most
+    `budget` tokens. Consume one before asking for the next: the next block is replayed only then."""
+    if not batches:
+        raise UpcycleError("calibration: no calibration batches")
+    family = family_of(model.config)
+    tower_specs = family.towers_of(model.config)
+    by_tower: dict[str, dict[int, Target]] = {}
+    for t in targets:
+        by_tower.setdefault(t.tower, {})[t.index] = t
+    towers = {name: find_tower_layers(model, tower_specs[name])[1] for name in by_tower}
+    with eval_mode(model):   # the replay runs the dense blocks as at inference; the caller's mode comes back
+        inputs = _first_block_inputs(model, towers, batches)
+        bar = tqdm(total=sum(max(wanted) + 1 for wanted in by_tower.values()), desc="calibration", unit="block",
+                   disable=not progress, leave=False)
+        for name, wanted in by_tower.items():
+            blocks, states = towers[name], inputs.pop(name)
+            masks = [b.get("attention_mask") if name != "vision" else None for b in batches]
+            for index in range(max(wanted) + 1):   # blocks after the tower's last target are never run
+                target = wanted.get(index)
+                if target is None:
+                    _replay(blocks[index], states, masks)
+                    bar.update(1)
+                    continue
+                key = zlib.crc32(f"calibration:{seed}:{target.tower}:{target.index}".encode())
+                reservoir = Reservoir(budget, torch.Generator().manual_seed(key))
+                _replay(blocks[index], states, masks, family.ffn_input(blocks[index]), reservoir)
+                bar.update(1)
+                if reservoir.seen == 0:
+                    raise UpcycleError(f"calibration: layer {target.name} saw no real tokens")
+                sample, seen = reservoir.sample(), reservoir.seen
+                del reservoir
+                yield target, sample, seen
+                del sample   # the consumer now holds the only reference and drops it before asking again
+            del states
+        bar.close()

@@ -1,0 +1,334 @@
+"""`upcycle convert`: dense model -> MoE model, checked against the dense model, written atomically.
+
+Data flow (DESIGN): validate everything (method, arguments, sizes, placement, output) -> record the dense
+model's outputs on a fixed held-out batch -> for each target block: extract the FFN, run the method, install
+the MoE layer -> run the batch again and compare -> refuse to write when a method that promises function
+preservation breaks it -> write the folder (temporary directory, renamed at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..analysis.metrics import diversity, expert_similarity
+from ..analysis.routing import layer_routing_stats
+from ..config import ConvertConfig, to_dict
+from ..core.architectures import family_of
+from ..core.moe import MoELayer
+from ..core.surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
+from ..data.assets import DEFAULT_MODEL_NAMES
+from ..errors import UpcycleError
+from ..files import atomic_directory, check_output_location
+from ..methods import Method, get_method
+from ..version import __version__
+from .calibration import capture_ffn_inputs, real_tokens, tensor_batches, text_batches
+from .export import EXPORT_CLASSES, export_hf, export_target
+from .io import save
+from .loading import DTYPES, dense_config, dense_weights, load_tokenizer
+from .preservation import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
+
+
+@dataclass
+class Conversion:
+    model: nn.Module
+    tokenizer: object | None
+    report: dict
+
+
+class PreservationError(UpcycleError):
+    """The method promised the dense function and the converted model does not reproduce it."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
+    """Checks that need no model: method, its arguments, dtype, export (the MoE options check themselves: MoEConfig)."""
+    method = get_method(cfg.method)
+    args = method.resolve_args(cfg.method_args)
+    if not cfg.check.noise_factor > 0 or not cfg.check.tolerance >= 0 or not cfg.check.relative_tolerance >= 0:
+        raise UpcycleError("check.noise_factor must be > 0, check.tolerance and check.relative_tolerance >= 0")
+    if cfg.dtype not in DTYPES:
+        raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
+        raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
+    if cfg.export not in ("upcycle", "hf"):
+        raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
+    if cfg.export_class not in ("auto", *EXPORT_CLASSES):
+        raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
+    return method, args
+
+
+def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
+    """Refuse, before the weights load, data the model cannot take: text for a model with a vision tower
+    (CLIP calibrates on image-caption pairs), text without a tokenizer, model inputs lacking a tower's input,
+    and a probe text file that would silently be replaced by random ids."""
+    towers = family_of(config).towers_of(config)
+    name = cfg.model
+    if cfg.check.text is not None and tokenizer is None:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} has no tokenizer to read "
+                           f"it with (add the tokenizer files to the model folder, or leave out --probe-text to "
+                           f"probe with seeded random token ids)")
+    if cfg.check.text is not None and "text" not in towers:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} is a vision model and "
+                           f"takes no text")
+    if calibration_data is None:
+        return
+    if isinstance(calibration_data[0], dict):      # model inputs from a .safetensors file
+        needed = {"vision": "pixel_values", "text": "input_ids"}
+        missing = [needed[t] for t in towers if needed[t] not in calibration_data[0]]
+        if missing:
+            raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} ({config.model_type}, "
+                               f"towers {', '.join(towers)}) needs {' and '.join(missing)} in every batch")
+        return
+    if "vision" in towers:
+        kind = "a two-tower CLIP model" if "text" in towers else "a vision model"
+        raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} is {kind}, which calibrates "
+                           f"on images, not text: pass image-caption pairs as a .safetensors file of model inputs "
+                           f"(pixel_values{', input_ids, attention_mask' if 'text' in towers else ''})")
+    if tokenizer is None:
+        raise UpcycleError(f"model {name!r} has no tokenizer, so calibration text cannot be tokenized; "
+                           f"pass model inputs as a .safetensors file (input_ids, attention_mask)")
+
+
+def probe_texts(cfg: ConvertConfig) -> list[str] | None:
+    """The user's probe text file, else the embedded held-out Wikipedia split (None if not installed)."""
+    from ..data.text import read_texts, wikipedia_split
+
+    if cfg.check.text is not None:
+        try:
+            return read_texts(cfg.check.text)
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"check.text: {e}") from None
+    try:
+        return wikipedia_split()[1]
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | None, str | None]:
+    """(data, source) for calibration, read before the model loads: documents from the user's text/JSONL file,
+    or ready model-input batches from a .safetensors file; else the embedded Wikipedia train split on the
+    default model when the method needs data; (None, None) when none is needed."""
+    from ..data.text import read_texts, wikipedia_split
+
+    method = get_method(cfg.method)
+    data = cfg.calibration.data
+    if data is not None:
+        if not Path(data).is_file():
+            raise UpcycleError(f"calibration data: no file {data}")
+        if Path(data).suffix.lower() == ".safetensors":
+            return tensor_batches(data, batch_size=cfg.calibration.batch_size), f"model inputs {data}"
+        try:
+            return read_texts(data), f"text file {data}"
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"calibration data: {e}") from None
+    if not method.needs_calibration:
+        return None, None
+    if cfg.model not in DEFAULT_MODEL_NAMES:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, JSONL "
+                           f"with a \"text\" field, or .safetensors of model inputs) representative of the data "
+                           f"the model will be trained on")
+    try:
+        return wikipedia_split()[0], "Wikipedia train split (embedded)"
+    except (FileNotFoundError, OSError) as e:
+        raise UpcycleError(f"method {method.name!r} needs calibration data and the embedded corpus is missing ({e});"
+                           f" pass --calibration FILE") from None
+
+
+def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
+                  text_source: str = "held-out text", calibration: list[dict] | None = None,
+                  calibration_source: str = "batches", progress: bool = True, phases: Phases | None = None) -> dict:
+    """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps).
+
+    `calibration`: model-input batches (e.g. from `text_batches`) whose FFN inputs data-aware methods use;
+    required by methods that need calibration data, and when given the report adds each layer's routing of
+    those tokens at init."""
+    method, args = validate(cfg)
+    family = family_of(model.config)
+    targets = plan_targets(model, cfg.placement)
+    if method.needs_calibration and not calibration:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, or JSONL "
+                           f"with a \"text\" field); on the default model the embedded Wikipedia train split is used")
+    timings = {}
+    bar = phases or Phases(3, progress)
+
+    t = time.perf_counter()
+    before = count_parameters(model)
+    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, text_source)
+    dense_out = probe_output(model, probe)
+    timings["dense_probe"] = time.perf_counter() - t
+    t = time.perf_counter()
+    # a route scale other than 1 scales the routed output: no method's construction undoes it
+    promised = (method.preserves(args, cfg.moe.normalize_topk, cfg.moe.capacity_factor_eval is None)
+                and cfg.moe.route_scale == 1.0)
+    blocks = [(model.get_submodule(target.path), tower_cfg(model, family, target)) for target in targets]
+    noise = rounding_noise(model, probe, dense_out, blocks, family) if promised else None
+    ffn_dtype = family.extract(*blocks[0]).w_up.dtype      # the conversion dtype, whose rounding the check allows
+    timings["rounding_noise"] = time.perf_counter() - t
+    bar("dense outputs recorded")
+
+    t = time.perf_counter()
+    layers, built = [], []
+    stream = (capture_ffn_inputs(model, targets, calibration, budget=cfg.calibration.tokens, seed=cfg.seed,
+                                 progress=progress) if calibration else None)
+    timings["calibration"] = 0.0
+    for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
+        activations, seen = None, None
+        if stream is not None:   # the dense model's FFN inputs of this block (the next block is replayed later)
+            tc = time.perf_counter()
+            captured, activations, seen = next(stream)
+            timings["calibration"] += time.perf_counter() - tc
+            assert captured == target, (captured, target)
+        block = model.get_submodule(target.path)
+        tcfg = tower_cfg(model, family, target)
+        dense = family.extract(block, tcfg)
+        init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
+                      generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk,
+                      activations=activations)
+        layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
+                                   router_bias_E=init.router_bias_E, dtype=dense.w_up.dtype,
+                                   output_dropout=family.output_dropout(tcfg))
+        built.append((target, layer.train(block.training)))
+        entry = {"name": target.name, "block": target.path, **init.info,
+                 "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)}
+        if activations is not None:
+            entry |= {"calibration_tokens_seen": seen, "calibration_tokens_kept": activations.shape[0],
+                      **layer_routing_stats(layer, activations, init.token_clusters)}
+        layers.append(entry)
+        del activations, init
+    if stream is not None:
+        stream.close()   # frees the replayed hidden states now rather than when the report is returned
+    # Install only once every layer is built: a method failing on any layer leaves the model untouched.
+    for target, layer in built:
+        install(model, target.path, layer)
+    track_padding_masks(model)
+    timings["upcycle"] = time.perf_counter() - t
+    bar(f"{len(targets)} layers upcycled")
+
+    t = time.perf_counter()
+    measured = compare(dense_out, probe_output(model, probe))
+    timings["check"] = time.perf_counter() - t
+    bar("preservation checked")
+
+    # the allowed difference follows from the rounding this depth, logit scale and dtype show (checks module)
+    allowed = (preservation_tolerance(measured["output_scale"], noise, ffn_dtype, cfg.check)
+               if promised else None)
+    passed = promised and measured["max_abs_logit_diff"] <= allowed["allowed_max_abs_logit_diff"]
+    report = {
+        "upcycle_version": __version__, "method": method.name, "paper": method.paper, "method_args": args,
+        "source_model": cfg.model, "model_class": type(model).__name__, "model_type": model.config.model_type,
+        "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
+        "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe": to_dict(cfg.moe),
+        "parameters": {"before": before, "after": count_parameters(model)},
+        "max_abs_logit_diff": measured["max_abs_logit_diff"], "kl_to_dense": measured["kl_to_dense"],
+        "preservation": {"promised": promised, "tolerance": cfg.check.tolerance,
+                         "relative_logit_diff": measured["relative_logit_diff"],
+                         "relative_tolerance": cfg.check.relative_tolerance,
+                         "passed": passed if promised else None, **(allowed or {}),
+                         "compared_output": measured["compared_output"],
+                         "compared_rows": measured["compared_rows"], "probe_source": probe.source,
+                         "probe_shape": list(probe.inputs["input_ids"].shape) if "input_ids" in probe.inputs
+                         else list(probe.inputs["pixel_values"].shape)},
+        # scales a method folded into the expert weights (METHODS §2.8), per layer
+        "folded_scales": [{"layer": layer["name"], "scale": layer["folded_scale"]} for layer in layers
+                          if "folded_scale" in layer],
+        "calibration": None if not calibration else {
+            "source": calibration_source, "batches": len(calibration), "real_tokens": real_tokens(calibration),
+            "budget_per_layer": cfg.calibration.tokens},
+        "layers": layers, "seed": cfg.seed, "dtype": cfg.dtype, "timings_s": timings,
+    }
+    if promised and not passed:
+        raise PreservationError(
+            f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
+            f"is {measured['max_abs_logit_diff']:.3g} > allowed {allowed['allowed_max_abs_logit_diff']:.3g} "
+            f"= {cfg.check.noise_factor:g} x the rounding noise {noise:.3g} of the dense model computed in another "
+            f"order on the same probe; refusing to write (check.tolerance=X accepts up to X anyway)", report)
+    return report
+
+
+def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: bool = False,
+            progress: bool = True) -> Conversion:
+    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically; `overwrite`
+    lets it replace an existing `out` (never an input, a folder holding one, or the current directory)."""
+    validate(cfg)
+    if out is not None:
+        check_output_location(out, inputs=(cfg.model, cfg.check.text, cfg.calibration.data), overwrite=overwrite)
+    if cfg.check.text is not None and not Path(cfg.check.text).is_file():
+        raise UpcycleError(f"check.text: no file {cfg.check.text}")
+    calibration_data, calibration_source = calibration_corpus(cfg)
+    phases = Phases(5 if out is not None else 4, progress)
+    t = time.perf_counter()
+    path, config = dense_config(cfg.model)
+    tokenizer = load_tokenizer(path)
+    check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
+    source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
+    texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
+    model = dense_weights(cfg.model, path, config, cfg.dtype)
+    load_s = time.perf_counter() - t
+    phases("model loaded")
+    calibration = None
+    if calibration_data is not None and isinstance(calibration_data[0], dict):
+        calibration = calibration_data               # model inputs prepared by the user
+    elif calibration_data is not None:               # text, with a tokenizer (check_model_inputs)
+        c = cfg.calibration
+        calibration = text_batches(tokenizer, calibration_data, tokens=c.tokens, sequence_length=c.sequence_length,
+                                   batch_size=c.batch_size, seed=cfg.seed)
+    report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
+                           calibration=calibration, calibration_source=calibration_source, progress=progress,
+                           phases=phases)
+    report["timings_s"] = {"load": load_s, **report["timings_s"]}
+    if out is not None:
+        t = time.perf_counter()
+        with atomic_directory(out, overwrite=overwrite) as tmp:
+            probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source)
+            report["export"] = write_output(model, tmp, cfg, tokenizer, probe.inputs)
+            (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+            report["timings_s"]["write"] = time.perf_counter() - t
+            (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))   # last file written
+        phases(f"written to {out}")
+    phases.close()
+    return Conversion(model, tokenizer, report)
+
+
+def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenizer, probe_inputs: dict) -> dict:
+    """The stock transformers checkpoint when asked and one fits (checked against our model), else the
+    upcycle format. Returns what was written, for the report."""
+    if cfg.export == "hf":
+        try:
+            target = export_target(model, cfg.export_class)
+        except UpcycleError as e:
+            if cfg.export_class != "auto":
+                raise                      # a class the user named that does not fit is an error
+            tqdm.write(f"[upcycle] not exported to a stock class: {e}")
+            return {"format": "upcycle", "why_not_hf": str(e)} | _save_upcycle(model, directory, tokenizer)
+        return export_hf(model, directory, input_ids=probe_inputs["input_ids"],   # exports are decoders
+                         tolerance=cfg.check.export_tolerance, export_class=target.model_type, tokenizer=tokenizer)
+    return _save_upcycle(model, directory, tokenizer)
+
+
+def _save_upcycle(model: nn.Module, directory: Path, tokenizer) -> dict:
+    save(model, directory, tokenizer=tokenizer)
+    return {"format": "upcycle"}
+
+
+class Phases:
+    """A progress bar whose steps are the conversion's phases (the per-layer phase has its own bar)."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = tqdm(total=total, desc="upcycle convert", unit="phase", disable=not progress)
+
+    def __call__(self, message: str) -> None:
+        self.bar.set_postfix_str(message)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

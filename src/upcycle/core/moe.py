@@ -1,0 +1,273 @@
+"""The Mixture-of-Experts layer that replaces a dense FFN (METHODS §1).
+
+Routing follows Switch/GShard top-k routing (Fedus et al. 2021; Lepikhin et al. 2020) with the choices the
+upcycling papers need: renormalized or raw top-k weights (CLIP-UP eq. 4), optional shared experts, optional
+expert capacity with first-come-first-serve dropping, and a selection-only bias (DeepSeek-V3 aux-loss-free
+balancing, METHODS §4.5) that changes which experts are chosen but never the combine weights.
+
+Shape suffixes (torchtitan's legend):
+  T tokens (batch x sequence flattened)   D model width      F expert intermediate width
+  E routed experts                         K experts per token (top-k)   S shared experts
+  N token-slots after dispatch (= T*K, minus dropped slots)
+
+Dispatch sorts token-slots by expert; `grouped_ffn` then gathers each expert's tokens, runs its FFN and adds
+the weighted output per token, and its backward writes each expert's weight gradient straight into one
+stacked gradient (it never indexes the stacked parameter under autograd, which would zero-fill a full
+[E, F, D] gradient per expert).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..config import MoEConfig
+from .ffn import FFNWeights, activation_fn
+from .grouped_ffn import grouped_ffn
+from .router import Router, RoutingRecord, capacity_keep, router_logits  # noqa: F401  (re-exported names)
+
+# The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
+# `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
+_PADDING_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("upcycle_mask", default=None)
+
+
+def set_padding_mask(mask_BS: torch.Tensor | None) -> contextvars.Token:
+    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) until `reset_padding_mask`
+    (what the model-root hooks of `surgery.track_padding_masks` do around a forward)."""
+    return _PADDING_MASK.set(mask_BS)
+
+
+def reset_padding_mask(token: contextvars.Token) -> None:
+    _PADDING_MASK.reset(token)
+
+
+@contextlib.contextmanager
+def padding_mask(mask_BS: torch.Tensor | None):
+    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) inside this block."""
+    token = set_padding_mask(mask_BS)
+    try:
+        yield
+    finally:
+        reset_padding_mask(token)
+
+
+class Experts(nn.Module):
+    """E FFNs with stacked weights, held as one input projection and one output projection per expert.
+
+    Gated experts keep gate and up fused, `w_gate_up` [E, 2F, D] (gate rows first), so each expert needs one
+    input matmul (the layout transformers' Mixtral/Qwen-MoE experts and vLLM use); plain experts keep
+    `w_up` [E, F, D]. `w_down` is [E, D, F]. `weights()` gives the canonical unfused view.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, *,
+                 gated: bool, bias_in: bool = False, bias_down: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        E, D, F_ = num_experts, hidden_size, intermediate_size
+        self.activation, self.gated, self.intermediate_size = activation, gated, F_
+        self.act = activation_fn(activation)
+        in_rows = 2 * F_ if gated else F_
+        self.in_name = "w_gate_up" if gated else "w_up"
+        self.register_parameter(self.in_name, nn.Parameter(torch.zeros(E, in_rows, D, dtype=dtype)))
+        self.register_parameter("b_" + self.in_name[2:],
+                                nn.Parameter(torch.zeros(E, in_rows, dtype=dtype)) if bias_in else None)
+        self.w_down = nn.Parameter(torch.zeros(E, D, F_, dtype=dtype))
+        self.b_down = nn.Parameter(torch.zeros(E, D, dtype=dtype)) if bias_down else None
+
+    @property
+    def w_in(self) -> torch.Tensor:
+        return getattr(self, self.in_name)
+
+    @property
+    def b_in(self) -> torch.Tensor | None:
+        return getattr(self, "b_" + self.in_name[2:])
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_down.shape[0]
+
+    @torch.no_grad()
+    def load_weights(self, weights: FFNWeights) -> None:
+        """Copy canonical (unfused) stacked weights in; a missing gate or up bias is a zero bias."""
+        if weights.gated != self.gated or weights.w_down.shape != self.w_down.shape:
+            raise ValueError(f"experts of shape {tuple(weights.w_down.shape)} (gated={weights.gated}) do not fit "
+                             f"{tuple(self.w_down.shape)} (gated={self.gated})")
+        has_in_bias = any(b is not None for b in (weights.b_up, weights.b_gate))
+        if has_in_bias != (self.b_in is not None) or (weights.b_down is not None) != (self.b_down is not None):
+            raise ValueError("expert biases do not match the layer's")
+        F_ = self.intermediate_size
+        parts = [(weights.w_gate, weights.b_gate, slice(0, F_)), (weights.w_up, weights.b_up, slice(F_, 2 * F_))] \
+            if self.gated else [(weights.w_up, weights.b_up, slice(0, F_))]
+        for w, b, rows in parts:
+            self.w_in[:, rows].copy_(w)
+            if self.b_in is not None:
+                self.b_in[:, rows].copy_(b if b is not None else torch.zeros_like(self.b_in[:, rows]))
+        self.w_down.copy_(weights.w_down)
+        if self.b_down is not None:
+            self.b_down.copy_(weights.b_down)
+
+    def weights(self, detach: bool = True) -> FFNWeights:
+        """Canonical stacked weights (views, gate and up unfused) for methods, analysis and export."""
+        def view(t):
+            return None if t is None else t.detach() if detach else t
+
+        F_, w_in, b_in, b_down = self.intermediate_size, view(self.w_in), view(self.b_in), view(self.b_down)
+        if not self.gated:
+            return FFNWeights(w_up=w_in, b_up=b_in, w_down=view(self.w_down), b_down=b_down,
+                              activation=self.activation)
+        return FFNWeights(w_gate=w_in[:, :F_], w_up=w_in[:, F_:], w_down=view(self.w_down), b_down=b_down,
+                          b_gate=None if b_in is None else b_in[:, :F_], b_up=None if b_in is None else b_in[:, F_:],
+                          activation=self.activation)
+
+    def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
+                counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """y[t] = sum of weights_N[s] * expert_s(x[t]) over token t's slots; slots sorted by expert."""
+        return grouped_ffn(x_TD, tokens_N, weights_N, counts, self.act, self.gated, self.w_in, self.b_in,
+                           self.w_down, self.b_down)
+
+    def forward_dense(self, x_TD: torch.Tensor, weights_TE: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every token, summed with `weights_TE` (1 when None): shared experts, and the dense
+        all-expert ensemble a distillation teacher computes."""
+        E, T = self.num_experts, x_TD.shape[0]
+        tokens_N = torch.arange(T, device=x_TD.device).repeat(E)
+        weights_N = (torch.ones(E * T, device=x_TD.device) if weights_TE is None
+                     else weights_TE.t().reshape(-1))
+        return self.forward(x_TD, tokens_N, weights_N, torch.full((E,), T, device=x_TD.device))
+
+
+class MoELayer(nn.Module):
+    """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, activation: str, gated: bool,
+                 bias_in: bool = False, bias_down: bool = False, num_shared_experts: int = 0,
+                 shared_intermediate_size: int | None = None, router_bias: bool = False,
+                 output_dropout: float = 0.0, config: MoEConfig | None = None, dtype: torch.dtype | None = None,
+                 **options) -> None:
+        """Structure (widths, activation, biases, shared experts) as arguments; the routing options as `config`,
+        or one by one as its keys (`num_experts=8, top_k=2`, the flat form a saved spec lists them in)."""
+        super().__init__()
+        if config is not None and options:
+            raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
+        try:
+            config = config or MoEConfig(**options)
+        except TypeError as e:            # an unknown keyword: not a MoEConfig key either
+            raise TypeError(f"MoELayer: {e}") from None
+        self.config = config
+        self.num_experts, self.top_k = config.num_experts, config.top_k
+        # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
+        self.router = Router(hidden_size, config, bias=router_bias)
+        self.experts = Experts(config.num_experts, hidden_size, intermediate_size, activation, gated=gated,
+                               bias_in=bias_in, bias_down=bias_down, dtype=dtype)
+        # shared experts have the routed experts' structure: both come from one dense FFN
+        self.shared_experts = (
+            Experts(num_shared_experts, hidden_size, shared_intermediate_size or intermediate_size, activation,
+                    gated=gated, bias_in=bias_in, bias_down=bias_down, dtype=dtype)
+            if num_shared_experts else None)
+        # Selection-only bias for aux-loss-free balancing; saved with the model (persistent buffer).
+        self.register_buffer("selection_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.dropout = nn.Dropout(output_dropout)
+        self.record_routing = True
+        self.last_record: RoutingRecord | None = None
+
+    def spec(self) -> dict:
+        """Constructor arguments that rebuild this layer (saved in upcycle_config.json): its structure, and its
+        MoEConfig's keys, flat (files written before the config object hold the same keys, minus newer ones)."""
+        e, s = self.experts, self.shared_experts
+        return {"hidden_size": e.w_down.shape[1], "intermediate_size": e.intermediate_size,
+                "activation": e.activation, "gated": e.gated, "bias_in": e.b_in is not None,
+                "bias_down": e.b_down is not None,
+                "num_shared_experts": s.num_experts if s is not None else 0,
+                "shared_intermediate_size": s.intermediate_size if s is not None else None,
+                "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p,
+                **dataclasses.asdict(self.config)}
+
+    @property
+    def normalize_topk(self) -> bool:
+        return self.config.normalize_topk
+
+    @property
+    def renormalize_after_drop(self) -> bool:
+        return self.config.renormalize_after_drop
+
+    @property
+    def capacity_factor_train(self) -> float | None:
+        return self.config.capacity_factor_train
+
+    @property
+    def capacity_factor_eval(self) -> float | None:
+        return self.config.capacity_factor_eval
+
+    def capacity(self, num_tokens: int) -> int | None:
+        factor = self.capacity_factor_train if self.training else self.capacity_factor_eval
+        if factor is None:
+            return None
+        return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
+
+    def route(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None = None) -> RoutingRecord:
+        capacity = self.capacity(int(mask_T.sum()) if mask_T is not None else x_TD.shape[0]) \
+            if self.capacity_factor_train is not None or self.capacity_factor_eval is not None else None
+        return self.router.route(x_TD, self.selection_bias, mask_T, capacity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        T = x_TD.shape[0]
+        mask = _PADDING_MASK.get()
+        mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
+        record = self.route(x_TD, mask_T)
+
+        # Dispatch: sort token-slots by expert; dropped slots get id E so they sort last and are skipped.
+        ids_N = record.topk_ids_TK.reshape(-1)
+        if record.kept_TK is not None:
+            ids_N = torch.where(record.kept_TK.reshape(-1), ids_N, self.num_experts)
+        # Order within an expert's group does not matter mathematically, but the matmul's rounding depends on a
+        # row's position: sorting as transformers' MoE experts do keeps exported stock models bit-identical.
+        order_N = torch.sort(ids_N).indices
+        counts_E = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts]
+        # dropless: every slot runs, a size known on the host; with capacity the kept count is read (one sync)
+        slots_N = order_N if record.kept_TK is None else order_N[: int(counts_E.sum())]
+        y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts_E)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
+        if self.record_routing:
+            self.last_record = record
+        return self.dropout(y_TD).view(shape)
+
+    @classmethod
+    def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, config: MoEConfig | None = None,
+                  shared: FFNWeights | None = None, router_bias_E: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None, output_dropout: float = 0.0, **options) -> MoELayer:
+        """Build a layer from a method's output (stacked experts, router rows, optional shared experts); the
+        routing options as `config` or as its keys (num_experts defaults to the experts given)."""
+        if config is None:
+            config = MoEConfig(**{"num_experts": experts.num_experts, **options})
+        elif options:
+            raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
+        if config.num_experts != experts.num_experts:
+            raise ValueError(f"config.num_experts is {config.num_experts}, the method made {experts.num_experts}")
+        layer = cls(hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size,
+                    activation=experts.activation, gated=experts.gated,
+                    bias_in=experts.b_up is not None or experts.b_gate is not None,
+                    bias_down=experts.b_down is not None,
+                    num_shared_experts=shared.num_experts if shared is not None else 0,
+                    shared_intermediate_size=shared.intermediate_size if shared is not None else None,
+                    router_bias=router_bias_E is not None, output_dropout=output_dropout, config=config,
+                    dtype=dtype or experts.w_up.dtype)
+        layer.experts.load_weights(experts)
+        if shared is not None:
+            layer.shared_experts.load_weights(shared)
+        with torch.no_grad():
+            layer.router.weight.copy_(router_ED)
+            if router_bias_E is not None:
+                layer.router.bias.copy_(router_bias_E)
+        return layer
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """Every MoE layer of a model, by qualified name (discovery lives next to the layer it finds)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}

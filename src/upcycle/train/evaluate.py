@@ -1,0 +1,148 @@
+"""Evaluation (METHODS §6). Causal LMs: held-out perplexity = exp(mean next-token negative log-likelihood over
+every real predicted token), summed over batches before dividing, so batch sizes and padding do not weight it.
+CLIP: zero-shot classification with class-name prompts and image<->text retrieval Recall@K (Radford et al. 2021).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.modes import eval_mode
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: torch.Tensor, *,
+               batch_size: int = 8) -> dict:
+    """{"perplexity", "nll", "tokens"} of `model` on packed rows (token t predicts t+1 within a row; positions
+    whose target is padding are excluded)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with eval_mode(model):
+        for start in range(0, input_ids_NS.shape[0], batch_size):
+            ids = input_ids_NS[start:start + batch_size].to(device)
+            mask = attention_mask_NS[start:start + batch_size].to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                  ignore_index=-100, reduction="sum")
+            total += float(nll)
+            count += int((targets != -100).sum())
+    mean = total / max(count, 1)
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+
+
+@torch.no_grad()
+def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256) -> torch.Tensor:
+    """Unit-norm projected caption embeddings [N, P]."""
+    from ..data.clip_pairs import encode_captions
+
+    device = next(model.parameters()).device
+    max_length = model.config.text_config.max_position_embeddings
+    out = []
+    for start in range(0, len(captions), batch_size):
+        enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
+        features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
+        out.append(getattr(features, "pooler_output", features).float())
+    return F.normalize(torch.cat(out), dim=-1)
+
+
+@torch.no_grad()
+def image_features(model: nn.Module, images: list, batch_size: int = 256) -> torch.Tensor:
+    """Unit-norm projected image embeddings [N, P]."""
+    from ..data.clip_pairs import pixel_values
+
+    device = next(model.parameters()).device
+    size = model.config.vision_config.image_size
+    out = []
+    for start in range(0, len(images), batch_size):
+        batch = pixel_values(images[start:start + batch_size], size).to(device)
+        features = model.get_image_features(pixel_values=batch)
+        out.append(getattr(features, "pooler_output", features).float())
+    return F.normalize(torch.cat(out), dim=-1)
+
+
+def recall_at(scores_QC: torch.Tensor, relevant_QC: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
+    """Fraction of queries with at least one relevant candidate among their top-k scores."""
+    top = scores_QC.topk(min(max(ks), scores_QC.shape[1]), dim=1).indices
+    hits = relevant_QC.gather(1, top)
+    return {f"R@{k}": float(hits[:, :k].any(dim=1).double().mean()) for k in ks}
+
+
+@torch.no_grad()
+def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
+                 templates: tuple[str, ...] | None = None) -> dict:
+    """Zero-shot classification (when the pairs have labels) and image<->text retrieval Recall@1/5.
+
+    Zero-shot: each class is the mean unit embedding of its prompts (CLIP's prompt ensembling), an image takes
+    the nearest class. Retrieval ranks every distinct caption for an image (image->text) and every image for a
+    caption (text->image); a hit is any item paired with the query. With one caption per image and distinct
+    captions this is the usual Flickr/COCO Recall@K; templated captions repeat, so identical captions are one
+    candidate rather than ties that would split the ranks.
+    """
+    with eval_mode(model):
+        distinct = sorted(set(pairs.captions))
+        text_CP = text_features(model, tokenizer, distinct, batch_size)
+        image_NP = image_features(model, pairs.images, batch_size)
+        index = {caption: i for i, caption in enumerate(distinct)}
+        caption_of = torch.tensor([index[c] for c in pairs.captions])
+        relevant_NC = torch.zeros(len(pairs), len(distinct), dtype=torch.bool)
+        relevant_NC[torch.arange(len(pairs)), caption_of] = True
+        scores_NC = image_NP @ text_CP.t()
+        result = {"pairs": len(pairs), "distinct_captions": len(distinct),
+                  "image_to_text": recall_at(scores_NC, relevant_NC),
+                  "text_to_image": recall_at(scores_NC.t(), relevant_NC.t())}
+        if pairs.labels is not None:
+            templates = templates or pairs.templates
+            prompts = [t.format(name=name) for name in pairs.class_names for t in templates]
+            prompt_KP = text_features(model, tokenizer, prompts, batch_size)
+            class_KP = F.normalize(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1), dim=-1)
+            predicted = (image_NP @ class_KP.t()).argmax(1)
+            result["zero_shot"] = {"accuracy": float((predicted == torch.tensor(pairs.labels)).double().mean()),
+                                   "classes": len(pairs.class_names), "templates": list(templates)}
+    return result
+
+
+def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, sequence_length: int = 256,
+                   ) -> dict:
+    """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
+    the embedded held-out Wikipedia split, CLIP models to the digits test split."""
+    from pathlib import Path
+
+    from ..conversion.loading import check_sequence_length, load_model, task_of
+    from ..data.clip_pairs import load_pairs
+    from ..data.packing import pack_documents
+    from ..data.text import read_texts, wikipedia_split
+    from ..errors import UpcycleError
+
+    if tokens < 1:
+        raise UpcycleError(f"--tokens must be >= 1, got {tokens}")
+    if sequence_length < 2:
+        raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
+    model, tokenizer = load_model(name)
+    task = task_of(model)
+    result = {"model": name, "task": task}
+    if tokenizer is None:
+        raise UpcycleError(f"{name} has no tokenizer to evaluate it with")
+    if task == "clip":
+        source = data or "digits"
+        result["data"] = "digits test split" if source == "digits" else source
+        result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
+        return result
+    check_sequence_length(model, sequence_length)
+    if data is not None and Path(data).is_dir():
+        raise UpcycleError(f"held-out text: {data} is a folder; give a .txt or .jsonl file with --data")
+    try:
+        held = read_texts(data) if data is not None else wikipedia_split()[1]
+    except (ValueError, OSError) as e:
+        raise UpcycleError(f"held-out text: {e} (give a .txt or .jsonl file with --data)") from None
+    result["data"] = data or "held-out Wikipedia (embedded)"
+    ids, mask = pack_documents(tokenizer, held, sequence_length)
+    # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted)
+    rows = -(-tokens // sequence_length)
+    result.update(perplexity(model, ids[:rows], mask[:rows]))
+    result["sequence_length"] = sequence_length
+    return result

@@ -1,0 +1,162 @@
+"""A training run's folder OUT, and what a run may and may not do to it (issue 11; README "What `--overwrite`
+and `--resume` may and may not do"):
+
+  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.train.checkpoint`)   model/
+
+- A new run is checked before anything is written (`check_fresh_out`: OUT is not an input, does not hold one,
+  is not the current directory; an existing run needs --resume or --overwrite).
+- `RunFolder` says where the run writes: OUT itself when resuming or when OUT is new (removed again if the run
+  stops before its first checkpoint), or, for --overwrite, a temporary sibling that replaces OUT at the new
+  run's first checkpoint.
+- Resuming continues from the newest checkpoint that verifies (`resume_point`) and drops torn log lines
+  (`read_log`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from ..config import TrainConfig, build, to_dict
+from ..errors import UpcycleError
+from ..files import check_output_location, clean_stale_temporaries, replace_directory, temp_prefix
+from . import checkpoint
+
+RUN_CONFIG = "run_config.yaml"
+LOG = "log.jsonl"
+CHECKPOINTS = "checkpoints"
+# keys that may differ when resuming: they change what is written, not what is computed
+RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every"}
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.train.checkpoint.problem`)."""
+    folder = out / CHECKPOINTS
+    return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
+
+
+def saved_config(out: Path) -> dict:
+    """The run's own config as a recipe mapping (a legacy `overwrite` key, which runs once saved, dropped)."""
+    saved_file = out / RUN_CONFIG
+    if not saved_file.is_file():
+        raise UpcycleError(f"cannot resume: {out} has no {RUN_CONFIG}")
+    try:
+        data = yaml.safe_load(saved_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UpcycleError(f"cannot resume: {saved_file} is not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise UpcycleError(f"cannot resume: {saved_file} is not a run config")
+    data.pop("overwrite", None)
+    return data
+
+
+def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
+    """The checkpoint a resume continues from: the run config must be the saved one (apart from what only
+    changes what is written), and the newest checkpoint that verifies wins; newer broken ones are named."""
+    saved = to_dict(build(TrainConfig, saved_config(out)))
+    differ = {k for k, v in to_dict(cfg).items() if saved.get(k) != v} - RESUMABLE_CHANGES
+    if differ:
+        raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
+                           f"from {out / RUN_CONFIG}); resuming continues the same run")
+    found = checkpoints(out)
+    chosen, skipped = checkpoint.newest_complete(found, processes=processes)
+    for message in skipped:
+        print(f"[upcycle] {message}", file=sys.stderr)
+    if chosen is None:
+        raise UpcycleError(f"cannot resume: {out / CHECKPOINTS} holds no complete checkpoint"
+                           + (f" ({'; '.join(skipped)})" if skipped else ""))
+    if skipped:
+        print(f"[upcycle] resuming from {chosen.name}, the newest complete checkpoint", file=sys.stderr)
+    return chosen
+
+
+def check_fresh_out(cfg: TrainConfig, out: Path, overwrite: bool) -> None:
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
+                           f"replace it)")
+    check_output_location(out, inputs=(cfg.model, cfg.data, cfg.eval_data), overwrite=True)
+
+
+class RunFolder:
+    """Where the run writes, and what a run that stops before its first checkpoint leaves behind: nothing.
+
+    - resume: OUT itself.
+    - a new OUT (absent or empty): OUT itself, removed again (or emptied) if the run stops before its first
+      checkpoint, so a failed start leaves no half-made run folder that a rerun would take for a real one.
+    - --overwrite of an existing run: a temporary sibling of OUT (named after its owner, so a killed run's
+      folder is recognized later) that replaces OUT atomically once it holds its first checkpoint; until then
+      the old OUT is untouched.
+    """
+
+    def __init__(self, out: Path, accelerator, *, resume: bool) -> None:
+        self.out, self.accelerator = out, accelerator
+        replacing = not resume and out.is_dir() and any(out.iterdir())
+        self.staged = replacing
+        self.provisional = not resume          # removed on failure until the first checkpoint
+        self.created = not out.exists()
+        name = str(out)
+        if accelerator.is_main_process:
+            clean_stale_temporaries(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if replacing:
+                name = tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent)
+                print(f"[upcycle] the new run is written to {name} and replaces {out} at its first checkpoint",
+                      file=sys.stderr)
+            elif not resume:
+                out.mkdir(exist_ok=True)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            name = broadcast_object_list([name])[0]
+        self.path = Path(name)
+
+    def committed(self) -> None:
+        """The run holds its first checkpoint: a staged run becomes OUT, and nothing is removed any more."""
+        if not self.provisional:
+            return
+        self.accelerator.wait_for_everyone()
+        if self.staged and self.accelerator.is_main_process:
+            replace_directory(self.path, self.out)
+        self.path, self.staged, self.provisional = self.out, False, False
+        self.accelerator.wait_for_everyone()
+
+    def discard(self) -> None:
+        """Undo a run that stops before its first checkpoint."""
+        if not self.provisional or not self.accelerator.is_main_process:
+            return
+        if self.staged or self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:                                  # OUT was an empty folder the user made: leave it empty
+            for child in self.path.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def state(self) -> str:
+        """What OUT holds now, for the message of a run that stops early."""
+        if self.provisional:
+            return f"nothing was written: {self.out} is as it was"
+        found = checkpoints(self.out)
+        return (f"{self.out} keeps checkpoint {found[-1].name} (continue with --resume)" if found else
+                f"{self.out} holds no checkpoint")
+
+
+def read_log(path: Path, upto: int) -> list[str]:
+    """The log lines of steps <= `upto`; a torn line (a write cut off by a crash) is dropped, with a note."""
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            print(f"[upcycle] {path}: dropped unreadable line {number} (a torn write)", file=sys.stderr)
+            continue
+        if step <= upto:
+            kept.append(line)
+    return kept
+
+

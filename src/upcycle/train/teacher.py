@@ -1,0 +1,118 @@
+"""The EMA teacher of Expert-Ensemble Self-Distillation (EESD; Cluster-aware Upcycling, METHODS §4.6).
+
+The teacher is a float32 exponential moving average of every MoE layer (router, routed and shared experts):
+theta_ema <- beta theta_ema + (1 - beta) theta, applied after each optimizer step as one fused
+`torch._foreach_lerp_` over all parameters. For each MoE layer, on the same input x the student layer sees,
+the teacher runs all experts densely under no-grad: y_ens(x) = sum_i g_i^ema(x) E_i^ema(x) (+ its shared
+experts, so that a student with top-k = E matches it exactly), with the EMA router's full softmax. Each layer's
+loss `losses.eesd` = (1/T) sum_x ||sg(y_ens(x)) - y_moe(x)||^2 over real tokens; `loss()` averages the layers.
+
+Beyond the paper (cheap): `uncertain_fraction` < 1 runs the teacher only on that fraction of each layer's real
+tokens with the highest routing entropy under the student's router (where a top-k choice discards the most of
+the ensemble), and averages the loss over those tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..core.moe import MoELayer, moe_layers
+from ..core.router import token_entropy
+from .losses import eesd
+
+
+def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """sum_i softmax(router(x))_i E_i(x) (+ shared experts): the layer's dense all-expert ensemble."""
+    probs_TE = layer.router.dense_weights(x_TD)     # full softmax (or normalized sigmoid affinities), float32
+    x = x_TD.to(layer.experts.w_down.dtype)
+    y_TD = layer.experts.forward_dense(x, probs_TE)      # combine weights stay float32 (the kernel's rule)
+    if layer.shared_experts is not None:
+        y_TD = y_TD + layer.shared_experts.forward_dense(x)
+    return y_TD
+
+
+class EMATeacher:
+    """EMA copies of a model's MoE layers; while `enabled`, each student MoE layer's training forward leaves its
+    EESD loss in `self.losses`, which `loss()` averages and clears."""
+
+    def __init__(self, model: nn.Module, beta: float = 0.999, *, uncertain_fraction: float = 1.0) -> None:
+        if not 0 <= beta < 1:
+            raise ValueError(f"EESD: beta must be in [0, 1), got {beta}")
+        if not 0 < uncertain_fraction <= 1:
+            raise ValueError(f"EESD: uncertain_fraction must be in (0, 1], got {uncertain_fraction}")
+        self.beta, self.uncertain_fraction = beta, uncertain_fraction
+        self.students = moe_layers(model)
+        if not self.students:
+            raise ValueError("EESD: the model has no MoE layers")
+        self.teachers: dict[str, MoELayer] = {}
+        for name, layer in self.students.items():
+            teacher = MoELayer(**layer.spec(), dtype=torch.float32).to(layer.router.weight.device)
+            teacher.load_state_dict(layer.state_dict())
+            teacher.requires_grad_(False).eval()
+            teacher.record_routing = False
+            self.teachers[name] = teacher
+        self._student_params = [p for layer in self.students.values() for p in layer.parameters()]
+        self._teacher_params = [p for layer in self.teachers.values() for p in layer.parameters()]
+        self.enabled = True
+        self.losses: dict[str, torch.Tensor] = {}
+        self.tokens_distilled = 0
+        self._handles = [layer.register_forward_hook(self._hook(name)) for name, layer in self.students.items()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """theta_ema <- beta theta_ema + (1 - beta) theta, for every MoE parameter at once."""
+        src = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self._student_params]
+        torch._foreach_lerp_(self._teacher_params, src, 1.0 - self.beta)
+
+    def _select(self, layer: MoELayer, T: int) -> torch.Tensor | None:
+        """Indices of the tokens the teacher runs on (None: all tokens)."""
+        record = layer.last_record
+        real_T = record.mask_T if record is not None and record.mask_T is not None else None
+        if self.uncertain_fraction >= 1:
+            return None if real_T is None else real_T.nonzero().flatten()
+        probs_TE = record.probs_TE.detach()
+        entropy_T = token_entropy(probs_TE)
+        if real_T is not None:
+            entropy_T = entropy_T.masked_fill(~real_T, -math.inf)
+        n_real = int(real_T.sum()) if real_T is not None else T
+        keep = max(1, math.ceil(self.uncertain_fraction * n_real))
+        return entropy_T.topk(keep).indices
+
+    def _hook(self, name: str):
+        def distill(layer: MoELayer, args, output):
+            if not self.enabled or not layer.training:
+                return
+            x_TD = args[0].reshape(-1, args[0].shape[-1])
+            y_TD = output.reshape(-1, output.shape[-1])
+            rows = self._select(layer, x_TD.shape[0])
+            if rows is not None:
+                x_TD, y_TD = x_TD[rows], y_TD[rows]
+            with torch.no_grad():
+                target_TD = ensemble_output(self.teachers[name], x_TD.detach())
+            self.losses[name] = eesd(y_TD, target_TD)
+            self.tokens_distilled += x_TD.shape[0]
+        return distill
+
+    def loss(self) -> torch.Tensor:
+        """Mean over MoE layers of the EESD losses of the forwards since the last call (then cleared)."""
+        if not self.losses:
+            return torch.zeros((), device=self._teacher_params[0].device)
+        total = torch.stack(list(self.losses.values())).mean()
+        self.losses = {}
+        return total
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "uncertain_fraction": self.uncertain_fraction,
+                "teachers": {name: t.state_dict() for name, t in self.teachers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, teacher in self.teachers.items():
+            teacher.load_state_dict(state["teachers"][name])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
