@@ -95,10 +95,16 @@ def test_gradients_match_reference(kernel_path, gated, freeze):
 
 @pytest.fixture(params=["small-batch grouped_mm", "per-expert loop"])
 def kernel_path(request, monkeypatch):
-    """Run a test through both expert paths (grouped_ffn picks one by batch size)."""
+    """Run a test through both expert paths (grouped_ffn picks one by batch size), and check afterwards that
+    the test did run the path it is named after."""
     import upcycle.core.grouped_ffn as kernel
-    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if request.param.startswith("small") else 0)
-    return request.param
+    grouped = request.param.startswith("small")
+    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if grouped else 0)
+    calls = []
+    run_grouped = kernel._run_grouped_mm
+    monkeypatch.setattr(kernel, "_run_grouped_mm", lambda *a: calls.append(1) or run_grouped(*a))
+    yield request.param
+    assert bool(calls) == grouped, f"{request.param}: grouped_mm ran {len(calls)} times"
 
 
 def test_no_per_expert_indexing_of_stacked_weights_in_backward(kernel_path):
@@ -241,3 +247,22 @@ def test_any_named_activation_trains(kernel_path, activation):
     layer.zero_grad()
     reference(layer, x).square().sum().backward()
     torch.testing.assert_close(ours, layer.experts.w_gate_up.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048, 65536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_path_depends_on_sizes_not_on_the_device(tokens, dtype):
+    """Issue 12 item 3: a batch takes the same path on CPU and CUDA, so the CPU tests cover what a GPU runs;
+    small batches take grouped_mm, large ones the loop, and devices torch has no grouped_mm for the loop."""
+    from upcycle.core.grouped_ffn import SMALL_BATCH_BYTES, kernel_path
+
+    w_in, w_down = (8, 2 * 1536, 576), (8, 576, 1536)         # SmolLM2's FFN, 8 experts (fused gate/up)
+    slots = 2 * tokens                                          # top-2
+    on_cpu = kernel_path(slots, w_in, w_down, dtype, "cpu")
+    assert kernel_path(slots, w_in, w_down, dtype, "cuda") == on_cpu
+    small = slots * w_in[1] * torch.empty((), dtype=dtype).element_size() <= SMALL_BATCH_BYTES
+    assert on_cpu == ("grouped_mm" if small else "loop")
+    assert kernel_path(slots, w_in, w_down, dtype, "mps") == "loop"
+    # rows grouped_mm cannot address (a stride that is not a multiple of 16 bytes) take the loop anywhere
+    assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cpu") == "loop"
+    assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cuda") == "loop"

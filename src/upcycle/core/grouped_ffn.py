@@ -27,10 +27,15 @@ combine weight into a float32 accumulator (a sum over k experts in bfloat16 woul
 result is returned in the input's dtype. Autocast is switched off inside, and the casts of x and the weights to
 the compute dtype are ordinary autograd ops, so gradients reach float32 parameters in float32.
 
+Which path runs is decided by sizes (`kernel_path`), the same rule on every device, so the CPU tests run the
+code a GPU runs: `grouped_mm` for batches up to SMALL_BATCH_BYTES of input-projection output, the per-expert
+loop above. The one device fact is where torch implements `grouped_mm` at all (CPU and CUDA in torch 2.13).
+
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
-offsets by cumsum), so a dropless forward copies nothing to the host. The per-expert loop slices the slots of
-each expert in Python and so reads the counts once (`.tolist()`); it is chosen only for large batches, where
-its bounded working set pays for that one sync.
+offsets by cumsum), so a dropless forward copies nothing to the host (on CUDA that holds for torch's bf16
+CUTLASS kernels on sm90/sm100; its fallback for other dtypes and GPUs reads the offsets once itself). The
+per-expert loop slices the slots of each expert in Python and so reads the counts once (`.tolist()`); it is
+chosen only for large batches, where its bounded working set pays for that one sync.
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ SMALL_BATCH_BYTES = 16 * 2**20
 
 
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
-    """All experts at once with torch's grouped matmul; differentiable by autograd (small batches, CPU)."""
+    """All experts at once with torch's grouped matmul; differentiable by autograd (small batches)."""
     offsets = counts.cumsum(0, dtype=torch.int32)
     if b_in is not None or b_down is not None:     # output_size given: no host read of the counts' sum
         expert_N = torch.repeat_interleave(torch.arange(counts.shape[0], device=x_TD.device), counts,
@@ -209,15 +214,26 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     return y_TD.to(x_TD.dtype)
 
 
-def _dispatch(args: tuple, tokens_N: torch.Tensor, w_in_shape, w_down_shape, dtype: torch.dtype) -> torch.Tensor:
-    """The grouped-matmul path for small batches whose rows grouped_mm can address, else the per-expert loop
-    (autograd Function when a gradient is needed)."""
+# The device types torch 2.13 implements grouped_mm on; on others (MPS, XPU) every batch takes the loop. This is
+# a fact about torch, not a tuning choice: the path itself depends only on sizes (kernel_path).
+GROUPED_MM_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device_type: str) -> str:
+    """"grouped_mm" for small batches whose rows grouped_mm can address, else "loop". Sizes decide, not the
+    device: the same batch takes the same path on a CPU and a GPU."""
+    if device_type not in GROUPED_MM_DEVICES or not hasattr(torch.nn.functional, "grouped_mm"):
+        return "loop"
     size = torch.empty((), dtype=dtype).element_size()
-    small = tokens_N.numel() * w_in_shape[1] * size <= SMALL_BATCH_BYTES
+    small = slots * w_in_shape[1] * size <= SMALL_BATCH_BYTES
     # grouped_mm wants every row stride to be a multiple of 16 bytes
     aligned = all(d * size % 16 == 0 for d in (w_in_shape[1], w_in_shape[2], w_down_shape[2]))
-    x_TD = args[0]
-    if small and aligned and x_TD.device.type == "cpu" and hasattr(torch.nn.functional, "grouped_mm"):
+    return "grouped_mm" if small and aligned else "loop"
+
+
+def _dispatch(args: tuple, tokens_N: torch.Tensor, w_in_shape, w_down_shape, dtype: torch.dtype) -> torch.Tensor:
+    """The path `kernel_path` picks; the loop as an autograd Function when a gradient is needed."""
+    if kernel_path(tokens_N.numel(), w_in_shape, w_down_shape, dtype, args[0].device.type) == "grouped_mm":
         return _run_grouped_mm(*args)
     tensors = (args[0], args[2], *args[6:])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
