@@ -1,0 +1,225 @@
+"""Sharded safetensors checkpoints, read one tensor at a time and written one tensor at a time (issue 13).
+
+Reading (`CheckpointReader`): a folder's `model.safetensors`, or the shards its `model.safetensors.index.json`
+lists. Files are memory-mapped by safetensors and a tensor is materialized only when asked for, so reading a
+70B checkpoint costs the tensor in hand, not the model (mergekit reads checkpoints the same way).
+
+Writing (`ShardedWriter`): every output tensor's name, shape and dtype are known before any weight exists (from a
+model built on the meta device), so the layout of every shard is planned up front: each file is created with its
+final header and size, and a tensor is written at its offset the moment it is produced, in any order. Nothing is
+buffered, so the writer's memory is the tensor being written. Shards fill in the plan's order up to
+`max_shard_bytes`, as transformers' `save_pretrained` fills them, and the index maps each name to its file as
+transformers reads it. The files are standard safetensors (format: https://github.com/huggingface/safetensors):
+an 8-byte little-endian header length, a JSON header padded with spaces to 8 bytes, then the tensors' bytes back
+to back in header order, larger element sizes first so that every tensor is aligned to its element size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UpcycleError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 50 * 10**9       # transformers 5's save_pretrained default, "50GB"
+
+DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a transformers-style size string ("5GB", "500MB", "2GiB")."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                value = float(text[: -len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * factor)
+    raise UpcycleError(f"shard size {size!r}: expected bytes or a size such as 5GB, 500MB, 2GiB")
+
+
+class CheckpointReader:
+    """The tensors of a checkpoint folder (single file or sharded), each read only when asked for."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: self.folder / file for name, file in weight_map.items()}
+        elif (self.folder / SINGLE_FILE).is_file():
+            with safe_open(str(self.folder / SINGLE_FILE), "pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), self.folder / SINGLE_FILE)
+        else:
+            raise UpcycleError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (safetensors weights) to read")
+        missing = sorted({str(p.name) for p in self.file_of.values() if not p.is_file()})
+        if missing:
+            raise UpcycleError(f"{self.folder}: the index lists shards that are not there: {', '.join(missing)}")
+        self._open: dict[Path, object] = {}
+
+    def _file(self, name: str):
+        path = self.file_of[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return CODE_DTYPES[self._file(name).get_slice(name).get_dtype()]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, read from the file now (a fresh tensor the caller owns)."""
+        if name not in self.file_of:
+            raise UpcycleError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        return self._file(name).get_tensor(name)
+
+    def nbytes(self) -> int:
+        return sum(numel_of(self.shape(n)) * _element_size(self.dtype(n)) for n in self.file_of)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def numel_of(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    file: str
+    start: int          # absolute offset of the tensor's first byte in its file
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def plan_shards(specs: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int
+                ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """Split (name, shape, dtype) in order into shards of at most `max_shard_bytes` of tensor data (a tensor
+    larger than that gets a shard of its own), as transformers' save_pretrained does."""
+    shards, current, size = [], [], 0
+    for spec in specs:
+        nbytes = numel_of(spec[1]) * _element_size(spec[2])
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _header(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict[str, str]
+            ) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The padded JSON header of one file and each tensor's (start, end) in its data section."""
+    ordered = sorted(tensors, key=lambda t: (-_element_size(t[2]), t[0]))     # aligned, then by name
+    header, offsets, at = {"__metadata__": metadata}, {}, 0
+    for name, shape, dtype in ordered:
+        if dtype not in DTYPE_CODES:
+            raise UpcycleError(f"tensor {name}: dtype {dtype} cannot be written to safetensors here")
+        end = at + numel_of(shape) * _element_size(dtype)
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [at, end]}
+        offsets[name] = (at, end)
+        at = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return text, offsets
+
+
+class ShardedWriter:
+    """Writes a planned set of tensors into safetensors shards (plus the index when there are several).
+
+    Create it with every output tensor's (name, shape, dtype), call `write(name, tensor)` once per name in any
+    order, then `close()`, which checks that every planned tensor was written and writes the index."""
+
+    def __init__(self, directory: str | os.PathLike, specs: list[tuple[str, tuple[int, ...], torch.dtype]], *,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata: dict[str, str] | None = None):
+        self.directory = Path(directory)
+        names = [s[0] for s in specs]
+        if len(set(names)) != len(names):
+            raise UpcycleError("duplicate tensor names in the output plan")
+        shards = plan_shards(specs, max_shard_bytes)
+        self.files = ([SINGLE_FILE] if len(shards) == 1 else
+                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        self.slots: dict[str, TensorSlot] = {}
+        self._handles = {}
+        for file, tensors in zip(self.files, shards, strict=True):
+            header, offsets = _header(tensors, {"format": "pt", **(metadata or {})})
+            data_start = 8 + len(header)
+            handle = open(self.directory / file, "wb")       # noqa: SIM115  (closed in close())
+            handle.write(struct.pack("<Q", len(header)))
+            handle.write(header)
+            handle.truncate(data_start + (max(e for _, e in offsets.values()) if offsets else 0))
+            self._handles[file] = handle
+            for name, shape, dtype in tensors:
+                start, end = offsets[name]
+                self.slots[name] = TensorSlot(file, data_start + start, end - start, tuple(shape), dtype)
+        self.written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise UpcycleError(f"tensor {name!r} is not in the output plan")
+        if name in self.written:
+            raise UpcycleError(f"tensor {name!r} written twice")
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise UpcycleError(f"tensor {name!r}: planned {slot.dtype} {list(slot.shape)}, got {tensor.dtype} "
+                               f"{list(tensor.shape)}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        handle = self._handles[slot.file]
+        handle.seek(slot.start)
+        handle.write(memoryview(data))
+        self.written.add(name)
+
+    def close(self) -> dict[str, str]:
+        """Flush every shard and write the index (several shards); returns name -> file."""
+        for handle in self._handles.values():
+            handle.close()
+        self._handles = {}
+        missing = [n for n in self.slots if n not in self.written]
+        if missing:
+            raise UpcycleError(f"the output plan has {len(missing)} tensors never written, e.g. {missing[:3]}")
+        weight_map = {name: slot.file for name, slot in self.slots.items()}
+        if len(self.files) > 1:
+            total = sum(slot.nbytes for slot in self.slots.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return weight_map
+
+    def abort(self) -> None:
+        """Close the files without checks (the caller's temporary folder is removed anyway)."""
+        for handle in self._handles.values():
+            handle.close()
+        self._handles = {}
