@@ -102,8 +102,8 @@ def test_strings_and_bools_are_not_numbers(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "m"), str(tmp_path / "o"), "--set", "method=1e3", "--quiet"]) == 2
     assert "unknown method '1e3'" in capsys.readouterr().err
     assert convert_cfg("--set", "check.text=1e-3").check.text == "1e-3"
-    _, args = validate(convert_cfg("--method", "spri", "--set", "method_args.placement=1e3"))
-    assert args["placement"] == "1e3"
+    with pytest.raises(UpcycleError, match="argument 'placement' must be one of 'down', 'gate', 'up', got '1e3'"):
+        validate(convert_cfg("--method", "spri", "--set", "method_args.placement=1e3"))   # the string '1e3'
     for bad in ("check.tolerance=nan", "check.tolerance=1e", "check.tolerance=one", "check.tolerance=true"):
         with pytest.raises(UpcycleError, match="check.tolerance must be float"):
             convert_cfg("--set", bad)

@@ -234,7 +234,7 @@ def _methods() -> None:
         print(f"    paper: {method.paper}")
         print(f"    needs calibration data: {'yes' if method.needs_calibration else 'no'}")
         for arg in method.args.values():
-            print(f"    --set method_args.{arg.name}=<{arg.type.__name__}>   (default {arg.default!r})")
+            print(f"    --set method_args.{arg.name}={arg.describe()}   (default {arg.default!r})")
 
 
 def main(argv: list[str] | None = None) -> int:
