@@ -18,7 +18,9 @@ from upcycle.cli import (
     TRAIN_FLAGS,
     ConfigFlag,
     _add_config_flags,
+    _comma_list,
     _parser,
+    _whole_number,
     config_field,
     convert_config,
     main,
@@ -33,7 +35,8 @@ from upcycle.train.trainer import validate as validate_train
 
 COMMANDS = {"convert": (ConvertConfig, CONVERT_FLAGS, convert_config),
             "train": (TrainConfig, TRAIN_FLAGS, train_config)}
-# the values each choice flag must offer: the config's allowed values, where the validators read them
+# the values each choice flag must offer: the config's allowed values (the run's validators accept each of them
+# and refuse others, checked below)
 ALLOWED = {"export": EXPORTS, "export_class": ("auto", *EXPORT_CLASSES), "schedule": SCHEDULES,
            "mixed_precision": MIXED_PRECISIONS, "task": TASKS}
 
@@ -166,3 +169,22 @@ def test_flags_read_numbers_by_the_config_rule(tmp_path, capsys):
         assert main(["convert", "m", str(tmp_path / "o"), flag, value, "--quiet"]) == 2
         assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def test_no_flag_reads_numbers_on_its_own():
+    """Every number on the command line goes through `coerce`: config flags as text into the config, the run
+    flags' integers through `_whole_number`; no parser uses Python's int() or float()."""
+    parser = _parser()
+    for command, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            assert action.type in (None, _comma_list, _whole_number), (command, action.dest, action.type)
+    args = parser.parse_args(["train", "m", "out", "--stop-after", "1e1"])
+    assert args.stop_after == 10 and type(args.stop_after) is int
+    assert parser.parse_args(["eval", "m", "--tokens", "1e5"]).tokens == 100000
+
+
+def test_a_run_flag_that_is_no_whole_number_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        _parser().parse_args(["eval", "m", "--tokens", "2.5"])
+    assert stop.value.code == 2
+    assert r"argument --tokens: value must be a whole number (int), got 2.5" in capsys.readouterr().err

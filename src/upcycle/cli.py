@@ -27,6 +27,7 @@ from .config import (
     ConvertConfig,
     TrainConfig,
     build,
+    coerce,
     load_recipe,
     refuse_overwrite_key,
     set_override,
@@ -35,6 +36,15 @@ from .conversion.export import EXPORT_CLASSES
 from .conversion.loading import DTYPES
 from .errors import UpcycleError
 from .train.tasks import TASKS
+
+
+def _whole_number(text: str) -> int:
+    """A run flag's integer (not a config key: --stop-after, eval's --tokens, tiny-clip's sizes), read by the
+    config's number rule like every other number the user writes (`--tokens 1e5` is 100000)."""
+    try:
+        return coerce(text, int, "value")
+    except UpcycleError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _comma_list(text: str) -> list[str]:
@@ -167,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set regularizers.load_balance=0.01")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
-    t.add_argument("--stop-after", type=int, dest="stop_after",
+    t.add_argument("--stop-after", type=_whole_number, dest="stop_after",
                    help="checkpoint and exit after this step (resume later to finish the schedule)")
     t.add_argument("--overwrite", action="store_true", default=None,
                    help="replace an existing OUT, once the new run holds its first checkpoint (never an input, a "
@@ -177,19 +187,19 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out perplexity (causal LMs) or zero-shot + retrieval (CLIP), as JSON")
     e.add_argument("model", help="a model folder, a training run folder (its model/), or 'default'")
     e.add_argument("--data", help="held-out data (default: held-out Wikipedia / the digits test split)")
-    e.add_argument("--tokens", type=int, default=32768, help="causal LMs: held-out tokens (default 32768)")
-    e.add_argument("--sequence-length", type=int, default=256, dest="sequence_length")
+    e.add_argument("--tokens", type=_whole_number, default=32768, help="causal LMs: held-out tokens (default 32768)")
+    e.add_argument("--sequence-length", type=_whole_number, default=256, dest="sequence_length")
     e.add_argument("--out", help="also write the JSON to this file")
 
     k = sub.add_parser("tiny-clip", help="write a small random dense CLIP (and caption tokenizer) to pretrain")
     k.add_argument("out", help="output folder (written atomically)")
     k.add_argument("--data", default="digits", help="captions to build the tokenizer from (default digits)")
-    k.add_argument("--image-size", type=int, default=16, dest="image_size")
-    k.add_argument("--patch-size", type=int, default=4, dest="patch_size")
-    k.add_argument("--hidden-size", type=int, default=64, dest="hidden_size")
-    k.add_argument("--layers", type=int, default=4)
-    k.add_argument("--max-length", type=int, default=16, dest="max_length", help="caption tokens")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--image-size", type=_whole_number, default=16, dest="image_size")
+    k.add_argument("--patch-size", type=_whole_number, default=4, dest="patch_size")
+    k.add_argument("--hidden-size", type=_whole_number, default=64, dest="hidden_size")
+    k.add_argument("--layers", type=_whole_number, default=4)
+    k.add_argument("--max-length", type=_whole_number, default=16, dest="max_length", help="caption tokens")
+    k.add_argument("--seed", type=_whole_number, default=0)
     k.add_argument("--overwrite", action="store_true")
 
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
