@@ -22,7 +22,7 @@ from upcycle.methods import METHODS, OneOf, Range, register
 
 # What each method declares, written out so that loosening or dropping a bound fails here. The ranges are the
 # ones the method bodies checked before (after the model had loaded), plus cluster's restarts and iters, which
-# k-means refused with a ValueError.
+# k-means refused with a ValueError, and finiteness for every float.
 DECLARED = {
     ("cluster", "tau"): "in (0, 1]", ("cluster", "min_rank_fraction"): "in [0, 1]",
     ("cluster", "pca_factor"): "in [1, inf)", ("cluster", "restarts"): "in [1, inf)",
@@ -32,6 +32,8 @@ DECLARED = {
     ("noise", "std"): "in [0, inf)", ("noise", "fraction"): "in [0, 1]",
     ("spri", "rho"): "in [0, inf)", ("spri", "delta"): "in [0, inf)", ("spri", "perturbation"): "in [0, inf)",
     ("spri", "placement"): "one of 'down', 'gate', 'up'",
+    # undeclared float arguments: any finite float
+    **{(m, "router_std"): "finite" for m in ("copy", "drop", "drop_svd", "granular", "noise", "spri")},
 }
 BOUNDED = [(m.name, a.name) for m in METHODS.values() for a in m.args.values() if a.bound is not None]
 
@@ -136,7 +138,8 @@ def test_the_listing_shows_every_bound(capsys):
         assert f"--set method_args.{arg}=<{a.type.__name__}> {a.bound.describe()}   (default {a.default!r})" in text
     assert "method_args.tau=<float> in (0, 1]" in text
     assert "method_args.placement=<str> one of 'down', 'gate', 'up'   (default 'down')" in text
-    assert "method_args.router_std=<float>   (default 0.02)" in text        # undeclared: any float
+    assert "method_args.router_std=<float> finite   (default 0.02)" in text        # undeclared: any finite float
+    assert "method_args.router_bias=<bool>   (default False)" in text            # no bound
 
 
 def test_range_ends_and_notation():
@@ -148,6 +151,7 @@ def test_range_ends_and_notation():
     assert not Range(0, 1, high_open=True).contains(1.0) and Range(high=2).contains(-1e300)
     assert [str(r) for r in (half_open, Range(1), Range(high=2, high_open=True))] == ["(0, 1]", "[1, inf)",
                                                                                      "(-inf, 2)"]
+    assert Range().describe() == "finite" and Range().contains(-1e300) and not Range().contains(-math.inf)
     assert OneOf("a", "b").contains("a") and not OneOf("a", "b").contains("c")
     with pytest.raises(TypeError):
         Range(1, 0)

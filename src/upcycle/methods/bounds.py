@@ -43,8 +43,8 @@ class Range:
         return f"{low}, {high}"
 
     def describe(self) -> str:
-        """How an error or the listing says it: 'in [0, 1]'."""
-        return f"in {self}"
+        """How an error or the listing says it: 'in [0, 1]', or 'finite' when unbounded."""
+        return "finite" if self.low is None and self.high is None else f"in {self}"
 
 
 @dataclass(frozen=True)

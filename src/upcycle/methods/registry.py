@@ -10,7 +10,8 @@ The signature is the schema: the keyword-only arguments after the common ones ar
 their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
 `upcycle.config.coerce`: `1E-3` and `.25` are floats), their defaults the defaults. An argument's allowed values
 are declared there too, `ratio: Annotated[float, Range(0, 1)] = 0.5` (`bounds.py`), and checked with the types,
-so an out-of-range value is refused in the conversion's validation, before the model loads.
+so an out-of-range value is refused in the conversion's validation, before the model loads. A float argument
+without a declared range is any finite float (NaN or inf is no method's argument).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _argument(method: str, name: str, hint, default) -> MethodArg:
         bounds = [x for x in extras if isinstance(x, (Range, OneOf))]
     if len(bounds) > 1:
         raise TypeError(f"method {method}: argument {name} declares {len(bounds)} bounds; one at most")
-    bound = bounds[0] if bounds else None
+    bound = bounds[0] if bounds else (Range() if hint is float else None)
     if isinstance(bound, Range) and hint not in (int, float):
         raise TypeError(f"method {method}: argument {name} has a Range but is not a number ({hint})")
     if bound is not None and not bound.contains(default):
