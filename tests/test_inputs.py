@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -102,9 +103,9 @@ def test_strings_and_bools_are_not_numbers(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "m"), str(tmp_path / "o"), "--set", "method=1e3", "--quiet"]) == 2
     assert "unknown method '1e3'" in capsys.readouterr().err
     assert convert_cfg("--set", "check.text=1e-3").check.text == "1e-3"
-    _, args = validate(convert_cfg("--method", "spri", "--set", "method_args.placement=1e3"))
-    assert args["placement"] == "1e3"
-    for bad in ("check.tolerance=nan", "check.tolerance=1e", "check.tolerance=one", "check.tolerance=true"):
+    with pytest.raises(UpcycleError, match="argument 'placement' must be one of 'down', 'gate', 'up', got '1e3'"):
+        validate(convert_cfg("--method", "spri", "--set", "method_args.placement=1e3"))   # the string '1e3'
+    for bad in ("check.tolerance=1e", "check.tolerance=one", "check.tolerance=true", "check.tolerance=infinite"):
         with pytest.raises(UpcycleError, match="check.tolerance must be float"):
             convert_cfg("--set", bad)
     assert convert_cfg("--set", "moe.normalize_topk=no").moe.normalize_topk is False
@@ -113,6 +114,22 @@ def test_strings_and_bools_are_not_numbers(tmp_path, capsys):
         convert_cfg("--set", "moe.normalize_topk=1")
     with pytest.raises(UpcycleError, match="argument 'relative_std' must be true or false"):
         validate(convert_cfg("--method", "noise", "--set", "method_args.relative_std=0"))
+
+
+def test_inf_and_nan_are_floats_that_range_checks_refuse():
+    """`inf` and `nan` (any case, signed) read as on the command line (`--lr inf`) and as YAML's `.inf`/`.nan`:
+    non-finite floats, refused by the key's range check where a finite number is needed, with that message."""
+    for written, number in (("inf", math.inf), ("-Inf", -math.inf), ("+INFINITY", math.inf), (".inf", math.inf)):
+        assert convert_cfg("--set", f"check.tolerance={written}").check.tolerance == number
+    assert math.isnan(convert_cfg("--set", "check.tolerance=NaN").check.tolerance)
+    with pytest.raises(UpcycleError, match="check.tolerance and check.relative_tolerance >= 0"):
+        validate(convert_cfg("--set", "check.tolerance=nan"))
+    with pytest.raises(UpcycleError, match=r"moe.top_k must be a whole number \(int\), got inf"):
+        convert_cfg("--set", "moe.top_k=inf")
+    with pytest.raises(UpcycleError, match=r"method 'noise' argument 'std' must be in \[0, inf\), got nan"):
+        validate(convert_cfg("--method", "noise", "--set", "method_args.std=nan"))
+    with pytest.raises(UpcycleError, match=r"moe.capacity_factor_eval must be a positive number or null"):
+        convert_cfg("--set", "moe.capacity_factor_eval=inf")
 
 
 def test_number_lists_take_written_numbers():

@@ -2,24 +2,151 @@
 
 Configuration precedence (DESIGN principle 8): dataclass defaults < `--config recipe.yaml` < explicit flags
 < `--set key=value` (repeatable, dotted keys, YAML values).
+
+A flag of `convert` or `train` that sets a config key is declared once, as a `ConfigFlag` naming its dotted key:
+the parser takes the key's existence and default (shown in the help) from the config dataclass, and the flag's
+text becomes the key's value through the config's own rule (`upcycle.config.coerce`: `--calibration-tokens 1e5`
+means what `--set calibration.tokens=1e5` means), so a flag cannot drift from its key. The other flags (`--config`,
+`--set`, `--overwrite`, ...) are about the run, not the config, and are listed in `RUN_FLAGS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
+import typing
+from dataclasses import dataclass
 
-from .config import ConvertConfig, TrainConfig, build, load_recipe, refuse_overwrite_key, set_override
+from .config import (
+    EXPORTS,
+    MIXED_PRECISIONS,
+    SCHEDULES,
+    ConvertConfig,
+    TrainConfig,
+    build,
+    coerce,
+    load_recipe,
+    refuse_overwrite_key,
+    set_override,
+)
+from .conversion.export import EXPORT_CLASSES
+from .conversion.loading import DTYPES
 from .errors import UpcycleError
+from .train.tasks import TASKS
 
 
-def _int_list(text: str) -> list[int]:
+def _whole_number(text: str) -> int:
+    """A run flag's integer (not a config key: --stop-after, eval's --tokens, tiny-clip's sizes), read by the
+    config's number rule like every other number the user writes (`--tokens 1e5` is 100000)."""
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return coerce(text, int, "value")
+    except UpcycleError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _comma_list(text: str) -> list[str]:
+    """'1, 3,-1' -> ['1', '3', '-1']: the items stay text, read by the key's element type (coerce)."""
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """A command-line flag that sets the config key `key` (dotted, e.g. moe.top_k)."""
+
+    flag: str
+    key: str
+    help: str
+    split: bool = False                 # a comma-separated list (--layers 1,3,5) for a list-typed key
+    choices: tuple[str, ...] | None = None
+
+
+def config_field(cls: type, key: str) -> dataclasses.Field:
+    """The dataclass field a dotted key names in config class `cls`; a key that is not there is a programming
+    error, raised when the parser is built (so every command fails at once, not the flag silently)."""
+    *sections, leaf = key.split(".")
+    for section in sections:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if section not in fields or not dataclasses.is_dataclass(typing.get_type_hints(cls)[section]):
+            raise TypeError(f"flag for {key!r}: {cls.__name__} has no section {section!r}")
+        cls = typing.get_type_hints(cls)[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if leaf not in fields:
+        raise TypeError(f"flag for {key!r}: {cls.__name__} has no key {leaf!r}")
+    return fields[leaf]
+
+
+def default_text(value) -> str:
+    """A config default as the help shows it (as one would write it on the command line)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type, flags: tuple[ConfigFlag, ...]) -> None:
+    for f in flags:
+        field = config_field(cls, f.key)
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        shown = "" if default is None else f" (default {default_text(default)})"
+        # no argparse default: a flag left out must not override the recipe (precedence); no argparse type:
+        # the text is read by the key's type when the config is built
+        parser.add_argument(f.flag, dest=f.key, help=f.help + shown, choices=f.choices,
+                            type=_comma_list if f.split else None,
+                            metavar=None if f.choices else f.flag.lstrip("-").replace("-", "_").upper())
+
+
+CONVERT_FLAGS = (
+    ConfigFlag("--method", "method", "initialization method (see `upcycle methods`)"),
+    ConfigFlag("--num-experts", "moe.num_experts", "routed experts per MoE layer"),
+    ConfigFlag("--top-k", "moe.top_k", "experts per token"),
+    ConfigFlag("--every", "placement.every", "make every n-th block MoE: block i when (i+1) %% n == 0"),
+    ConfigFlag("--layers", "placement.layers", "explicit block indices, e.g. 1,3,5 (negative from the end)",
+               split=True),
+    ConfigFlag("--towers", "placement.towers", "for CLIP: text, vision, or text,vision", split=True),
+    ConfigFlag("--seed", "seed", "seed of every random draw: same seed, same bytes"),
+    ConfigFlag("--dtype", "dtype", f"dtype the model is loaded and converted in: {', '.join(DTYPES)}"),
+    ConfigFlag("--probe-text", "check.text",
+               "text or JSONL file for the preservation check (default: held-out Wikipedia)"),
+    ConfigFlag("--calibration", "calibration.data", "text or JSONL ('text' field) file of calibration data for "
+               "data-aware methods (cluster); default on the embedded model: the Wikipedia train split"),
+    ConfigFlag("--calibration-tokens", "calibration.tokens", "FFN-input tokens kept per layer (reservoir-sampled)"),
+    ConfigFlag("--export", "export", "upcycle (any architecture) or hf: a stock transformers MoE class where one "
+               "fits", choices=EXPORTS),
+    ConfigFlag("--export-class", "export_class", "with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), "
+               "or a class by name", choices=("auto", *EXPORT_CLASSES)),
+)
+
+TRAIN_FLAGS = (
+    ConfigFlag("--task", "task", "default: from the model (CLIP models: clip)", choices=TASKS),
+    ConfigFlag("--data", "data", "causal_lm: .txt/.jsonl text (default on the embedded model: Wikipedia train "
+               "split); clip: 'digits' (default), a JSONL of image/caption, or an image folder"),
+    ConfigFlag("--eval-data", "eval_data", "held-out data of the same kind (default: the held-out Wikipedia "
+               "split / the digits test split)"),
+    ConfigFlag("--steps", "steps", "optimizer steps"),
+    ConfigFlag("--batch-size", "batch_size", "global rows per optimizer step"),
+    ConfigFlag("--grad-accum", "grad_accum", "micro-batches per step and process"),
+    ConfigFlag("--sequence-length", "sequence_length", "packed row length"),
+    ConfigFlag("--lr", "lr", "peak learning rate"),
+    ConfigFlag("--schedule", "schedule", "decay after warmup", choices=SCHEDULES),
+    ConfigFlag("--warmup", "warmup", "fraction of the steps with linear warmup"),
+    ConfigFlag("--weight-decay", "weight_decay", "AdamW weight decay"),
+    ConfigFlag("--train", "train", "what trains: comma-separated groups or globs (all, moe, routed, router, "
+               "experts, dense, ...)", split=True),
+    ConfigFlag("--checkpoint-every", "checkpoint_every", "steps between checkpoints (0: only at the end)"),
+    ConfigFlag("--eval-every", "eval_every", "steps between evaluations (0: only before and after training)"),
+    ConfigFlag("--mixed-precision", "mixed_precision", "auto: bf16 where the GPU has it, else no",
+               choices=MIXED_PRECISIONS),
+    ConfigFlag("--seed", "seed", "seed of the run"),
+)
+
+# Flags (by dest) of `convert` and `train` that are about the run, not a config key; `model` is the positional
+# that sets the key `model`.
+RUN_FLAGS = {"convert": {"help", "out", "config", "set", "overwrite", "quiet"},
+             "train": {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet"}}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,64 +156,28 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a dense model to an MoE model and write it to OUT")
     c.add_argument("model", help="'default' (embedded SmolLM2-135M), a Hugging Face id, or a local folder")
     c.add_argument("out", help="output folder (written atomically; must not exist unless --overwrite)")
-    c.add_argument("--method", help="initialization method (see `upcycle methods`); default copy")
-    c.add_argument("--num-experts", type=int, dest="num_experts", help="routed experts per MoE layer (default 8)")
-    c.add_argument("--top-k", type=int, dest="top_k", help="experts per token (default 2)")
-    c.add_argument("--every", type=int, help="make every n-th block MoE: block i when (i+1) %% n == 0")
-    c.add_argument("--layers", type=_int_list, help="explicit block indices, e.g. 1,3,5 (negative from the end)")
-    c.add_argument("--towers", help="for CLIP: text, vision, or text,vision")
-    c.add_argument("--seed", type=int, help="seed of every random draw (default 0): same seed, same bytes")
-    c.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
-    c.add_argument("--probe-text", dest="probe_text",
-                   help="text or JSONL file for the preservation check (default: held-out Wikipedia)")
-    c.add_argument("--calibration", help="text or JSONL ('text' field) file of calibration data for data-aware "
-                   "methods (cluster); default on the embedded model: the Wikipedia train split")
-    c.add_argument("--calibration-tokens", type=int, dest="calibration_tokens",
-                   help="FFN-input tokens kept per layer (reservoir-sampled; default 65536)")
+    _add_config_flags(c, ConvertConfig, CONVERT_FLAGS)
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
-    c.add_argument("--export", choices=["upcycle", "hf"],
-                   help="upcycle (default; any architecture) or hf: a stock transformers MoE class where one fits")
-    c.add_argument("--export-class", dest="export_class", choices=["auto", "qwen2_moe", "qwen3_moe", "mixtral"],
-                   help="with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), or mixtral")
     c.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
 
     x = sub.add_parser("export", help="write an upcycle-format folder as a stock transformers checkpoint")
     x.add_argument("src", help="folder written by `upcycle convert`")
     x.add_argument("out", help="output folder (written atomically)")
-    x.add_argument("--export-class", dest="export_class", default="auto",
-                   choices=["auto", "qwen2_moe", "qwen3_moe", "mixtral"])
+    x.add_argument("--export-class", dest="export_class", default="auto", choices=("auto", *EXPORT_CLASSES))
     x.add_argument("--overwrite", action="store_true")
 
     t = sub.add_parser("train", help="train a model (upcycled or dense) and write the run to OUT")
     t.add_argument("model", help="an upcycle folder, a dense transformers folder or id, or 'default'")
     t.add_argument("out", help="run folder: run_config.yaml, log.jsonl, checkpoints/, model/")
-    t.add_argument("--task", choices=["causal_lm", "clip"], help="default: from the model (CLIP models: clip)")
-    t.add_argument("--data", help="causal_lm: .txt/.jsonl text (default on the embedded model: Wikipedia train "
-                   "split); clip: 'digits' (default), a JSONL of image/caption, or an image folder")
-    t.add_argument("--eval-data", dest="eval_data", help="held-out data of the same kind (default: the held-out "
-                   "Wikipedia split / the digits test split)")
-    t.add_argument("--steps", type=int, help="optimizer steps (default 100)")
-    t.add_argument("--batch-size", type=int, dest="batch_size", help="global rows per optimizer step (default 8)")
-    t.add_argument("--grad-accum", type=int, dest="grad_accum", help="micro-batches per step and process")
-    t.add_argument("--sequence-length", type=int, dest="sequence_length", help="packed row length (default 256)")
-    t.add_argument("--lr", type=float, help="peak learning rate (default 5e-5)")
-    t.add_argument("--schedule", choices=["linear", "cosine", "constant"], help="decay after warmup")
-    t.add_argument("--warmup", type=float, help="fraction of the steps with linear warmup (default 0.02)")
-    t.add_argument("--weight-decay", type=float, dest="weight_decay", help="AdamW weight decay (default 0)")
-    t.add_argument("--train", help="what trains: comma-separated groups or globs (all, moe, routed, router, "
-                   "experts, dense, ...)")
-    t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", help="steps between checkpoints")
-    t.add_argument("--eval-every", type=int, dest="eval_every", help="steps between evaluations")
-    t.add_argument("--mixed-precision", dest="mixed_precision", choices=["auto", "no", "bf16", "fp16"])
-    t.add_argument("--seed", type=int)
+    _add_config_flags(t, TrainConfig, TRAIN_FLAGS)
     t.add_argument("--config", help="YAML training recipe (configs/train/)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set regularizers.load_balance=0.01")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
-    t.add_argument("--stop-after", type=int, dest="stop_after",
+    t.add_argument("--stop-after", type=_whole_number, dest="stop_after",
                    help="checkpoint and exit after this step (resume later to finish the schedule)")
     t.add_argument("--overwrite", action="store_true", default=None,
                    help="replace an existing OUT, once the new run holds its first checkpoint (never an input, a "
@@ -96,19 +187,19 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out perplexity (causal LMs) or zero-shot + retrieval (CLIP), as JSON")
     e.add_argument("model", help="a model folder, a training run folder (its model/), or 'default'")
     e.add_argument("--data", help="held-out data (default: held-out Wikipedia / the digits test split)")
-    e.add_argument("--tokens", type=int, default=32768, help="causal LMs: held-out tokens (default 32768)")
-    e.add_argument("--sequence-length", type=int, default=256, dest="sequence_length")
+    e.add_argument("--tokens", type=_whole_number, default=32768, help="causal LMs: held-out tokens (default 32768)")
+    e.add_argument("--sequence-length", type=_whole_number, default=256, dest="sequence_length")
     e.add_argument("--out", help="also write the JSON to this file")
 
     k = sub.add_parser("tiny-clip", help="write a small random dense CLIP (and caption tokenizer) to pretrain")
     k.add_argument("out", help="output folder (written atomically)")
     k.add_argument("--data", default="digits", help="captions to build the tokenizer from (default digits)")
-    k.add_argument("--image-size", type=int, default=16, dest="image_size")
-    k.add_argument("--patch-size", type=int, default=4, dest="patch_size")
-    k.add_argument("--hidden-size", type=int, default=64, dest="hidden_size")
-    k.add_argument("--layers", type=int, default=4)
-    k.add_argument("--max-length", type=int, default=16, dest="max_length", help="caption tokens")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--image-size", type=_whole_number, default=16, dest="image_size")
+    k.add_argument("--patch-size", type=_whole_number, default=4, dest="patch_size")
+    k.add_argument("--hidden-size", type=_whole_number, default=64, dest="hidden_size")
+    k.add_argument("--layers", type=_whole_number, default=4)
+    k.add_argument("--max-length", type=_whole_number, default=16, dest="max_length", help="caption tokens")
+    k.add_argument("--seed", type=_whole_number, default=0)
     k.add_argument("--overwrite", action="store_true")
 
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
@@ -127,17 +218,16 @@ def _nested(data: dict, flags: dict) -> dict:
     return data
 
 
+def _flag_values(args: argparse.Namespace, flags: tuple[ConfigFlag, ...]) -> dict:
+    """{dotted key: the flag's text (or list of texts)} for every config flag, None where not given."""
+    return {f.key: getattr(args, f.key) for f in flags}
+
+
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
     data = load_recipe(args.config)
     refuse_overwrite_key(data, f"recipe {args.config}")
-    flags = {"method": args.method, "seed": args.seed, "dtype": args.dtype,
-             "export": args.export, "export_class": args.export_class,
-             "moe.num_experts": args.num_experts, "moe.top_k": args.top_k, "placement.every": args.every,
-             "placement.layers": args.layers, "check.text": args.probe_text,
-             "calibration.data": args.calibration, "calibration.tokens": args.calibration_tokens,
-             "placement.towers": args.towers.split(",") if args.towers else None}
     data["model"] = args.model
-    _nested(data, flags)
+    _nested(data, _flag_values(args, CONVERT_FLAGS))
     _apply_sets(data, args.set)
     return build(ConvertConfig, data)
 
@@ -159,11 +249,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         data = load_recipe(args.config)
         refuse_overwrite_key(data, f"recipe {args.config}")
     data["model"] = args.model
-    names = ("task", "data", "eval_data", "steps", "batch_size", "grad_accum", "sequence_length", "lr", "schedule",
-             "warmup", "weight_decay", "checkpoint_every", "eval_every", "mixed_precision", "seed")
-    flags = {name: getattr(args, name) for name in names}
-    flags["train"] = [x for x in args.train.split(",") if x] if args.train else None
-    _nested(data, flags)
+    _nested(data, _flag_values(args, TRAIN_FLAGS))
     _apply_sets(data, args.set)
     return build(TrainConfig, data)
 
@@ -234,7 +320,7 @@ def _methods() -> None:
         print(f"    paper: {method.paper}")
         print(f"    needs calibration data: {'yes' if method.needs_calibration else 'no'}")
         for arg in method.args.values():
-            print(f"    --set method_args.{arg.name}=<{arg.type.__name__}>   (default {arg.default!r})")
+            print(f"    --set method_args.{arg.name}={arg.describe()}   (default {arg.default!r})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,11 @@ are refused with the key's dotted path, before anything runs.
 Numbers follow one rule, here and for method arguments (`coerce`): a number-typed key takes a number in any form
 a person writes it (`1e-3`, `1E-3`, `.5`, `5.`, `1e+3`, `-2.5E-4`, `8`). YAML 1.1 reads some of these as
 strings (`1e-3` has no dot), so a string that is a decimal number literal becomes a float for a float key, and an
-int key takes a number whose value is whole (`1e5`, `8.0`) but refuses `2.5`. Only number-typed keys convert:
-`method=1e3` stays the string '1e3' (and is refused as an unknown method). Booleans are YAML's (`true`, `no`...).
+int key takes a number whose value is whole (`1e5`, `8.0`) but refuses `2.5`. The words `inf` and `nan` (any case,
+signed; YAML spells them `.inf`, `.nan`) are the float's non-finite values, as on the command line (`--lr inf`):
+each key's range check then refuses them where a finite number is needed, saying so. Only number-typed keys
+convert: `method=1e3` stays the string '1e3' (and is refused as an unknown method), and no other word is a number.
+Booleans are YAML's (`true`, `no`...). The command-line flags of a config key go through the same rule (cli.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import yaml
 from .errors import UpcycleError
 
 SCORES = ("softmax", "sigmoid")     # router score functions (upcycle.core.router)
+# The allowed values of the string keys the command line offers as choices (the CLI's `choices` are these).
+EXPORTS = ("upcycle", "hf")                            # ConvertConfig.export
+SCHEDULES = ("linear", "cosine", "constant")           # TrainConfig.schedule
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")      # TrainConfig.mixed_precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +187,7 @@ class TrainConfig:
 # A decimal number as people write it: sign, digits with an optional point (or a point and digits), exponent.
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _INTEGER = re.compile(r"[+-]?\d+")
+_NON_FINITE = re.compile(r"[+-]?(inf|infinity|nan)", re.IGNORECASE)
 
 
 def _number(value, kind: type, where: str):
@@ -191,7 +199,7 @@ def _number(value, kind: type, where: str):
         text = value.strip()
         if _INTEGER.fullmatch(text):
             value = int(text)            # exact, however many digits
-        elif _NUMBER.fullmatch(text):
+        elif _NUMBER.fullmatch(text) or _NON_FINITE.fullmatch(text):
             value = float(text)
         else:
             raise wrong

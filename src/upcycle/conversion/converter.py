@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..analysis.metrics import diversity, expert_similarity
 from ..analysis.routing import layer_routing_stats
-from ..config import ConvertConfig, to_dict
+from ..config import EXPORTS, ConvertConfig, to_dict
 from ..core.architectures import family_of
 from ..core.moe import MoELayer
 from ..core.surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
@@ -60,7 +60,7 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
         raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
-    if cfg.export not in ("upcycle", "hf"):
+    if cfg.export not in EXPORTS:
         raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
     if cfg.export_class not in ("auto", *EXPORT_CLASSES):
         raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")

@@ -25,20 +25,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
+from .bounds import Range
 from .linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
 from .registry import ExpertInit, register
 
 
 @register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True)
 def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, activations: torch.Tensor,
-            tau: float = 0.95, min_rank_fraction: float = 0.5, pca_factor: int = 1, router_bias: bool = False,
-            restarts: int = 3, iters: int = 50, damping: float = 0.0) -> ExpertInit:
+            tau: Annotated[float, Range(0, 1, low_open=True)] = 0.95,
+            min_rank_fraction: Annotated[float, Range(0, 1)] = 0.5, pca_factor: Annotated[int, Range(1)] = 1,
+            router_bias: bool = False, restarts: Annotated[int, Range(1)] = 3, iters: Annotated[int, Range(1)] = 50,
+            damping: Annotated[float, Range(0)] = 0.0) -> ExpertInit:
     """Experts = per-cluster data-aware truncated SVDs of the FFN's input layers; router = k-means centroids."""
     E = num_experts
     X_ND = activations
@@ -48,14 +52,8 @@ def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, ac
     if N < E:
         raise UpcycleError(f"cluster: {N} calibration tokens cannot form {E} clusters; give more calibration "
                            f"data (calibration.tokens) or fewer experts")
-    if not 0 < tau <= 1:
-        raise UpcycleError(f"cluster: tau must be in (0, 1], got {tau}")
-    if not 0 <= min_rank_fraction <= 1:
-        raise UpcycleError(f"cluster: min_rank_fraction must be in [0, 1], got {min_rank_fraction}")
-    if not 1 <= pca_factor <= D:
-        raise UpcycleError(f"cluster: pca_factor must be in [1, {D}], got {pca_factor}")
-    if damping < 0:
-        raise UpcycleError(f"cluster: damping must be >= 0, got {damping}")
+    if pca_factor > D:          # >= 1 is declared; the hidden size is known only here
+        raise UpcycleError(f"cluster: pca_factor must be in [1, {D}] (the hidden size), got {pca_factor}")
     if not torch.isfinite(X_ND).all():
         raise UpcycleError("cluster: calibration activations contain NaN or inf")
     X_ND = X_ND.to(device=ffn.w_up.device, dtype=torch.float32)

@@ -11,11 +11,12 @@ belongs to no neuron, is copied.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Annotated
 
 import torch
 
 from ..core.ffn import FFNWeights
-from ..errors import UpcycleError
+from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 # tensor name -> the dimension that indexes intermediate neurons, in a single (unstacked) tensor
@@ -24,10 +25,8 @@ NEURON_DIM = {"w_up": 0, "w_gate": 0, "b_up": 0, "b_gate": 0, "w_down": 1}
 
 @register("drop", paper="Nakamura et al. 2025, Drop-Upcycling, arXiv:2502.19261")
 def drop(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-         ratio: float = 0.5, router_std: float = 0.02) -> ExpertInit:
+         ratio: Annotated[float, Range(0, 1)] = 0.5, router_std: float = 0.02) -> ExpertInit:
     """Copies of the dense FFN with a per-expert random fraction `ratio` of neurons re-initialized."""
-    if not 0.0 <= ratio <= 1.0:
-        raise UpcycleError(f"drop: ratio must be in [0, 1], got {ratio}")
     F = ffn.intermediate_size
     n_drop = round(ratio * F)
     sources = {n: t for n, t in ffn.tensors().items() if n in NEURON_DIM}

@@ -26,11 +26,12 @@ Choices where the paper is silent (stated here so they can be cited):
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Annotated
 
 import torch
 
 from ..core.ffn import FFNWeights
-from ..errors import UpcycleError
+from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 MATRICES = ("w_up", "w_gate", "w_down")
@@ -49,10 +50,8 @@ def orthonormal_complement(basis: torch.Tensor, n: int, generator: torch.Generat
           preserves_function=lambda args, normalize_topk, dropless: args["fraction"] == 0 and normalize_topk
           and dropless)
 def drop_svd(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-             fraction: float = 0.25, router_std: float = 0.02) -> ExpertInit:
+             fraction: Annotated[float, Range(0, 1)] = 0.25, router_std: float = 0.02) -> ExpertInit:
     """Copies of the dense FFN whose weakest `fraction` of singular vectors are redrawn per expert."""
-    if not 0.0 <= fraction <= 1.0:
-        raise UpcycleError(f"drop_svd: fraction must be in [0, 1], got {fraction}")
     sources = {n: t for n, t in ffn.tensors().items() if n in MATRICES}
     plans = {}
     for name, w in sources.items():

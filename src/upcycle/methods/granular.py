@@ -20,10 +20,13 @@ b_down belongs to no shard: each shard carries b_down / G, so the G shards of a 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
+from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 
@@ -31,10 +34,10 @@ from .registry import ExpertInit, random_router, register
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
           preserves_function=lambda args, normalize_topk, dropless: dropless)
 def granular(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator, normalize_topk: bool,
-             granularity: int = 4, router_std: float = 0.02) -> ExpertInit:
+             granularity: Annotated[int, Range(1)] = 4, router_std: float = 0.02) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""
     G, F, E = granularity, ffn.intermediate_size, num_experts
-    if G < 1 or F % G:
+    if F % G:                   # G >= 1 is declared; the width is known only here
         raise UpcycleError(f"granular: granularity {G} must divide the FFN width {F}")
     if E % G or top_k % G:
         raise UpcycleError(f"granular: num_experts ({E}) and top_k ({top_k}) must be multiples of granularity {G}")

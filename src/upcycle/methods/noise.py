@@ -10,23 +10,21 @@ suits every layer whatever its scale). Weight matrices are perturbed, biases are
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Annotated
 
 import torch
 
 from ..core.ffn import FFNWeights
-from ..errors import UpcycleError
+from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 
 @register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)")
 def noise(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-          std: float = 0.01, relative_std: bool = True, fraction: float = 1.0,
+          std: Annotated[float, Range(0)] = 0.01, relative_std: bool = True,
+          fraction: Annotated[float, Range(0, 1)] = 1.0,
           router_std: float = 0.02) -> ExpertInit:
     """Copies of the dense FFN plus Gaussian noise on a random `fraction` of each weight matrix's entries."""
-    if std < 0:
-        raise UpcycleError(f"noise: std must be >= 0, got {std}")
-    if not 0.0 <= fraction <= 1.0:
-        raise UpcycleError(f"noise: fraction must be in [0, 1], got {fraction}")
     experts = ffn.repeat(num_experts)
     perturbed = {}
     for name in ("w_up", "w_gate", "w_down"):

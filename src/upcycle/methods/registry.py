@@ -8,7 +8,10 @@ A method is a pure function of one dense FFN and a seeded generator (no nn.Modul
 
 The signature is the schema: the keyword-only arguments after the common ones are the method's arguments,
 their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
-`upcycle.config.coerce`: `1E-3` and `.25` are floats), their defaults the defaults.
+`upcycle.config.coerce`: `1E-3` and `.25` are floats), their defaults the defaults. An argument's allowed values
+are declared there too, `ratio: Annotated[float, Range(0, 1)] = 0.5` (`bounds.py`), and checked with the types,
+so an out-of-range value is refused in the conversion's validation, before the model loads. A float argument
+without a declared range is any finite float (NaN or inf is no method's argument).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from ..config import coerce
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
+from .bounds import Bound, OneOf, Range
 
 # Arguments the conversion provides (a method declares the ones it needs), not the user.
 COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")
@@ -46,6 +50,11 @@ class MethodArg:
     name: str
     type: type
     default: object
+    bound: Bound | None = None      # the allowed values declared with the signature (None: any of the type)
+
+    def describe(self) -> str:
+        """'<float> in [0, 1]': the type and the allowed values, for the listing."""
+        return f"<{self.type.__name__}>" + (f" {self.bound.describe()}" if self.bound is not None else "")
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,11 @@ class Method:
         for name, arg in self.args.items():
             value = given.get(name, arg.default)
             # the config's one rule: numbers in any written form ('1E-3', '.25') for int/float arguments
-            resolved[name] = coerce(value, arg.type, f"method {self.name!r} argument {name!r}")
+            where = f"method {self.name!r} argument {name!r}"
+            value = coerce(value, arg.type, where)
+            if arg.bound is not None and not arg.bound.contains(value):
+                raise UpcycleError(f"{where} must be {arg.bound.describe()}, got {value!r}")
+            resolved[name] = value
         return resolved
 
 
@@ -88,7 +101,7 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
         if needs_calibration and "activations" not in inspect.signature(fn).parameters:
             raise TypeError(f"method {name}: needs calibration data but takes no `activations` argument")
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)     # keeps Annotated's bounds
         args = {}
         params = inspect.signature(fn).parameters
         common = frozenset(name for name in params if name in COMMON_ARGS)
@@ -97,13 +110,29 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
                 continue
             if p.default is inspect.Parameter.empty:
                 raise TypeError(f"method {name}: argument {p.name} needs a default")
-            args[p.name] = MethodArg(p.name, hints[p.name], p.default)
+            args[p.name] = _argument(name, p.name, hints[p.name], p.default)
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
         METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves)
         return fn
 
     return wrap
+
+
+def _argument(method: str, name: str, hint, default) -> MethodArg:
+    """The argument's schema from its annotation: `T` or `Annotated[T, <one Range or OneOf>]`."""
+    bounds = []
+    if typing.get_origin(hint) is typing.Annotated:
+        hint, *extras = typing.get_args(hint)
+        bounds = [x for x in extras if isinstance(x, (Range, OneOf))]
+    if len(bounds) > 1:
+        raise TypeError(f"method {method}: argument {name} declares {len(bounds)} bounds; one at most")
+    bound = bounds[0] if bounds else (Range() if hint is float else None)
+    if isinstance(bound, Range) and hint not in (int, float):
+        raise TypeError(f"method {method}: argument {name} has a Range but is not a number ({hint})")
+    if bound is not None and not bound.contains(default):
+        raise TypeError(f"method {method}: argument {name}'s default {default!r} is not {bound.describe()}")
+    return MethodArg(name, hint, default, bound)
 
 
 def get_method(name: str) -> Method:

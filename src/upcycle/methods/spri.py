@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Annotated
 
 import torch
 
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
+from .bounds import OneOf, Range
 from .registry import ExpertInit, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}
@@ -44,16 +46,12 @@ PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": 
 @register("spri", paper="Shan et al. 2026, SVD-Partitioned Residual Initialization (SPRI)",
           preserves_function=lambda args, normalize_topk, dropless: args["rho"] == 0 and args["shared_expert"])
 def spri(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-         rho: float = 1e-3, delta: float = 1e-12, placement: str = "down", shared_expert: bool = True,
-         perturbation: float = 1e-2, router_std: float = 0.02) -> ExpertInit:
+         rho: Annotated[float, Range(0)] = 1e-3, delta: Annotated[float, Range(0)] = 1e-12,
+         placement: Annotated[str, OneOf(*PROJECTION)] = "down", shared_expert: bool = True,
+         perturbation: Annotated[float, Range(0)] = 1e-2, router_std: float = 0.02) -> ExpertInit:
     """Shared dense expert + routed experts whose one projection is a scaled SVD block of the dense weight."""
-    if placement not in PROJECTION:
-        raise UpcycleError(f"spri: placement must be one of {sorted(PROJECTION)}, got {placement!r}")
     if placement == "gate" and not ffn.gated:
         raise UpcycleError("spri: placement 'gate' needs a gated FFN; this one is a plain MLP (use 'up' or 'down')")
-    for name, value in (("rho", rho), ("delta", delta), ("perturbation", perturbation)):
-        if value < 0:
-            raise UpcycleError(f"spri: {name} must be >= 0, got {value}")
     if num_experts % top_k:
         raise UpcycleError(f"spri: num_experts ({num_experts}) must be divisible by top_k ({top_k}): "
                            f"the experts form G = E / k groups")
