@@ -4,7 +4,17 @@ contract are in `registry.py`. Importing this package registers every method.
 
 from . import cluster, copy, drop, drop_svd, granular, noise, spri  # noqa: E402,F401  (registers the methods)
 from .bounds import OneOf, Range
-from .registry import COMMON_ARGS, METHODS, ExpertInit, Method, MethodArg, get_method, random_router, register
+from .registry import (
+                       COMMON_ARGS,
+                       METHODS,
+                       ExpertInit,
+                       LayerLayout,
+                       Method,
+                       MethodArg,
+                       get_method,
+                       random_router,
+                       register,
+)
 
-__all__ = ["COMMON_ARGS", "METHODS", "ExpertInit", "Method", "MethodArg", "OneOf", "Range", "get_method",
+__all__ = ["COMMON_ARGS", "METHODS", "ExpertInit", "LayerLayout", "Method", "MethodArg", "OneOf", "Range", "get_method",
            "random_router", "register"]

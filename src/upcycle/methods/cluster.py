@@ -34,10 +34,11 @@ from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
 from .bounds import Range
 from .linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
-from .registry import ExpertInit, register
+from .registry import ExpertInit, LayerLayout, register
 
 
-@register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True)
+@register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True,
+          layout=lambda width, args: LayerLayout(width, router_bias=args["pca_factor"] > 1 and args["router_bias"]))
 def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, activations: torch.Tensor,
             tau: Annotated[float, Range(0, 1, low_open=True)] = 0.95,
             min_rank_fraction: Annotated[float, Range(0, 1)] = 0.5, pca_factor: Annotated[int, Range(1)] = 1,

@@ -27,12 +27,13 @@ import torch
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
 from .bounds import Range
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerLayout, random_router, register
 
 
 @register("granular", paper="He et al. 2024, Upcycling Large Language Models into Mixture of Experts, "
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
-          preserves_function=lambda args, normalize_topk, dropless: dropless)
+          preserves_function=lambda args, normalize_topk, dropless: dropless,
+          layout=lambda width, args: LayerLayout(width // args["granularity"]))
 def granular(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator, normalize_topk: bool,
              granularity: Annotated[int, Range(1)] = 4, router_std: float = 0.02) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""

@@ -46,6 +46,23 @@ class ExpertInit:
 
 
 @dataclass(frozen=True)
+class LayerLayout:
+    """A method's output in shapes, for a dense FFN of width F: routed experts `routed_width` wide, one shared
+    expert `shared_width` wide (None: none), a router bias or not. Declared with the method (`register(layout=)`)
+    so that a conversion can be planned before a weight is read (--dry-run, streaming); the contract test checks
+    every method's declaration against what it returns."""
+
+    routed_width: int
+    shared_width: int | None = None
+    router_bias: bool = False
+
+
+def same_width(width: int, args: dict) -> LayerLayout:
+    """The default layout: every expert as wide as the dense FFN, no shared expert, no router bias."""
+    return LayerLayout(width)
+
+
+@dataclass(frozen=True)
 class MethodArg:
     name: str
     type: type
@@ -68,6 +85,8 @@ class Method:
     needs_calibration: bool
     # Whether the initialized layer reproduces the dense FFN, given (method args, normalize_topk, dropless).
     preserves: Callable[[dict, bool, bool], bool]
+    # (dense FFN width, resolved args) -> the shapes it makes (LayerLayout)
+    layout: Callable[[int, dict], LayerLayout] = same_width
 
     def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
         """Run the method with resolved `args` and the common arguments its signature takes."""
@@ -95,8 +114,9 @@ METHODS: dict[str, Method] = {}
 
 
 def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict, bool, bool], bool] = False,
-             needs_calibration: bool = False):
-    """Register `fn` under `name`; its keyword-only arguments beyond COMMON_ARGS are the method's schema."""
+             needs_calibration: bool = False, layout: Callable[[int, dict], LayerLayout] = same_width):
+    """Register `fn` under `name`; its keyword-only arguments beyond COMMON_ARGS are the method's schema;
+    `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared)."""
 
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
         if needs_calibration and "activations" not in inspect.signature(fn).parameters:
@@ -113,7 +133,7 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
             args[p.name] = _argument(name, p.name, hints[p.name], p.default)
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
-        METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves)
+        METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves, layout)
         return fn
 
     return wrap

@@ -38,13 +38,14 @@ import torch
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
 from .bounds import OneOf, Range
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerLayout, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}
 
 
 @register("spri", paper="Shan et al. 2026, SVD-Partitioned Residual Initialization (SPRI)",
-          preserves_function=lambda args, normalize_topk, dropless: args["rho"] == 0 and args["shared_expert"])
+          preserves_function=lambda args, normalize_topk, dropless: args["rho"] == 0 and args["shared_expert"],
+          layout=lambda width, args: LayerLayout(width, width if args["shared_expert"] else None))
 def spri(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
          rho: Annotated[float, Range(0)] = 1e-3, delta: Annotated[float, Range(0)] = 1e-12,
          placement: Annotated[str, OneOf(*PROJECTION)] = "down", shared_expert: bool = True,
