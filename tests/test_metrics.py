@@ -32,3 +32,20 @@ def test_known_cosines():
 def test_single_expert_has_no_pairs():
     experts = FFNWeights(w_up=torch.ones(1, 3, 2), w_down=torch.ones(1, 2, 3), activation="gelu")
     assert expert_similarity(experts) is None and diversity(experts) is None
+
+
+def test_similarity_is_the_same_computed_in_column_blocks(monkeypatch):
+    """The Gram matrix is accumulated a block of columns at a time (memory at real sizes); any block size gives
+    the same numbers, for contiguous experts and for the expanded views copy-upcycling returns."""
+    import upcycle.analysis.metrics as metrics
+    from upcycle.core.ffn import FFNWeights
+
+    g = torch.Generator().manual_seed(3)
+    experts = FFNWeights(w_up=torch.randn(4, 12, 5, generator=g), w_gate=torch.randn(4, 12, 5, generator=g),
+                         w_down=torch.randn(4, 5, 12, generator=g), activation="silu")
+    whole = (metrics.expert_similarity(experts), metrics.diversity(experts))
+    monkeypatch.setattr(metrics, "GRAM_COLUMNS", 7)
+    assert (metrics.expert_similarity(experts), metrics.diversity(experts)) == pytest.approx(whole, rel=1e-12)
+    one = experts.expert(0)
+    views = one.map(lambda t: t.unsqueeze(0).expand(3, *t.shape))
+    assert metrics.expert_similarity(views) == pytest.approx(1.0, abs=1e-12)

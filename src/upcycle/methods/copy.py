@@ -2,6 +2,8 @@
 
 Every expert is the dense FFN; only the router is new. With renormalized top-k weights (they sum to 1) and no
 capacity dropping, sum_k g_k E(x) = E(x): the MoE model computes exactly the dense model's function.
+The experts are returned as expanded views of the one dense FFN (no memory of their own): the MoE layer copies
+them into its own weights, so converting a layer never holds E float32 copies next to the layer.
 """
 
 from __future__ import annotations
@@ -17,5 +19,6 @@ from .registry import ExpertInit, random_router, register
 def copy(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
          router_std: float = 0.02) -> ExpertInit:
     """Every expert is a copy of the dense FFN; router ~ N(0, router_std^2)."""
-    return ExpertInit(experts=ffn.repeat(num_experts),
+    experts = ffn.map(lambda t: t.unsqueeze(0).expand(num_experts, *t.shape))
+    return ExpertInit(experts=experts,
                       router_ED=random_router(num_experts, ffn.hidden_size, router_std, generator))
