@@ -91,7 +91,8 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.conversion.loading import load_dense
     from upcycle.core.surgery import moe_layers
     from upcycle.data.text import wikipedia_split
-    from upcycle.train.objective import Regularized, train_step
+    from upcycle.train.objective import Regularized
+    from upcycle.train.step import train_step
 
     torch.manual_seed(0)
     model, tokenizer = load_dense("default")

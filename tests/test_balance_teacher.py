@@ -14,7 +14,8 @@ from upcycle.conversion.converter import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.train.balance import AuxFreeBalancer
-from upcycle.train.objective import Regularized, router_losses, train_step
+from upcycle.train.objective import Regularized, router_losses
+from upcycle.train.step import train_step
 from upcycle.train.teacher import EMATeacher, ensemble_output
 
 D, F, E = 16, 32, 8
@@ -129,7 +130,7 @@ def test_train_step_composes_every_regularizer():
     mask[0, 20:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
     teacher_before = [p.clone() for p in reg.teacher._teacher_params]
-    logs = [train_step(model, batch, opt, reg) for _ in range(3)]
+    logs = [train_step(model, batch, opt, reg).loss for _ in range(3)]
     for log in logs:
         assert set(log) == {"task", "load_balance", "z_loss", "limoe_local", "limoe_global", "dpsl", "eesd", "total"}
         assert all(math.isfinite(v) for v in log.values())

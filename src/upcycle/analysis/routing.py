@@ -3,6 +3,8 @@
   routing_entropy   mean_t H(g(x_t)), H in nats, g the router's softmax over the E experts (log E = uniform)
   router_load       fraction of token-slots per expert: #{(t, k): id_tk = e} / (T k); sums to 1
   load_cov          coefficient of variation std/mean of the loads (0 = perfectly balanced)
+  record_stats      entropy, load CoV and dropped token-slot fraction of one forward's routing record (the
+                    training log's per-layer line)
   top1_agreement    fraction of tokens whose top-1 expert is the given group (Cluster-aware Upcycling's
                     "router = clusters at init" property)
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.moe import MoELayer
+from ..core.moe import MoELayer, RoutingRecord
 from ..core.router import expert_counts, token_entropy
 
 
@@ -31,6 +33,22 @@ def router_load(ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Tensor | N
 def load_cov(load_E: list[float]) -> float:
     loads = torch.tensor(load_E, dtype=torch.float64)
     return float(loads.std(unbiased=False) / loads.mean()) if loads.mean() > 0 else 0.0
+
+
+@torch.no_grad()
+def record_stats(record: RoutingRecord | None) -> dict | None:
+    """Routing entropy (nats), load CoV over experts and dropped token-slot fraction of one forward (rounded to
+    5 digits: a log line)."""
+    if record is None:
+        return None
+    probs = record.probs_TE.detach()
+    load = router_load(record.topk_ids_TK, probs.shape[1], record.mask_T)
+    kept = record.kept_TK
+    if kept is not None and record.mask_T is not None:
+        kept = kept[record.mask_T]
+    dropped = 0.0 if kept is None else float(1.0 - kept.float().mean())
+    return {"entropy": round(routing_entropy(probs, record.mask_T), 5), "load_cov": round(load_cov(load), 5),
+            "dropped": round(dropped, 5)}
 
 
 def top1_agreement(ids_TK: torch.Tensor, groups_T: torch.Tensor) -> float:

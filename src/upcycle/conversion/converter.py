@@ -33,19 +33,31 @@ from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import save
 from .loading import DTYPES, dense_config, dense_weights, load_tokenizer
 from .preservation import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
+from .report import (
+    Allowance,
+    CalibrationSummary,
+    ConversionReport,
+    LayerCalibration,
+    LayerEntry,
+    ParameterCount,
+    Parameters,
+    Preservation,
+    RoutingAtInit,
+    Timings,
+)
 
 
 @dataclass
 class Conversion:
     model: nn.Module
     tokenizer: object | None
-    report: dict
+    report: ConversionReport
 
 
 class PreservationError(UpcycleError):
     """The method promised the dense function and the converted model does not reproduce it."""
 
-    def __init__(self, message: str, report: dict):
+    def __init__(self, message: str, report: ConversionReport):
         super().__init__(message)
         self.report = report
 
@@ -146,7 +158,8 @@ def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | Non
 
 def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
                   text_source: str = "held-out text", calibration: list[dict] | None = None,
-                  calibration_source: str = "batches", progress: bool = True, phases: Phases | None = None) -> dict:
+                  calibration_source: str = "batches", progress: bool = True, phases: Phases | None = None,
+                  ) -> ConversionReport:
     """Convert `model` in place as `cfg` says and return the report (see module docstring for the steps).
 
     `calibration`: model-input batches (e.g. from `text_batches`) whose FFN inputs data-aware methods use;
@@ -158,14 +171,14 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     if method.needs_calibration and not calibration:
         raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, or JSONL "
                            f"with a \"text\" field); on the default model the embedded Wikipedia train split is used")
-    timings = {}
+    timings = Timings()
     bar = phases or Phases(3, progress)
 
     t = time.perf_counter()
-    before = count_parameters(model)
+    before = ParameterCount(**count_parameters(model))
     probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, text_source)
     dense_out = probe_output(model, probe)
-    timings["dense_probe"] = time.perf_counter() - t
+    timings.dense_probe = time.perf_counter() - t
     t = time.perf_counter()
     # a route scale other than 1 scales the routed output: no method's construction undoes it
     promised = (method.preserves(args, cfg.moe.normalize_topk, cfg.moe.capacity_factor_eval is None)
@@ -173,20 +186,19 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     blocks = [(model.get_submodule(target.path), tower_cfg(model, family, target)) for target in targets]
     noise = rounding_noise(model, probe, dense_out, blocks, family) if promised else None
     ffn_dtype = family.extract(*blocks[0]).w_up.dtype      # the conversion dtype, whose rounding the check allows
-    timings["rounding_noise"] = time.perf_counter() - t
+    timings.rounding_noise = time.perf_counter() - t
     bar("dense outputs recorded")
 
     t = time.perf_counter()
     layers, built = [], []
     stream = (capture_ffn_inputs(model, targets, calibration, budget=cfg.calibration.tokens, seed=cfg.seed,
                                  progress=progress) if calibration else None)
-    timings["calibration"] = 0.0
     for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
         activations, seen = None, None
         if stream is not None:   # the dense model's FFN inputs of this block (the next block is replayed later)
             tc = time.perf_counter()
             captured, activations, seen = next(stream)
-            timings["calibration"] += time.perf_counter() - tc
+            timings.calibration += time.perf_counter() - tc
             assert captured == target, (captured, target)
         block = model.get_submodule(target.path)
         tcfg = tower_cfg(model, family, target)
@@ -198,11 +210,11 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
                                    router_bias_E=init.router_bias_E, dtype=dense.w_up.dtype,
                                    output_dropout=family.output_dropout(tcfg))
         built.append((target, layer.train(block.training)))
-        entry = {"name": target.name, "block": target.path, **init.info,
-                 "expert_similarity": expert_similarity(init.experts), "diversity": diversity(init.experts)}
+        entry = LayerEntry(target.name, target.path, init.info, expert_similarity(init.experts),
+                           diversity(init.experts))
         if activations is not None:
-            entry |= {"calibration_tokens_seen": seen, "calibration_tokens_kept": activations.shape[0],
-                      **layer_routing_stats(layer, activations, init.token_clusters)}
+            entry.calibration = LayerCalibration(seen, activations.shape[0], RoutingAtInit(
+                **layer_routing_stats(layer, activations, init.token_clusters)))
         layers.append(entry)
         del activations, init
     if stream is not None:
@@ -211,41 +223,33 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     for target, layer in built:
         install(model, target.path, layer)
     track_padding_masks(model)
-    timings["upcycle"] = time.perf_counter() - t
+    timings.upcycle = time.perf_counter() - t
     bar(f"{len(targets)} layers upcycled")
 
     t = time.perf_counter()
     measured = compare(dense_out, probe_output(model, probe))
-    timings["check"] = time.perf_counter() - t
+    timings.check = time.perf_counter() - t
     bar("preservation checked")
 
     # the allowed difference follows from the rounding this depth, logit scale and dtype show (checks module)
     allowed = (preservation_tolerance(measured["output_scale"], noise, ffn_dtype, cfg.check)
                if promised else None)
     passed = promised and measured["max_abs_logit_diff"] <= allowed["allowed_max_abs_logit_diff"]
-    report = {
-        "upcycle_version": __version__, "method": method.name, "paper": method.paper, "method_args": args,
-        "source_model": cfg.model, "model_class": type(model).__name__, "model_type": model.config.model_type,
-        "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
-        "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe": to_dict(cfg.moe),
-        "parameters": {"before": before, "after": count_parameters(model)},
-        "max_abs_logit_diff": measured["max_abs_logit_diff"], "kl_to_dense": measured["kl_to_dense"],
-        "preservation": {"promised": promised, "tolerance": cfg.check.tolerance,
-                         "relative_logit_diff": measured["relative_logit_diff"],
-                         "relative_tolerance": cfg.check.relative_tolerance,
-                         "passed": passed if promised else None, **(allowed or {}),
-                         "compared_output": measured["compared_output"],
-                         "compared_rows": measured["compared_rows"], "probe_source": probe.source,
-                         "probe_shape": list(probe.inputs["input_ids"].shape) if "input_ids" in probe.inputs
-                         else list(probe.inputs["pixel_values"].shape)},
-        # scales a method folded into the expert weights (METHODS §2.8), per layer
-        "folded_scales": [{"layer": layer["name"], "scale": layer["folded_scale"]} for layer in layers
-                          if "folded_scale" in layer],
-        "calibration": None if not calibration else {
-            "source": calibration_source, "batches": len(calibration), "real_tokens": real_tokens(calibration),
-            "budget_per_layer": cfg.calibration.tokens},
-        "layers": layers, "seed": cfg.seed, "dtype": cfg.dtype, "timings_s": timings,
-    }
+    shape = probe.inputs["input_ids"].shape if "input_ids" in probe.inputs else probe.inputs["pixel_values"].shape
+    preservation = Preservation(
+        promised=promised, tolerance=cfg.check.tolerance, relative_logit_diff=measured["relative_logit_diff"],
+        relative_tolerance=cfg.check.relative_tolerance, passed=passed if promised else None,
+        allowance=Allowance(**allowed) if allowed else None, compared_output=measured["compared_output"],
+        compared_rows=measured["compared_rows"], probe_source=probe.source, probe_shape=list(shape))
+    report = ConversionReport(
+        upcycle_version=__version__, method=method.name, paper=method.paper, method_args=args,
+        source_model=cfg.model, model_class=type(model).__name__, model_type=model.config.model_type,
+        moe_layers=[t.name for t in targets], moe=cfg.moe,
+        parameters=Parameters(before, ParameterCount(**count_parameters(model))),
+        max_abs_logit_diff=measured["max_abs_logit_diff"], kl_to_dense=measured["kl_to_dense"],
+        preservation=preservation, calibration=None if not calibration else CalibrationSummary(
+            calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
+        layers=layers, seed=cfg.seed, dtype=cfg.dtype, timings=timings)
     if promised and not passed:
         raise PreservationError(
             f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
@@ -285,15 +289,15 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
                            calibration=calibration, calibration_source=calibration_source, progress=progress,
                            phases=phases)
-    report["timings_s"] = {"load": load_s, **report["timings_s"]}
+    report.timings.load = load_s
     if out is not None:
         t = time.perf_counter()
         with atomic_directory(out, overwrite=overwrite) as tmp:
             probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source)
-            report["export"] = write_output(model, tmp, cfg, tokenizer, probe.inputs)
+            report.export = write_output(model, tmp, cfg, tokenizer, probe.inputs)
             (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
-            report["timings_s"]["write"] = time.perf_counter() - t
-            (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))   # last file written
+            report.timings.write = time.perf_counter() - t
+            (tmp / "upcycle_report.json").write_text(json.dumps(report.to_dict(), indent=2))   # last file written
         phases(f"written to {out}")
     phases.close()
     return Conversion(model, tokenizer, report)

@@ -1,11 +1,11 @@
-"""The training objective: task loss + weighted router regularizers + EESD, and one `train_step`.
+"""The training objective: task loss + weighted router regularizers + EESD.
 
     L = L_task + sum_r lambda_r mean_layers L_r(routing record of the layer) + lambda_EESD L_EESD
 
 Router losses are read from each MoE layer's `last_record` (DESIGN principle 3: no model forward is
 rewritten); coefficients come from `RegularizerConfig` (METHODS §3 gives each paper's values). The stateful
-parts, the EMA teacher (EESD) and the aux-free selection bias, are updated after the optimizer step. This is the
-composition the trainer builds on; `upcycle train` adds data, schedules, accumulation and checkpoints.
+parts, the EMA teacher (EESD) and the aux-free selection bias, are updated after the optimizer step
+(`after_optimizer_step`). The one training step that uses this objective is `upcycle.train.step.train_step`.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Ten
 
 def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored."""
-    labels = batch.get("labels")
-    if labels is None:
-        labels = batch["input_ids"].masked_fill(batch.get("attention_mask", 1) == 0, -100)
+    labels, mask = batch.get("labels"), batch.get("attention_mask")
+    if labels is None:      # a batch without a mask is all real tokens
+        labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     return model(**inputs, labels=labels).loss
 
@@ -116,16 +116,3 @@ class Regularized:
             self.teacher.update()
         if self.balancer is not None:
             self.balancer.step()
-
-
-def train_step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer, reg: Regularized, *,
-               task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss,
-               groups: torch.Tensor | None = None) -> dict[str, float]:
-    """One forward/backward/optimizer step of task loss + regularizers; returns each term's value."""
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    total, logged = reg.loss(task_loss(model, batch), groups=groups)
-    total.backward()
-    optimizer.step()
-    reg.after_optimizer_step()
-    return logged

@@ -1,11 +1,11 @@
 """`upcycle train`: the one explicit training loop (DESIGN principle 9), on Hugging Face Accelerate.
 
-    for step in steps:                                   # the global batch of a step depends on (seed, step) only
-        for micro-batch of this process:                 # batch_size = micro x processes x grad_accum
-            loss = task loss + sum_r lambda_r L_r + lambda_EESD L_EESD      (objective.Regularized)
-            backward(loss / grad_accum)                  # DDP averages over processes
-        freeze rules -> clip -> AdamW -> restore frozen rows -> LR schedule -> EMA teacher, aux-free bias
-        log one JSONL line; checkpoint every N steps (atomically); stop cleanly on Ctrl-C
+    train():  validate -> Accelerator -> check OUT, the checkpoint to resume, the model, the data -> run folder
+    _Training: set-up (optimizer, schedule, freezing, regularizers, resume) -> evaluate -> loop -> finish
+        for step in steps:             # the global batch of a step depends on (seed, step) only
+            one_step: this process's micro-batches -> `upcycle.train.step.train_step` -> one JSONL log line
+            checkpoint every N steps (atomically); evaluate every M steps; stop cleanly on Ctrl-C
+        finish: last checkpoint, last evaluation, OUT/model
 
 The optimizer is AdamW with fresh state (CLIP-UP: optimizer state is re-initialized after upcycling), linear
 warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes (DDP; sharded
@@ -22,7 +22,6 @@ folder for MoE models, a plain transformers folder for dense ones)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -35,10 +34,11 @@ import torch
 import yaml
 from torch import nn
 
+from ..analysis.routing import record_stats
 from ..config import TrainConfig, to_dict
 from ..conversion.io import save
 from ..conversion.loading import load_model
-from ..core.moe import RoutingRecord, moe_layers
+from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..files import atomic_directory
 from . import checkpoint
@@ -55,6 +55,7 @@ from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config:
     resume_point,
     saved_config,
 )
+from .step import StepResult, any_process, train_step
 from .tasks import TASKS, make_task
 
 
@@ -146,21 +147,236 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def _layer_stats(record: RoutingRecord | None) -> dict | None:
-    """Routing entropy (nats), load CoV over experts and dropped token-slot fraction of one forward."""
-    if record is None:
-        return None
-    from ..analysis.routing import load_cov, router_load, routing_entropy
+def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> dict:
+    """Run (or resume) the training run in `out`; returns a summary. `stop_after` ends the run early at that
+    step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
+    new run replace an existing OUT, only once the new run holds a checkpoint."""
+    from accelerate.utils import set_seed
 
-    with torch.no_grad():
-        probs = record.probs_TE.detach()
-        load = router_load(record.topk_ids_TK, probs.shape[1], record.mask_T)
-        kept = record.kept_TK
-        if kept is not None and record.mask_T is not None:
-            kept = kept[record.mask_T]
-        dropped = 0.0 if kept is None else float(1.0 - kept.float().mean())
-        return {"entropy": round(routing_entropy(probs, record.mask_T), 5), "load_cov": round(load_cov(load), 5),
-                "dropped": round(dropped, 5)}
+    validate(cfg)
+    if resume and overwrite:
+        raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
+    out = Path(out).expanduser()
+    accelerator = _accelerator(cfg)
+    # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
+    resume_from = resume_point(cfg, out, accelerator.num_processes) if resume else None
+    if not resume:
+        check_fresh_out(cfg, out, overwrite)
+    set_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model)
+    model.train()
+    task = make_task(cfg, model, tokenizer)
+    accelerator.wait_for_everyone()
+    run = RunFolder(out, accelerator, resume=resume)
+    try:
+        return _Training(cfg, run, accelerator, model, tokenizer, task, resume_from).run(stop_after, progress)
+    except KeyboardInterrupt:
+        run.discard()
+        raise KeyboardInterrupt(f"aborted; {run.state()}") from None
+    except TrainingStopped as e:
+        run.discard()
+        raise TrainingStopped(f"{e}; {run.state()}") from None
+    except BaseException:
+        run.discard()
+        raise
+
+
+def _accelerator(cfg: TrainConfig):
+    """The run's Accelerator, refused for sharded engines and for a batch that does not split evenly."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Accelerate keeps one state per process: without a reset, a second run in the same Python process with
+        # another mixed_precision is refused. Under `accelerate launch` (WORLD_SIZE > 1) the launcher's state stays.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
+    # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
+    accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    world = accelerator.num_processes
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        # upcycle.train.checkpoint writes the full model and optimizer state from one process (exact under DDP); a
+        # sharded engine would need its shards gathered, which is not built yet, and a checkpoint that resumes
+        # wrong is worse than none
+        raise UpcycleError(f"`upcycle train` checkpoints are built for single-process and DDP runs; "
+                           f"{accelerator.distributed_type.name} is not supported yet")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
+                           f"{world} x {cfg.grad_accum}")
+    return accelerator
+
+
+class _Training:
+    """One run from set-up to finish; each method is one phase of `train`, in the order they run."""
+
+    def __init__(self, cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokenizer, task,
+                 resume_from: Path | None) -> None:
+        """Set-up: run config, freezing rules, regularizers, optimizer and schedule, the checkpoint to resume."""
+        self.cfg, self.folder, self.acc, self.tokenizer, self.task = cfg, run, accelerator, tokenizer, task
+        self.is_main, self.world = accelerator.is_main_process, accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.micro = cfg.batch_size // (self.world * cfg.grad_accum)
+        if self.is_main and resume_from is None:
+            (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
+        self.reg = Regularized(model, cfg.regularizers)
+        optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.inner = accelerator.unwrap_model(self.model)
+        self.state = {"step": 0, "tokens": 0}
+        if resume_from is not None:
+            self.state = checkpoint.load(resume_from, model=self.inner, optimizer=self.optimizer,
+                                         scheduler=self.scheduler, rank=self.rank, device=accelerator.device,
+                                         teacher=self.reg.teacher)
+        self.layers = moe_layers(self.inner)   # upcycle's own MoE layers (none for a dense or a stock MoE model)
+        self.router_steps = round(cfg.regularizers.router_until * cfg.steps)
+        self.skipped = 0
+        self.log = self._open_log(resumed=resume_from is not None)
+
+    def _open_log(self, *, resumed: bool):
+        """The log, open for appending (main process); a resumed run first drops what came after its checkpoint."""
+        log_path = self.folder.path / LOG
+        if self.is_main and resumed:
+            for stale in (self.folder.path / CHECKPOINTS).glob(".step-*.tmp"):   # a checkpoint write cut off by a crash
+                shutil.rmtree(stale, ignore_errors=True)
+            if log_path.exists():      # drop lines written after the checkpoint we resume from, and torn lines
+                log_path.write_text("".join(line + "\n" for line in read_log(log_path, self.state["step"])))
+        return log_path.open("a") if self.is_main else None
+
+    def run(self, stop_after: int | None, progress: bool) -> dict:
+        """Evaluate the starting model, train to the end (or to `stop_after`, or a stop request), finish."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        first_eval = self.evaluate(0) if self.state["step"] == 0 else None
+        self.bar = tqdm(total=cfg.steps, initial=self.state["step"], disable=not (progress and self.is_main),
+                        desc="train", unit="step")
+        interrupted = self.loop(end)
+        self.bar.close()
+        return self.finish(first_eval, interrupted)
+
+    def loop(self, end: int) -> bool:
+        """Steps up to `end`, with checkpoints and evaluations on their schedules; True if stopped by a signal."""
+        cfg = self.cfg
+        with StopFlag() as stop:
+            for step in range(self.state["step"], end):
+                if not self.one_step(step):
+                    continue       # a skipped step: no stop check, checkpoint or evaluation after it
+                done = self.state["step"]
+                if any_process(self.acc, stop.requested) and done < end:   # every process stops at the same step
+                    return True
+                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < end:
+                    self.save_checkpoint(done)
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                    self.evaluate(done)
+        return False
+
+    def one_step(self, step: int) -> bool:
+        """Step `step` (0-based) on this process's share of its global batch, logged; False if it was skipped."""
+        cfg, micro = self.cfg, self.micro
+        started = time.perf_counter()
+        share = micro * cfg.grad_accum
+        mine = {k: v[self.rank * share:(self.rank + 1) * share] for k, v in self.task.train.batch(step).items()}
+        batches = [{k: v[m * micro:(m + 1) * micro] for k, v in mine.items()} for m in range(cfg.grad_accum)]
+        result = train_step(self.model, batches, self.optimizer, self.reg, task_loss=self.task.loss,
+                            tokens=self.task.tokens, accelerator=self.acc, scheduler=self.scheduler,
+                            freezer=self.freezer, step=step, clip_grad=cfg.clip_grad, router=step < self.router_steps)
+        if result.skipped is not None:
+            self.skip(step, result)
+            return False
+        self.state["step"], self.state["tokens"] = step + 1, self.state["tokens"] + result.tokens
+        seconds = time.perf_counter() - started
+        self.write({"step": step + 1, "lr": result.lr, "loss": result.loss, "tokens": result.tokens,
+                    "tokens_per_s": result.tokens / seconds, "seconds": round(seconds, 4),
+                    "grad_norm": result.grad_norm, "frozen_rules": self.freezer.active_rules(step),
+                    "layers": {name: record_stats(record) for name, record in self.reg.records().items()}})
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{result.loss['total']:.4f}", tok_s=f"{result.tokens / seconds:,.0f}")
+        return True
+
+    def skip(self, step: int, result: StepResult) -> None:
+        """A step that did not update the weights: stop the run, or log it and go on (on_nonfinite: skip)."""
+        cfg = self.cfg
+        if cfg.on_nonfinite == "stop" or self.skipped >= cfg.max_skipped_steps:
+            raise TrainingStopped(
+                f"step {step + 1}: {result.skipped}; training diverged and the run stopped without updating the "
+                "weights" + ("" if cfg.on_nonfinite == "stop" else f" ({self.skipped} steps were already skipped)")
+                + ". Lower the learning rate, or set on_nonfinite: skip to skip such steps")
+        self.skipped += 1
+        self.state["step"] = step + 1
+        self.write({"step": step + 1, "lr": result.lr, "skipped": result.skipped})
+        self.bar.update(1)
+
+    def write(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+    def evaluate(self, step: int) -> dict | None:
+        result = self.task.evaluate(self.inner) if self.is_main else None
+        self.acc.wait_for_everyone()
+        if result is not None:
+            self.write({"step": step, "eval": result})
+        return result
+
+    def save_checkpoint(self, step: int) -> None:
+        """Every process's RNG, then the main process's state, into a temporary folder renamed when complete."""
+        folder = self.folder.path / CHECKPOINTS
+        tmp = folder / f".step-{step:07d}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        checkpoint.save_rng(tmp, self.rank)
+        if self.is_main:
+            checkpoint.save_main(tmp, model=self.inner, optimizer=self.optimizer, scheduler=self.scheduler,
+                                 step=step, tokens=self.state["tokens"], teacher=self.reg.teacher)
+        self.acc.wait_for_everyone()
+        if self.is_main:
+            checkpoint.write_manifest(tmp, step=step, processes=self.world)
+            final = folder / f"step-{step:07d}"
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoints(self.folder.path)[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.folder.committed()
+
+    def finish(self, first_eval: dict | None, interrupted: bool) -> dict:
+        """The last checkpoint; at the schedule's end, the last evaluation and the final model; the summary."""
+        step = self.state["step"]
+        if not _finite_parameters(self.inner):
+            raise TrainingStopped(f"step {step}: the weights are no longer finite; nothing of this state is kept")
+        self.save_checkpoint(step)
+        summary = {"step": step, "steps": self.cfg.steps, "tokens": self.state["tokens"], "interrupted": interrupted,
+                   "skipped_steps": self.skipped,
+                   "checkpoint": str(checkpoints(self.folder.path)[-1]) if self.is_main else None}
+        if step >= self.cfg.steps:
+            summary["eval_before"] = first_eval
+            summary["eval_after"] = self.evaluate(step)
+            if self.is_main:
+                self.save_model()
+                summary["model"] = str(self.folder.path / "model")
+        self.acc.wait_for_everyone()
+        if self.log is not None:
+            self.log.close()
+        self.acc.end_training()
+        return summary
+
+    def save_model(self) -> None:
+        """OUT/model: an upcycle folder for a model with upcycle's MoE layers, else a plain transformers folder."""
+        with atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
+            if self.layers:
+                save(self.inner, tmp, tokenizer=self.tokenizer)
+            else:
+                self.inner.save_pretrained(tmp)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(tmp)
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -184,240 +400,3 @@ def _mixed_precision(choice: str) -> str:
 
 def _finite_parameters(model: nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> dict:
-    """Run (or resume) the training run in `out`; returns a summary. `stop_after` ends the run early at that
-    step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
-    new run replace an existing OUT, only once the new run holds a checkpoint."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
-
-    validate(cfg)
-    if resume and overwrite:
-        raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
-    out = Path(out).expanduser()
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # Accelerate keeps one state per process: without a reset, a second run in the same Python process with
-        # another mixed_precision is refused. Under `accelerate launch` (WORLD_SIZE > 1) the launcher's state stays.
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
-    # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
-    accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
-    world = accelerator.num_processes
-    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        # upcycle.train.checkpoint writes the full model and optimizer state from one process (exact under DDP); a
-        # sharded engine would need its shards gathered, which is not built yet, and a checkpoint that resumes
-        # wrong is worse than none
-        raise UpcycleError(f"`upcycle train` checkpoints are built for single-process and DDP runs; "
-                           f"{accelerator.distributed_type.name} is not supported yet")
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
-                           f"{world} x {cfg.grad_accum}")
-    # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
-    resume_from = resume_point(cfg, out, world) if resume else None
-    if not resume:
-        check_fresh_out(cfg, out, overwrite)
-    set_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.model)
-    model.train()
-    task = make_task(cfg, model, tokenizer)
-    accelerator.wait_for_everyone()
-    run = RunFolder(out, accelerator, resume=resume)
-    try:
-        return _run(cfg, run, accelerator, model, tokenizer, task, resume_from, stop_after, progress)
-    except KeyboardInterrupt:
-        run.discard()
-        raise KeyboardInterrupt(f"aborted; {run.state()}") from None
-    except TrainingStopped as e:
-        run.discard()
-        raise TrainingStopped(f"{e}; {run.state()}") from None
-    except BaseException:
-        run.discard()
-        raise
-
-
-def _run(cfg: TrainConfig, run: RunFolder, accelerator, model: nn.Module, tokenizer, task,
-         resume_from: Path | None, stop_after: int | None, progress: bool) -> dict:
-    from tqdm.auto import tqdm
-
-    is_main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
-    micro = cfg.batch_size // (world * cfg.grad_accum)
-    if is_main and resume_from is None:
-        (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-    reg = Regularized(model, cfg.regularizers)
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    model, optimizer = accelerator.prepare(model, optimizer)
-    inner = accelerator.unwrap_model(model)
-    state = {"step": 0, "tokens": 0}
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, model=inner, optimizer=optimizer, scheduler=scheduler, rank=rank,
-                                device=accelerator.device, teacher=reg.teacher)
-    layers = moe_layers(inner)      # upcycle's own MoE layers (none for a dense or a stock MoE model)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    router_steps = round(cfg.regularizers.router_until * cfg.steps)
-
-    log_path = run.path / LOG
-    if is_main and resume_from is not None:
-        for stale in (run.path / CHECKPOINTS).glob(".step-*.tmp"):      # a checkpoint write cut off by a crash
-            shutil.rmtree(stale, ignore_errors=True)
-        if log_path.exists():      # drop lines written after the checkpoint we resume from, and torn lines
-            log_path.write_text("".join(line + "\n" for line in read_log(log_path, state["step"])))
-    log = log_path.open("a") if is_main else None
-
-    def write(record: dict) -> None:
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-    def evaluate(step: int) -> dict | None:
-        result = task.evaluate(inner) if is_main else None
-        accelerator.wait_for_everyone()
-        if result is not None:
-            write({"step": step, "eval": result})
-        return result
-
-    def save_checkpoint(step: int) -> None:
-        folder = run.path / CHECKPOINTS
-        tmp = folder / f".step-{step:07d}.tmp"
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        checkpoint.save_rng(tmp, rank)
-        if is_main:
-            checkpoint.save_main(tmp, model=inner, optimizer=optimizer, scheduler=scheduler, step=step,
-                                 tokens=state["tokens"], teacher=reg.teacher)
-        accelerator.wait_for_everyone()
-        if is_main:
-            checkpoint.write_manifest(tmp, step=step, processes=world)
-            final = folder / f"step-{step:07d}"
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in checkpoints(run.path)[:-cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        run.committed()
-
-    def any_process(flag: bool) -> bool:
-        """Whether `flag` holds on any process (all processes must take the same branch)."""
-        value = torch.tensor([float(flag)], device=accelerator.device)
-        if world > 1:
-            value = accelerator.reduce(value, reduction="max")
-        return value.item() > 0
-
-    def nonfinite(sums: dict[str, float], grad_norm) -> str | None:
-        """Why this step must not update the weights (NaN/inf loss or gradient), agreed by every process."""
-        bad = [f"{k} loss {v}" for k, v in sums.items() if not math.isfinite(v)]
-        if grad_norm is not None and not math.isfinite(float(grad_norm)):
-            bad.append(f"gradient norm {float(grad_norm)}")
-        return (", ".join(bad) or "non-finite values on another process") if any_process(bool(bad)) else None
-
-    first_eval = evaluate(0) if state["step"] == 0 else None
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not (progress and is_main), desc="train",
-               unit="step")
-    interrupted, skipped = False, 0
-    with StopFlag() as stop:
-        for step in range(state["step"], end):
-            started = time.perf_counter()
-            global_batch = task.train.batch(step)
-            mine = {k: v[rank * micro * cfg.grad_accum:(rank + 1) * micro * cfg.grad_accum]
-                    for k, v in global_batch.items()}
-            sums: dict[str, float] = {}
-            tokens = 0
-            for m in range(cfg.grad_accum):
-                batch = {k: v[m * micro:(m + 1) * micro].to(accelerator.device) for k, v in mine.items()}
-                sync = contextlib.nullcontext() if m == cfg.grad_accum - 1 else accelerator.no_sync(model)
-                with sync, accelerator.autocast():
-                    total, logged = reg.loss(task.loss(model, batch), router=step < router_steps)
-                    accelerator.backward(total / cfg.grad_accum)
-                for k, v in logged.items():
-                    sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
-                tokens += task.tokens(batch)
-            freezer.before_step(step)
-            trainable = [p for p in model.parameters() if p.grad is not None]
-            # max_norm inf measures the norm without clipping, so a NaN gradient is seen with clipping off too
-            grad_norm = accelerator.clip_grad_norm_(trainable, cfg.clip_grad or math.inf) if trainable else None
-            lr = scheduler.get_last_lr()[0]
-            why = nonfinite(sums, grad_norm)
-            if why is not None:
-                optimizer.zero_grad(set_to_none=True)
-                freezer.after_step()
-                if cfg.on_nonfinite == "stop" or skipped >= cfg.max_skipped_steps:
-                    raise TrainingStopped(
-                        f"step {step + 1}: {why}; training diverged and the run stopped without updating the weights"
-                        + ("" if cfg.on_nonfinite == "stop" else f" ({skipped} steps were already skipped)")
-                        + ". Lower the learning rate, or set on_nonfinite: skip to skip such steps")
-                skipped += 1
-                if reg.balancer is not None:
-                    for counts in reg.balancer.counts.values():
-                        counts.zero_()
-                scheduler.step()
-                state["step"] = step + 1
-                write({"step": step + 1, "lr": lr, "skipped": why})
-                bar.update(1)
-                continue
-            optimizer.step()
-            freezer.after_step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if reg.balancer is not None and world > 1:   # every process moves the biases by the global load
-                for counts in reg.balancer.counts.values():
-                    counts.copy_(accelerator.reduce(counts, reduction="sum"))
-            reg.after_optimizer_step()
-
-            names = sorted(sums)
-            values = torch.tensor([sums[k] for k in names] + [float(tokens)], device=accelerator.device,
-                                  dtype=torch.float64)
-            if world > 1:
-                values = accelerator.reduce(values, reduction="sum")
-                values[:-1] /= world
-            loss_terms = {k: float(v) for k, v in zip(names, values[:-1].tolist(), strict=True)}
-            tokens = int(values[-1])
-            state["step"], state["tokens"] = step + 1, state["tokens"] + tokens
-            seconds = time.perf_counter() - started
-            write({"step": step + 1, "lr": lr, "loss": loss_terms, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                   "seconds": round(seconds, 4),
-                   "grad_norm": None if grad_norm is None else float(grad_norm),
-                   "frozen_rules": freezer.active_rules(step),
-                   "layers": {name: _layer_stats(record) for name, record in reg.records().items()}})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_terms['total']:.4f}", tok_s=f"{tokens / seconds:,.0f}")
-
-            if any_process(stop.requested) and state["step"] < end:     # every process stops at the same step
-                interrupted = True
-                break
-            if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0 and state["step"] < end:
-                save_checkpoint(state["step"])
-            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < cfg.steps:
-                evaluate(state["step"])
-    bar.close()
-
-    if not _finite_parameters(inner):
-        raise TrainingStopped(f"step {state['step']}: the weights are no longer finite; nothing of this state is kept")
-    save_checkpoint(state["step"])
-    summary = {"step": state["step"], "steps": cfg.steps, "tokens": state["tokens"], "interrupted": interrupted,
-               "skipped_steps": skipped, "checkpoint": str(checkpoints(run.path)[-1]) if is_main else None}
-    if state["step"] >= cfg.steps:
-        summary["eval_before"] = first_eval
-        summary["eval_after"] = evaluate(state["step"])
-        if is_main:
-            with atomic_directory(run.path / "model", overwrite=True) as tmp:
-                if layers:
-                    save(inner, tmp, tokenizer=tokenizer)
-                else:
-                    inner.save_pretrained(tmp)
-                    if tokenizer is not None:
-                        tokenizer.save_pretrained(tmp)
-            summary["model"] = str(run.path / "model")
-    accelerator.wait_for_everyone()
-    if log is not None:
-        log.close()
-    accelerator.end_training()
-    return summary

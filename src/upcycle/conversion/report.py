@@ -1,0 +1,194 @@
+"""The conversion report (`upcycle_report.json`; README "Quickstart"), typed, written as the JSON it always was.
+
+    ConversionReport      what was converted, how, and what the conversion measured
+      parameters          Parameters: ParameterCount before and after (total, active per token)
+      preservation        Preservation: the check's settings and result, its Allowance when the method promised
+      layers              [LayerEntry]: the method's facts per layer, expert similarity, LayerCalibration
+      calibration         CalibrationSummary, or None without calibration data
+      timings             Timings: seconds per phase
+
+`to_dict()` gives the JSON: the same keys in the same order with the same values as before the report was
+typed (derived keys such as `num_moe_layers` and `folded_scales` are computed there). `report["key"]` reads
+that JSON form, so code that reads the report as a mapping keeps working; attributes are the typed form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ..config import MoEConfig, to_dict
+
+
+@dataclass
+class ParameterCount:
+    total: int                  # shared tensors counted once
+    active_per_token: int       # k of E routed experts
+
+
+@dataclass
+class Parameters:
+    before: ParameterCount
+    after: ParameterCount
+
+    def to_dict(self) -> dict:
+        return {"before": vars(self.before).copy(), "after": vars(self.after).copy()}
+
+
+@dataclass
+class Allowance:
+    """The allowed max |difference| and its parts (`preservation.preservation_tolerance`, in its order)."""
+
+    allowed_max_abs_logit_diff: float
+    rounding_noise: float
+    noise_factor: float
+    calibrated_tolerance: float
+    ulp_floor: float
+    output_scale: float
+    user_tolerance: float
+
+
+@dataclass
+class Preservation:
+    promised: bool              # the method (with these MoE options) promises the dense function
+    tolerance: float
+    relative_logit_diff: float
+    relative_tolerance: float
+    passed: bool | None         # None when nothing was promised
+    allowance: Allowance | None  # None when nothing was promised
+    compared_output: str
+    compared_rows: int
+    probe_source: str
+    probe_shape: list[int]
+
+    def to_dict(self) -> dict:
+        return {"promised": self.promised, "tolerance": self.tolerance,
+                "relative_logit_diff": self.relative_logit_diff, "relative_tolerance": self.relative_tolerance,
+                "passed": self.passed, **(vars(self.allowance) if self.allowance is not None else {}),
+                "compared_output": self.compared_output, "compared_rows": self.compared_rows,
+                "probe_source": self.probe_source, "probe_shape": list(self.probe_shape)}
+
+
+@dataclass
+class RoutingAtInit:
+    """How a layer's router splits the calibration tokens at init (`analysis.routing.layer_routing_stats`)."""
+
+    router_load: list[float]
+    router_load_cov: float
+    routing_entropy: float
+    router_cluster_agreement: float | None = None    # only for methods that cluster the tokens
+
+    def to_dict(self) -> dict:
+        out = {"router_load": self.router_load, "router_load_cov": self.router_load_cov,
+               "routing_entropy": self.routing_entropy}
+        if self.router_cluster_agreement is not None:
+            out["router_cluster_agreement"] = self.router_cluster_agreement
+        return out
+
+
+@dataclass
+class LayerCalibration:
+    tokens_seen: int
+    tokens_kept: int
+    routing: RoutingAtInit
+
+
+@dataclass
+class LayerEntry:
+    name: str                   # e.g. text.3
+    block: str                  # the block's module path
+    method_facts: dict          # what the method reports for this layer (its `ExpertInit.info`)
+    expert_similarity: float
+    diversity: float
+    calibration: LayerCalibration | None = None
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name, "block": self.block, **self.method_facts,
+               "expert_similarity": self.expert_similarity, "diversity": self.diversity}
+        if self.calibration is not None:
+            c = self.calibration
+            out |= {"calibration_tokens_seen": c.tokens_seen, "calibration_tokens_kept": c.tokens_kept,
+                    **c.routing.to_dict()}
+        return out
+
+
+@dataclass
+class CalibrationSummary:
+    source: str
+    batches: int
+    real_tokens: int
+    budget_per_layer: int
+
+
+@dataclass
+class Timings:
+    """Seconds per phase; `load` and `write` only when `convert` loaded and wrote the model."""
+
+    dense_probe: float = 0.0
+    rounding_noise: float = 0.0
+    calibration: float = 0.0
+    upcycle: float = 0.0
+    check: float = 0.0
+    load: float | None = None
+    write: float | None = None
+
+    def to_dict(self) -> dict:
+        out = {} if self.load is None else {"load": self.load}
+        out |= {"dense_probe": self.dense_probe, "rounding_noise": self.rounding_noise,
+                "calibration": self.calibration, "upcycle": self.upcycle, "check": self.check}
+        if self.write is not None:
+            out["write"] = self.write
+        return out
+
+
+@dataclass(eq=False)
+class ConversionReport(Mapping):
+    upcycle_version: str
+    method: str
+    paper: str
+    method_args: dict
+    source_model: str
+    model_class: str
+    model_type: str
+    moe_layers: list[str]
+    moe: MoEConfig
+    parameters: Parameters
+    max_abs_logit_diff: float
+    kl_to_dense: float | None
+    preservation: Preservation
+    calibration: CalibrationSummary | None
+    layers: list[LayerEntry]
+    seed: int
+    dtype: str
+    timings: Timings = field(default_factory=Timings)
+    export: dict | None = None  # what was written (`converter.write_output`); None until written
+
+    def folded_scales(self) -> list[dict]:
+        """Scales a method folded into the expert weights (METHODS §2.8), per layer."""
+        return [{"layer": layer.name, "scale": layer.method_facts["folded_scale"]} for layer in self.layers
+                if "folded_scale" in layer.method_facts]
+
+    def to_dict(self) -> dict:
+        out = {"upcycle_version": self.upcycle_version, "method": self.method, "paper": self.paper,
+               "method_args": self.method_args, "source_model": self.source_model, "model_class": self.model_class,
+               "model_type": self.model_type, "num_moe_layers": len(self.moe_layers),
+               "moe_layers": list(self.moe_layers), "num_experts": self.moe.num_experts, "top_k": self.moe.top_k,
+               "moe": to_dict(self.moe), "parameters": self.parameters.to_dict(),
+               "max_abs_logit_diff": self.max_abs_logit_diff, "kl_to_dense": self.kl_to_dense,
+               "preservation": self.preservation.to_dict(), "folded_scales": self.folded_scales(),
+               "calibration": None if self.calibration is None else vars(self.calibration).copy(),
+               "layers": [layer.to_dict() for layer in self.layers], "seed": self.seed, "dtype": self.dtype,
+               "timings_s": self.timings.to_dict()}
+        if self.export is not None:
+            out["export"] = self.export
+        return out
+
+    # The JSON form as a read-only mapping (report["preservation"]["passed"], as before the report was typed).
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
