@@ -91,7 +91,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.conversion.loading import load_dense
     from upcycle.core.surgery import moe_layers
     from upcycle.data.text import wikipedia_split
-    from upcycle.train.objective import Regularized
+    from upcycle.train.objective import Objective
     from upcycle.train.step import train_step
 
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     reg_cfg = {"plain": RegularizerConfig(),
                "eesd": RegularizerConfig(eesd=1.0),
                "eesd_uncertain": RegularizerConfig(eesd=1.0, eesd_uncertain_fraction=0.25)}[mode]
-    reg = Regularized(model, reg_cfg)
+    reg = Objective(model, reg_cfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     clock = {"teacher": 0.0, "moe_forward": 0.0}

@@ -14,7 +14,7 @@ from upcycle.conversion.converter import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.train.balance import AuxFreeBalancer
-from upcycle.train.objective import Regularized, router_losses
+from upcycle.train.objective import Objective, router_losses
 from upcycle.train.step import train_step
 from upcycle.train.teacher import EMATeacher, ensemble_output
 
@@ -122,7 +122,7 @@ def test_train_step_composes_every_regularizer():
     model = tiny_moe()
     cfg = RegularizerConfig(load_balance=0.01, z_loss=0.001, limoe_local=0.01, limoe_global=0.01, limoe_m=3,
                             dpsl=0.01, dpsl_alpha=1.0, eesd=1.0, eesd_beta=0.9, aux_free_rate=1e-3)
-    reg = Regularized(model, cfg)
+    reg = Objective(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (4, 32), generator=g)

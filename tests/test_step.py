@@ -13,7 +13,7 @@ import upcycle
 import upcycle.train.trainer as trainer
 from upcycle.config import RegularizerConfig, TrainConfig
 from upcycle.conversion.loading import load_tokenizer
-from upcycle.train.objective import Regularized, causal_lm_loss
+from upcycle.train.objective import Objective, causal_lm_loss
 from upcycle.train.step import train_step
 from upcycle.train.tasks import make_task
 
@@ -37,7 +37,7 @@ def test_a_script_step_is_the_step_upcycle_train_runs(tiny_lm, tmp_path, monkeyp
 
     model = upcycle.load(moe)
     task = make_task(cfg, model, load_tokenizer(moe))
-    reg = Regularized(model, REGULARIZERS)
+    reg = Objective(model, REGULARIZERS)
     # weight_decay 0 as the run's (AdamW's own default is 0.01); one group or two changes nothing per parameter
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=0.0)
     for step, row in enumerate(logged):
@@ -55,7 +55,7 @@ def test_a_nonfinite_step_updates_nothing(tiny_lm):
     """A NaN loss: no weight, EMA teacher or aux-free bias moves, no gradient is left, and the result says why."""
     _, moe, _, _ = tiny_lm
     model = upcycle.load(moe)
-    reg = Regularized(model, REGULARIZERS)
+    reg = Objective(model, REGULARIZERS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -80,7 +80,7 @@ def test_the_step_reports_the_norm_before_clipping(tiny_lm, clip):
     """`grad_norm` is the norm before clipping; with clip_grad the update uses gradients scaled to that norm."""
     _, moe, _, _ = tiny_lm
     model = upcycle.load(moe)
-    reg = Regularized(model, RegularizerConfig())
+    reg = Objective(model, RegularizerConfig())
     seen = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     grads = lambda: [p.grad.norm() for p in model.parameters() if p.grad is not None]  # noqa: E731

@@ -116,6 +116,7 @@ CONVERT_FLAGS = (
     ConfigFlag("--calibration-tokens", "calibration.tokens", "FFN-input tokens kept per layer (reservoir-sampled)"),
     ConfigFlag("--export", "export", "upcycle (any architecture) or hf: a stock transformers MoE class where one "
                "fits", choices=EXPORTS),
+    ConfigFlag("--shard-size", "shard_size", "largest output shard (safetensors), e.g. 5GB, 500MB"),
     ConfigFlag("--export-class", "export_class", "with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), "
                "or a class by name", choices=("auto", *EXPORT_CLASSES)),
 )
@@ -145,7 +146,7 @@ TRAIN_FLAGS = (
 
 # Flags (by dest) of `convert` and `train` that are about the run, not a config key; `model` is the positional
 # that sets the key `model`.
-RUN_FLAGS = {"convert": {"help", "out", "config", "set", "overwrite", "quiet"},
+RUN_FLAGS = {"convert": {"help", "out", "config", "set", "overwrite", "quiet", "dry_run"},
              "train": {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet"}}
 
 
@@ -155,13 +156,16 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="convert a dense model to an MoE model and write it to OUT")
     c.add_argument("model", help="'default' (embedded SmolLM2-135M), a Hugging Face id, or a local folder")
-    c.add_argument("out", help="output folder (written atomically; must not exist unless --overwrite)")
+    c.add_argument("out", nargs="?", help="output folder (written atomically; must not exist unless --overwrite)")
     _add_config_flags(c, ConvertConfig, CONVERT_FLAGS)
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
     c.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="print the plan (placement, parameters, output size, estimated peak memory) from the "
+                        "model's config.json alone; reads no weights, writes nothing")
 
     x = sub.add_parser("export", help="write an upcycle-format folder as a stock transformers checkpoint")
     x.add_argument("src", help="folder written by `upcycle convert`")
@@ -350,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()
         cfg = convert_config(args)
+        if args.dry_run:
+            from .conversion.plan import describe, dry_run
+
+            report = dry_run(cfg)
+            print(describe(report))
+            print(json.dumps(report, indent=2))
+            return 0
+        if args.out is None:
+            raise UpcycleError("convert needs an output folder OUT (or --dry-run)")
         result = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet)
     except UpcycleError as e:
         print(f"upcycle: error: {e}", file=sys.stderr)

@@ -92,6 +92,10 @@ class CheckConfig:
     tokens: int = 128
     text: str | None = None     # probe text file (.txt or .jsonl with "text"); default: held-out Wikipedia
     export_tolerance: float = 1e-5   # max |logit difference| between an exported stock model and ours
+    # The whole-model logit check next to the per-layer one: auto runs it in memory always and, when streaming,
+    # when the output fits in the memory available (it then reads the dense checkpoint and the output once more,
+    # a block at a time); true always, false never (the per-layer check still runs).
+    end_to_end: bool | str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +141,11 @@ class ConvertConfig:
     dtype: str = "float32"      # dtype the model is loaded and converted in
     export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
     export_class: str = "auto"  # with export=hf: auto, qwen2_moe, qwen3_moe or mixtral
+    # Streaming (issue 13): read the dense checkpoint tensor by tensor and write the output shard by shard, one
+    # block in memory. auto: when the model is a local folder of safetensors and an output folder is given;
+    # false: load the whole model; true: refuse a checkpoint that cannot stream.
+    streaming: bool | str = "auto"
+    shard_size: str = "50GB"    # largest output shard (transformers' save_pretrained default); e.g. 5GB, 500MB
     # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
 
 

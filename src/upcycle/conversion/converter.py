@@ -17,49 +17,49 @@ import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..analysis.metrics import diversity, expert_similarity
-from ..analysis.routing import layer_routing_stats
 from ..config import EXPORTS, ConvertConfig, to_dict
 from ..core.architectures import family_of
 from ..core.moe import MoELayer
-from ..core.surgery import install, layer_generator, plan_targets, tower_cfg, track_padding_masks
+from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
 from ..files import atomic_directory, check_output_location
 from ..methods import Method, get_method
 from ..version import __version__
-from .calibration import capture_ffn_inputs, real_tokens, tensor_batches, text_batches
+from .blockwise import convert_blocks
+from .calibration import real_tokens, tensor_batches, text_batches
 from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import save
-from .loading import DTYPES, dense_config, dense_weights, load_tokenizer
+from .loading import DTYPES, dense_config, dense_weights, load_model, load_tokenizer
 from .preservation import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
 from .report import (
     Allowance,
     CalibrationSummary,
     ConversionReport,
-    LayerCalibration,
-    LayerEntry,
     ParameterCount,
     Parameters,
     Preservation,
-    RoutingAtInit,
+    PreservationError,
     Timings,
 )
+from .shards import parse_size
 
 
 @dataclass
 class Conversion:
-    model: nn.Module
+    """What `convert` returns. After a streaming conversion the model was never in memory: `model` then loads
+    the written folder when first asked for."""
+
+    _model: nn.Module | None
     tokenizer: object | None
     report: ConversionReport
+    out: Path | None = None
 
-
-class PreservationError(UpcycleError):
-    """The method promised the dense function and the converted model does not reproduce it."""
-
-    def __init__(self, message: str, report: ConversionReport):
-        super().__init__(message)
-        self.report = report
+    @property
+    def model(self) -> nn.Module:
+        if self._model is None and self.out is not None:      # an upcycle folder, or a stock export
+            self._model = load_model(str(self.out))[0]
+        return self._model
 
 
 def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
@@ -74,6 +74,10 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
     if cfg.export not in EXPORTS:
         raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
+    for key, value in (("streaming", cfg.streaming), ("check.end_to_end", cfg.check.end_to_end)):
+        if value not in (True, False, "auto"):
+            raise UpcycleError(f"{key} must be auto, true or false, got {value!r}")
+    parse_size(cfg.shard_size)
     if cfg.export_class not in ("auto", *EXPORT_CLASSES):
         raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
     return method, args
@@ -190,39 +194,21 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     bar("dense outputs recorded")
 
     t = time.perf_counter()
-    layers, built = [], []
-    stream = (capture_ffn_inputs(model, targets, calibration, budget=cfg.calibration.tokens, seed=cfg.seed,
-                                 progress=progress) if calibration else None)
-    for target in tqdm(targets, desc="upcycling layers", disable=not progress, leave=False):
-        activations, seen = None, None
-        if stream is not None:   # the dense model's FFN inputs of this block (the next block is replayed later)
-            tc = time.perf_counter()
-            captured, activations, seen = next(stream)
-            timings.calibration += time.perf_counter() - tc
-            assert captured == target, (captured, target)
-        block = model.get_submodule(target.path)
-        tcfg = tower_cfg(model, family, target)
-        dense = family.extract(block, tcfg)
-        init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
-                      generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk,
-                      activations=activations)
-        layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
-                                   router_bias_E=init.router_bias_E, dtype=dense.w_up.dtype,
-                                   output_dropout=family.output_dropout(tcfg))
-        built.append((target, layer.train(block.training)))
-        entry = LayerEntry(target.name, target.path, init.info, expert_similarity(init.experts),
-                           diversity(init.experts))
-        if activations is not None:
-            entry.calibration = LayerCalibration(seen, activations.shape[0], RoutingAtInit(
-                **layer_routing_stats(layer, activations, init.token_clusters)))
-        layers.append(entry)
-        del activations, init
-    if stream is not None:
-        stream.close()   # frees the replayed hidden states now rather than when the report is returned
+    built: dict[str, MoELayer] = {}
+
+    def keep(visit, block, layer) -> None:
+        if layer is not None:
+            built[visit.path] = layer
+
+    result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
+                            probe_batches=[probe.inputs], calibration=calibration,
+                            before_block=lambda path, block: None, after_block=keep, progress=progress)
+    layers = result.layers
     # Install only once every layer is built: a method failing on any layer leaves the model untouched.
-    for target, layer in built:
-        install(model, target.path, layer)
+    for path, layer in built.items():
+        install(model, path, layer.train(model.training))
     track_padding_masks(model)
+    timings.calibration = result.timings["calibration"]
     timings.upcycle = time.perf_counter() - t
     bar(f"{len(targets)} layers upcycled")
 
@@ -250,6 +236,14 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         preservation=preservation, calibration=None if not calibration else CalibrationSummary(
             calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
         layers=layers, seed=cfg.seed, dtype=cfg.dtype, timings=timings)
+    failed_layer = next((layer for layer in layers if layer.check is not None and layer.check.passed is False), None)
+    if failed_layer is not None:
+        c = failed_layer.check
+        raise PreservationError(
+            f"method {method.name!r} promises to preserve the dense model's function, but MoE layer "
+            f"{failed_layer.name} differs from the dense FFN it replaces by {c.max_abs_diff:.3g} > allowed "
+            f"{c.allowed_max_abs_diff:.3g} = {cfg.check.noise_factor:g} x that layer's rounding noise "
+            f"{c.rounding_noise:.3g} on the probe's hidden states; refusing to write", report)
     if promised and not passed:
         raise PreservationError(
             f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
@@ -276,9 +270,6 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
     texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
-    model = dense_weights(cfg.model, path, config, cfg.dtype)
-    load_s = time.perf_counter() - t
-    phases("model loaded")
     calibration = None
     if calibration_data is not None and isinstance(calibration_data[0], dict):
         calibration = calibration_data               # model inputs prepared by the user
@@ -286,6 +277,19 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
         c = cfg.calibration
         calibration = text_batches(tokenizer, calibration_data, tokens=c.tokens, sequence_length=c.sequence_length,
                                    batch_size=c.batch_size, seed=cfg.seed)
+    stream = _stream_source(cfg, path, config) if out is not None else None
+    if stream is not None:
+        from .streamed import convert_streamed
+
+        load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
+        report = convert_streamed(stream, cfg, *validate(cfg), out, load_s=load_s, overwrite=overwrite,
+                                  tokenizer=tokenizer, texts=texts, text_source=source, calibration=calibration,
+                                  calibration_source=calibration_source, progress=progress, phases=phases)
+        phases.close()
+        return Conversion(None, tokenizer, report, Path(out))
+    model = dense_weights(cfg.model, path, config, cfg.dtype)
+    load_s = time.perf_counter() - t
+    phases("model loaded")
     report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
                            calibration=calibration, calibration_source=calibration_source, progress=progress,
                            phases=phases)
@@ -301,6 +305,30 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
         phases(f"written to {out}")
     phases.close()
     return Conversion(model, tokenizer, report)
+
+
+def _stream_source(cfg: ConvertConfig, path: str, config):
+    """The checkpoint opened for streaming, or None when the in-memory path runs (streaming: false; a hub id; a
+    folder without safetensors; names that do not match)."""
+    if cfg.streaming is False:
+        return None
+    from .streaming import NotStreamable, StreamSource
+
+    why = None
+    if not Path(path).is_dir():
+        why = f"{cfg.model} is not a local folder"
+    elif cfg.export == "hf" and cfg.streaming == "auto":
+        # in memory, the export is checked against the upcycled model itself; streamed (streaming: true), against
+        # the dense model, since the upcycled model is never whole
+        return None
+    else:
+        try:
+            return StreamSource.open(path, config, DTYPES[cfg.dtype])
+        except NotStreamable as e:
+            why = str(e)
+    if cfg.streaming is True:
+        raise UpcycleError(f"streaming: true, but the conversion cannot stream: {why}")
+    return None
 
 
 def write_output(model: nn.Module, directory: Path, cfg: ConvertConfig, tokenizer, probe_inputs: dict) -> dict:

@@ -83,7 +83,7 @@ def export_target(model: nn.Module, export_class: str = "auto") -> Target:
         problems = []
         if layer.capacity_factor_train is not None or layer.capacity_factor_eval is not None:
             problems.append("expert capacity (stock MoE classes are dropless)")
-        if torch.any(layer.selection_bias != 0):
+        if not layer.selection_bias.is_meta and torch.any(layer.selection_bias != 0):   # meta: a plan
             problems.append("a non-zero selection bias (aux-free balancing)")
         if e.b_in is not None or e.b_down is not None or layer.router.bias is not None:
             problems.append("expert or router biases")
@@ -169,12 +169,14 @@ def _full_config(model: nn.Module, target: Target) -> dict:
     return config
 
 
-def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Stock-layout tensors, and the scales folded into them."""
-    moe = moe_layers(model)
+def export_state_dict(model: nn.Module, target: Target, prefix: str = "") -> tuple[dict[str, torch.Tensor],
+                                                                                   list[dict]]:
+    """Stock-layout tensors, and the scales folded into them; with `prefix` (a block's path and a dot), only
+    the tensors of that part of the model (the streaming conversion writes a block at a time)."""
+    moe = {name: layer for name, layer in moe_layers(model).items() if name.startswith(prefix)}
     out, folded = {}, []
     for key, tensor in model.state_dict().items():
-        if not any(key.startswith(name + ".") for name in moe):
+        if key.startswith(prefix) and not any(key.startswith(name + ".") for name in moe):
             out[key] = tensor.detach().clone().contiguous()
     if target.model_type == "qwen2_moe":      # Qwen2-MoE's q/k/v always carry biases: zeros when the source has none
         width = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads,
@@ -183,7 +185,8 @@ def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch
         for i in range(model.config.num_hidden_layers):
             for proj, heads in width.items():
                 key = f"model.layers.{i}.self_attn.{proj}.bias"
-                out.setdefault(key, torch.zeros(heads * head_dim, dtype=model.dtype))
+                if key.startswith(prefix):
+                    out.setdefault(key, torch.zeros(heads * head_dim, dtype=model.dtype))
     for name, layer in moe.items():
         w = layer.experts.weights()
         prefix = name.replace(".mlp", ".block_sparse_moe") if target.model_type == "mixtral" else name
@@ -214,22 +217,43 @@ def export_state_dict(model: nn.Module, target: Target) -> tuple[dict[str, torch
     return out, folded
 
 
-def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
-              export_class: str = "auto", tokenizer=None) -> dict:
-    """Write the stock checkpoint into an existing (temporary) directory, load it back with plain
-    transformers and compare its logits with `model`'s on `input_ids`; return what was done."""
+def export_specs(model: nn.Module, target: Target) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor the stock checkpoint holds, from a model on the meta device."""
+    return [(k, tuple(t.shape), t.dtype) for k, t in export_state_dict(model, target)[0].items()]
+
+
+def write_stock_configs(model: nn.Module, target: Target, directory: Path, tokenizer=None) -> dict:
+    """config.json (both majors' keys), the generation config and the tokenizer of a stock checkpoint."""
     import json
 
-    directory = Path(directory)
-    target = export_target(model, export_class)
     config = export_config(model, target)
-    tensors, folded = export_state_dict(model, target)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         save_tokenizer(tokenizer, directory)
+    return config
+
+
+def folded_scales(model: nn.Module, target: Target) -> list[dict]:
+    """The scales an export folds into weights (Qwen2-MoE's shared expert x2), from the model's layers."""
+    if target.model_type != "qwen2_moe":
+        return []
+    return [{"layer": name, "scale": 2.0, "into": "shared_expert.down_proj",
+             "why": "sigmoid(shared_expert_gate x) = 0.5 for the zero gate weight"}
+            for name, layer in moe_layers(model).items() if layer.shared_experts is not None]
+
+
+def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
+              export_class: str = "auto", tokenizer=None) -> dict:
+    """Write the stock checkpoint into an existing (temporary) directory, load it back with plain
+    transformers and compare its logits with `model`'s on `input_ids`; return what was done."""
+
+    directory = Path(directory)
+    target = export_target(model, export_class)
+    config = write_stock_configs(model, target, directory, tokenizer)
+    tensors, folded = export_state_dict(model, target)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     diff = compare_with_stock(model, directory, input_ids)
     if diff > tolerance:
         raise UpcycleError(f"the exported {target.architecture} differs from the upcycled model by {diff:.3g} "

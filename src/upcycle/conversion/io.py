@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors import safe_open
-from safetensors.torch import load_model, save_model
 from torch import nn
 
 from ..core.moe import MoELayer, moe_layers
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
+from .shards import DEFAULT_MAX_SHARD_BYTES, CheckpointReader, ShardedWriter
+from .skeleton import tensor_specs
 
 FORMAT_VERSION = 1
 MOE_CONFIG = "upcycle_config.json"
@@ -42,14 +42,29 @@ def moe_spec(model: nn.Module) -> dict:
             "layers": [{"block": path.rsplit(".", 1)[0], **layer.spec()} for path, layer in moe_layers(model).items()]}
 
 
-def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None) -> None:
-    """Write the upcycle format into an existing (temporary) directory."""
+def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write the upcycle format into an existing (temporary) directory: configs, the MoE spec, the weights as
+    safetensors shards of at most `max_shard_bytes` (one file when they fit) and the tokenizer."""
     directory = Path(directory)
+    save_configs(model, directory, moe_spec(model), tokenizer)
+    writer = ShardedWriter(directory, tensor_specs(model), max_shard_bytes=max_shard_bytes)
+    try:
+        for name, tensor in model.state_dict().items():
+            if name in writer.slots:            # a tied tensor is written once, under its first name
+                writer.write(name, tensor)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def save_configs(model: nn.Module, directory: Path, spec: dict, tokenizer=None) -> None:
+    """Everything of an upcycle folder but the weights (the streaming conversion writes those itself)."""
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
-    (directory / MOE_CONFIG).write_text(json.dumps(moe_spec(model), indent=2))
-    save_model(model, str(directory / WEIGHTS))
+    (directory / MOE_CONFIG).write_text(json.dumps(spec, indent=2))
     if tokenizer is not None:
         save_tokenizer(tokenizer, directory)
 
@@ -71,16 +86,28 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _saved_dtype(weights: Path) -> torch.dtype:
+def _saved_dtype(folder: Path) -> torch.dtype:
     """The dtype most of the saved parameters have (the float32 routers of a bf16 model are the exception)."""
-    sizes: dict[str, int] = {}
-    with safe_open(str(weights), "pt") as f:
-        for key in f.keys():
-            tensor = f.get_slice(key)
-            sizes[tensor.get_dtype()] = sizes.get(tensor.get_dtype(), 0) + math.prod(tensor.get_shape())
-    name = max(sizes, key=sizes.get) if sizes else "F32"
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
-        name, torch.float32)
+    reader = CheckpointReader(folder)
+    sizes: dict[torch.dtype, int] = {}
+    for name in reader.names():
+        dtype = reader.dtype(name)
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(reader.shape(name))
+    return max(sizes, key=sizes.get) if sizes else torch.float32
+
+
+def _load_weights(model: nn.Module, folder: Path) -> tuple[list[str], list[str]]:
+    """Load every shard into the model, one file at a time; (missing, unexpected) names over all of them.
+    A tensor tied to a stored one is not missing."""
+    reader = CheckpointReader(folder)
+    stored = set(reader.names())
+    expected = model.state_dict(keep_vars=True)
+    for file in sorted(set(reader.file_of.values())):
+        tensors = {n: reader.get(n) for n, f in reader.file_of.items() if f == file}
+        model.load_state_dict(tensors, strict=False)
+    stored_ids = {id(expected[n]) for n in stored if n in expected}
+    missing = [n for n, t in expected.items() if n not in stored and id(t) not in stored_ids]
+    return missing, sorted(stored - set(expected))
 
 
 def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
@@ -104,12 +131,12 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
         raise UpcycleError(f"{path}: transformers has no class {spec['model_class']}")
     # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no weight
     # is rounded twice; routers stay float32 in any dtype (MoELayer)
-    model = cls._from_config(config, dtype=dtype or _saved_dtype(path / WEIGHTS))
+    model = cls._from_config(config, dtype=dtype or _saved_dtype(path))
     for layer_spec in spec["layers"]:
         layer_spec = dict(layer_spec)
         block = layer_spec.pop("block")
         install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
-    missing, unexpected = load_model(model, str(path / WEIGHTS), strict=False)
+    missing, unexpected = _load_weights(model, path)
     if missing or unexpected:
         raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..config import MoEConfig, to_dict
+from ..errors import UpcycleError
 
 
 @dataclass
@@ -60,13 +61,15 @@ class Preservation:
     compared_rows: int
     probe_source: str
     probe_shape: list[int]
+    end_to_end: bool = True     # whether the whole-model comparison ran (else only the per-layer checks)
 
     def to_dict(self) -> dict:
         return {"promised": self.promised, "tolerance": self.tolerance,
                 "relative_logit_diff": self.relative_logit_diff, "relative_tolerance": self.relative_tolerance,
                 "passed": self.passed, **(vars(self.allowance) if self.allowance is not None else {}),
                 "compared_output": self.compared_output, "compared_rows": self.compared_rows,
-                "probe_source": self.probe_source, "probe_shape": list(self.probe_shape)}
+                "probe_source": self.probe_source, "probe_shape": list(self.probe_shape),
+                "end_to_end": self.end_to_end}
 
 
 @dataclass
@@ -94,6 +97,26 @@ class LayerCalibration:
 
 
 @dataclass
+class LayerCheck:
+    """The layer against the dense FFN on the probe's FFN inputs (`layer_check.py`, issue 13)."""
+
+    max_abs_diff: float | None
+    relative_diff: float | None
+    probe_tokens: int
+    allowed_max_abs_diff: float | None = None      # only when the method promised the dense function
+    rounding_noise: float | None = None
+    passed: bool | None = None
+
+    def to_dict(self) -> dict:
+        out = {"max_abs_diff": self.max_abs_diff, "relative_diff": self.relative_diff,
+               "probe_tokens": self.probe_tokens}
+        if self.allowed_max_abs_diff is not None:
+            out |= {"allowed_max_abs_diff": self.allowed_max_abs_diff, "layer_rounding_noise": self.rounding_noise,
+                    "passed": self.passed}
+        return out
+
+
+@dataclass
 class LayerEntry:
     name: str                   # e.g. text.3
     block: str                  # the block's module path
@@ -101,6 +124,7 @@ class LayerEntry:
     expert_similarity: float
     diversity: float
     calibration: LayerCalibration | None = None
+    check: LayerCheck | None = None
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "block": self.block, **self.method_facts,
@@ -109,6 +133,8 @@ class LayerEntry:
             c = self.calibration
             out |= {"calibration_tokens_seen": c.tokens_seen, "calibration_tokens_kept": c.tokens_kept,
                     **c.routing.to_dict()}
+        if self.check is not None:
+            out |= self.check.to_dict()
         return out
 
 
@@ -162,6 +188,7 @@ class ConversionReport(Mapping):
     dtype: str
     timings: Timings = field(default_factory=Timings)
     export: dict | None = None  # what was written (`converter.write_output`); None until written
+    streamed: bool = False      # converted block by block from the checkpoint on disk (`streaming.py`)
 
     def folded_scales(self) -> list[dict]:
         """Scales a method folded into the expert weights (METHODS §2.8), per layer."""
@@ -178,7 +205,7 @@ class ConversionReport(Mapping):
                "preservation": self.preservation.to_dict(), "folded_scales": self.folded_scales(),
                "calibration": None if self.calibration is None else vars(self.calibration).copy(),
                "layers": [layer.to_dict() for layer in self.layers], "seed": self.seed, "dtype": self.dtype,
-               "timings_s": self.timings.to_dict()}
+               "timings_s": self.timings.to_dict(), "streamed": self.streamed}
         if self.export is not None:
             out["export"] = self.export
         return out
@@ -192,3 +219,11 @@ class ConversionReport(Mapping):
 
     def __len__(self) -> int:
         return len(self.to_dict())
+
+
+class PreservationError(UpcycleError):
+    """The method promised the dense function and the converted model does not reproduce it."""
+
+    def __init__(self, message: str, report: ConversionReport):
+        super().__init__(message)
+        self.report = report

@@ -75,7 +75,7 @@ def planned_model(config, moe: MoEConfig, placement, layout_of, *, dtype: torch.
 
 def tensor_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor the model's checkpoint stores, in state-dict order, a tensor tied to
-    an earlier one stored once under the earlier name (what safetensors' save_model keeps)."""
+    an earlier one stored once under the earlier name (as transformers' save_pretrained stores a tied head)."""
     seen, specs = set(), []
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:

@@ -30,10 +30,17 @@ from .bounds import Range
 from .registry import ExpertInit, LayerLayout, random_router, register
 
 
+def _layout(width: int, granularity: int) -> LayerLayout:
+    """Experts F/G wide; a G that does not divide F is refused here too, so a dry run says so."""
+    if width % granularity:
+        raise UpcycleError(f"granular: granularity {granularity} must divide the FFN width {width}")
+    return LayerLayout(width // granularity)
+
+
 @register("granular", paper="He et al. 2024, Upcycling Large Language Models into Mixture of Experts, "
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
           preserves_function=lambda args, normalize_topk, dropless: dropless,
-          layout=lambda width, args: LayerLayout(width // args["granularity"]))
+          layout=lambda width, args: _layout(width, args["granularity"]))
 def granular(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator, normalize_topk: bool,
              granularity: Annotated[int, Range(1)] = 4, router_std: float = 0.02) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""

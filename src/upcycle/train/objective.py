@@ -77,8 +77,9 @@ def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(**inputs, labels=labels).loss
 
 
-class Regularized:
-    """Holds the stateful parts a config asks for (EMA teacher, aux-free balancer) next to the model."""
+class Objective:
+    """The training objective of one model: task loss + the weighted router regularizers + EESD. Holds the
+    stateful parts the config asks for (the EMA teacher, the aux-free balancer) next to the model."""
 
     def __init__(self, model: nn.Module, cfg: RegularizerConfig) -> None:
         self.model, self.cfg = model, cfg
@@ -116,3 +117,6 @@ class Regularized:
             self.teacher.update()
         if self.balancer is not None:
             self.balancer.step()
+
+
+Regularized = Objective     # the name before issue 12 (scripts written against it keep working)

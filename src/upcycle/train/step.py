@@ -1,6 +1,6 @@
 """One training step: the step `upcycle train`'s loop runs and the one the public API exposes (DESIGN principle 9).
 
-    for each micro-batch:  loss = task loss + sum_r lambda_r L_r + lambda_EESD L_EESD   (objective.Regularized)
+    for each micro-batch:  loss = task loss + sum_r lambda_r L_r + lambda_EESD L_EESD   (objective.Objective)
                            backward(loss / micro-batches)      # DDP syncs the gradients on the last one only
     freeze rules -> gradient norm, clipped to clip_grad -> a NaN/inf loss or norm on any process: no update
     AdamW -> restore frozen rows -> LR schedule -> EMA teacher, aux-free bias (moved by the global load)
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .freezing import Freezer
-from .objective import Regularized, causal_lm_loss
+from .objective import Objective, causal_lm_loss
 
 
 @dataclass
@@ -75,7 +75,7 @@ def count_tokens(batch: dict) -> int:
 
 
 def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torch.optim.Optimizer,
-               reg: Regularized, *, task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss,
+               reg: Objective, *, task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss,
                tokens: Callable[[dict], int] = count_tokens, accelerator=None,
                scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, freezer: Freezer | None = None,
                step: int = 0, clip_grad: float | None = None, router: bool = True,
@@ -122,7 +122,7 @@ def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torc
     return StepResult(loss, n_tokens, None if grad_norm is None else float(grad_norm), lr)
 
 
-def _accumulate(model: nn.Module, micro: list[dict], acc, reg: Regularized, task_loss, tokens, router: bool,
+def _accumulate(model: nn.Module, micro: list[dict], acc, reg: Objective, task_loss, tokens, router: bool,
                 groups: torch.Tensor | None) -> tuple[dict[str, float], int]:
     """Forward and backward of each micro-batch (loss / micro-batches); the terms' means and the tokens."""
     sums: dict[str, float] = {}

@@ -35,7 +35,7 @@ import yaml
 from torch import nn
 
 from ..analysis.routing import record_stats
-from ..config import TrainConfig, to_dict
+from ..config import MIXED_PRECISIONS, SCHEDULES, TrainConfig, to_dict
 from ..conversion.io import save
 from ..conversion.loading import load_model
 from ..core.moe import moe_layers
@@ -43,7 +43,7 @@ from ..errors import UpcycleError
 from ..files import atomic_directory
 from . import checkpoint
 from .freezing import Freezer
-from .objective import Regularized
+from .objective import Objective
 from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config: the trainer's public names)
     CHECKPOINTS,
     LOG,
@@ -91,10 +91,11 @@ def validate(cfg: TrainConfig) -> None:
     fraction outside [0, 1] would otherwise train silently into NaN weights."""
     if cfg.task is not None and cfg.task not in TASKS:
         raise UpcycleError(f"task must be one of {TASKS}, got {cfg.task!r}")
-    if cfg.schedule not in ("linear", "cosine", "constant"):
-        raise UpcycleError(f"schedule must be linear, cosine or constant, got {cfg.schedule!r}")
-    if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-        raise UpcycleError(f"mixed_precision must be auto, no, bf16 or fp16, got {cfg.mixed_precision!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise UpcycleError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.mixed_precision not in MIXED_PRECISIONS:
+        raise UpcycleError(f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}, got "
+                           f"{cfg.mixed_precision!r}")
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise UpcycleError(f"on_nonfinite must be stop or skip, got {cfg.on_nonfinite!r}")
     for name in ("steps", "batch_size", "grad_accum", "sequence_length", "keep_checkpoints", "eval_tokens"):
@@ -223,7 +224,7 @@ class _Training:
         if self.is_main and resume_from is None:
             (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        self.reg = Regularized(model, cfg.regularizers)
+        self.reg = Objective(model, cfg.regularizers)
         optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)

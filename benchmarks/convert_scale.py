@@ -1,0 +1,228 @@
+"""Conversion memory and time at real sizes, and against mergekit-moe on the same checkpoint (issue 13).
+
+Checkpoints: random-init Llama-architecture models of about 135M, 0.5B, 1B and 2B parameters, bfloat16 on disk,
+saved by transformers as sharded safetensors (1 GB shards) and built once in the upcycle cache. Random weights
+are enough here: conversion cost depends on shapes, not values.
+
+Runs, each as a fresh process under GNU time (its peak RSS is its own, `Maximum resident set size`):
+  copy      `upcycle convert CKPT OUT --method copy --num-experts 8 --top-k 2 --every 2 --dtype bfloat16`
+  cluster   the same with `--method cluster` and 16K calibration tokens (random ids, a .safetensors of inputs)
+  mergekit  on the 1B checkpoint: `mergekit-moe` with 8 copies of the model and `gate_mode: random` (every block
+            MoE: mergekit has no placement option), next to ours with `--every 1 --export hf
+            --export-class mixtral`, which writes the same Mixtral checkpoint. mergekit (0.1.5) lives in its own
+            virtual environment, built in the cache on first use (`pip install torch==2.13.0 mergekit`, minutes),
+            never a dependency of the project.
+Every output is deleted after it is measured (the 2B conversion writes about 15 GB).
+
+Targets (issue 13): data-free methods peak at most 1.5 GB + 2 x the largest MoE layer's output, flat in model size;
+cluster at most the dense model + 1.5 GB + one layer's calibration sample; on the 1B Mixtral conversion no slower
+and no larger in peak memory than mergekit-moe. Each row says whether it met its target.
+
+Run: .venv/bin/python benchmarks/convert_scale.py [--sizes 135m,0.5b,1b,2b] [--methods copy,cluster]
+     [--no-mergekit]   -> benchmarks/results/convert_scale.json and .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+GB = 10**9
+# name -> (hidden, intermediate, layers, heads, kv heads, vocab)
+SIZES = {"135m": (576, 1536, 30, 9, 3, 49152), "0.5b": (1024, 4096, 24, 16, 4, 49152),
+         "1b": (2048, 5632, 22, 32, 4, 32000), "2b": (2048, 8192, 30, 32, 4, 32000)}
+EXPERTS, TOP_K, CALIBRATION_TOKENS = 8, 2, 16384
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "load_average_at_start": list(os.getloadavg())}
+
+
+def cache() -> Path:
+    sys.path.insert(0, str(ROOT / "src"))
+    from upcycle.data.text import cache_dir
+
+    return cache_dir()
+
+
+def checkpoint(size: str) -> Path:
+    """The random bf16 Llama of `size`, sharded, with calibration inputs next to it (built once)."""
+    import transformers
+
+    folder = cache() / "bench-checkpoints" / f"llama-{size}"
+    if (folder / "done").exists():
+        return folder
+    D, F, L, H, KV, V = SIZES[size]
+    config = transformers.LlamaConfig(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                                      num_key_value_heads=KV, vocab_size=V, max_position_embeddings=2048,
+                                      tie_word_embeddings=size == "135m", bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, max_shard_size="1GB")
+    from safetensors.torch import save_file
+
+    ids = torch.randint(3, V, (CALIBRATION_TOKENS // 512, 512), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, str(folder / "calibration.safetensors"))
+    (folder / "done").write_text("")
+    return folder
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Run `cmd` under GNU time: wall seconds, peak RSS (bytes), exit code and the output's tail."""
+    t = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    return {"wall_s": round(wall, 1), "peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None,
+            "exit_code": proc.returncode, "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else ""}
+
+
+def layer_bytes(size: str) -> int:
+    D, F, *_ = SIZES[size]
+    return EXPERTS * 3 * F * D * 2 + EXPERTS * D * 4        # bf16 experts + float32 router
+
+
+def run_upcycle(ckpt: Path, out: Path, method: str, *extra: str) -> dict:
+    cmd = [str(ROOT / ".venv" / "bin" / "upcycle"), "convert", str(ckpt), str(out), "--method", method,
+           "--num-experts", str(EXPERTS), "--top-k", str(TOP_K), "--dtype", "bfloat16", "--quiet", "--overwrite",
+           *extra]
+    if method == "cluster":
+        cmd += ["--calibration", str(ckpt / "calibration.safetensors"), "--calibration-tokens",
+                str(CALIBRATION_TOKENS)]
+    row = timed(cmd)
+    row["output_bytes"] = folder_bytes(out) if out.exists() else None
+    report = out / "upcycle_report.json"
+    if report.exists():
+        data = json.loads(report.read_text())
+        row["streamed"] = data.get("streamed")
+        row["timings_s"] = data.get("timings_s")
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def mergekit_venv() -> Path:
+    venv = cache() / "mergekit-venv"
+    if not (venv / "bin" / "mergekit-moe").exists():
+        print("building the mergekit environment (once, several minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "torch==2.13.0", "mergekit"], check=True)
+    return venv
+
+
+def run_mergekit(ckpt: Path, out: Path) -> dict:
+    venv = mergekit_venv()
+    config = out.parent / "mergekit-moe.yaml"
+    experts = "".join(f"  - source_model: {ckpt}\n    positive_prompts: [\"expert {i}\"]\n" for i in range(EXPERTS))
+    config.write_text(f"base_model: {ckpt}\ngate_mode: random\ndtype: bfloat16\nexperts_per_token: {TOP_K}\n"
+                      f"experts:\n{experts}")
+    row = timed([str(venv / "bin" / "mergekit-moe"), str(config), str(out),
+                 "--i-understand-this-is-not-useful-without-training"])
+    row["output_bytes"] = folder_bytes(out) if out.exists() else None
+    row["version"] = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                     "import importlib.metadata as m; print(m.version('mergekit'))"],
+                                    capture_output=True, text=True).stdout.strip()
+    shutil.rmtree(out, ignore_errors=True)
+    config.unlink(missing_ok=True)
+    return row
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, marker in (("copy", "o"), ("cluster", "s")):
+        rows = [r for r in results["runs"] if r["method"] == method and r.get("peak_rss_bytes")]
+        if rows:
+            x = [r["dense_bytes"] / GB for r in rows]
+            ax.plot(x, [r["peak_rss_bytes"] / GB for r in rows], marker=marker, label=f"upcycle {method}")
+            bx.plot(x, [r["wall_s"] for r in rows], marker=marker, label=f"upcycle {method}")
+    rows = [r for r in results["runs"] if r["method"] == "copy"]
+    if rows:
+        x = [r["dense_bytes"] / GB for r in rows]
+        ax.plot(x, [r["target_peak_bytes"] / GB for r in rows], "k--", lw=1, label="copy target")
+        ax.plot(x, [r["output_bytes"] / GB for r in rows], ":", color="gray", label="output size (copy)")
+    for r in results.get("mergekit", []):
+        style = "^" if r["tool"] == "mergekit-moe" else "v"
+        ax.plot([r["dense_bytes"] / GB], [r["peak_rss_bytes"] / GB], style, ms=9,
+                label=f"{r['tool']} (every block, Mixtral)")
+        bx.plot([r["dense_bytes"] / GB], [r["wall_s"]], style, ms=9, label=r["tool"])
+    ax.set(xlabel="dense checkpoint (GB, bf16)", ylabel="peak RSS (GB)", title="memory")
+    bx.set(xlabel="dense checkpoint (GB, bf16)", ylabel="wall time (s)", title="time")
+    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
+    fig.suptitle(f"upcycle convert at scale, {EXPERTS} experts top-{TOP_K}, bf16 ({results['machine']['cpu']}, "
+                 f"{results['machine']['cores']} cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="135m,0.5b,1b,2b")
+    parser.add_argument("--methods", default="copy,cluster")
+    parser.add_argument("--no-mergekit", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "convert_scale.json"))
+    a = parser.parse_args()
+    work = cache() / "bench-outputs"
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine(), "setting": {"experts": EXPERTS, "top_k": TOP_K, "every": 2, "dtype": "bfloat16",
+                                                 "calibration_tokens": CALIBRATION_TOKENS}, "runs": [], "mergekit": []}
+    for size in a.sizes.split(","):
+        ckpt = checkpoint(size)
+        dense = folder_bytes(ckpt)
+        for method in a.methods.split(","):
+            print(f"{size} {method} ...", flush=True)
+            row = {"size": size, "method": method, "dense_bytes": dense,
+                   "largest_layer_output_bytes": layer_bytes(size),
+                   **run_upcycle(ckpt, work / f"{size}-{method}", method, "--every", "2")}
+            sample = CALIBRATION_TOKENS * SIZES[size][0] * 4
+            row["target_peak_bytes"] = (int(1.5 * GB) + 2 * row["largest_layer_output_bytes"] if method != "cluster"
+                                        else dense + int(1.5 * GB) + sample)
+            row["met_target"] = bool(row["peak_rss_bytes"] and row["peak_rss_bytes"] <= row["target_peak_bytes"])
+            results["runs"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
+    if not a.no_mergekit:
+        ckpt = checkpoint("1b")
+        dense = folder_bytes(ckpt)
+        ours = run_upcycle(ckpt, work / "1b-mixtral", "copy", "--every", "1", "--export", "hf",
+                           "--export-class", "mixtral")
+        theirs = run_mergekit(ckpt, work / "1b-mergekit")
+        results["mergekit"] = [{"tool": "upcycle", "dense_bytes": dense, **ours},
+                               {"tool": "mergekit-moe", "dense_bytes": dense, **theirs}]
+        if ours.get("peak_rss_bytes") and theirs.get("peak_rss_bytes"):
+            results["versus_mergekit"] = {"time_ratio": round(ours["wall_s"] / theirs["wall_s"], 2),
+                                          "peak_rss_ratio": round(ours["peak_rss_bytes"] / theirs["peak_rss_bytes"], 2)}
+        print(json.dumps(results["mergekit"], indent=1), flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

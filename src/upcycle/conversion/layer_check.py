@@ -1,0 +1,43 @@
+"""The per-layer preservation check: each MoE layer against the dense FFN it replaces (issue 13, item 2).
+
+The end-to-end check (`preservation.py`) compares the two models' outputs, so it needs both models to run; this
+one needs one block. On the probe's hidden states at that block (the FFN's inputs at real tokens, captured by
+the layer-by-layer replay), it compares the MoE layer's output with the dense FFN's and reports the largest
+difference, absolute and relative to the largest dense output. For methods that promise the dense function
+(copy, granular, spri with rho=0, dropless and with normalized top-k) the difference must stay within what
+rounding explains: the dense FFN computed in another summation order (`ReorderedFFN`) on the same inputs gives
+the rounding noise of this layer in this dtype, and the allowance is `check.noise_factor` times it, at least a
+few units in the last place of the largest output (`preservation_tolerance`, the end-to-end check's rule). For
+the other methods the difference is the layer's drift at initialization, reported and never refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import CheckConfig
+from ..core.ffn import FFNWeights
+from ..core.modes import eval_mode
+from ..core.moe import MoELayer
+from .preservation import ReorderedFFN, preservation_tolerance
+from .report import LayerCheck
+
+
+@torch.no_grad()
+def layer_check(dense: FFNWeights, layer: MoELayer, x_ND: torch.Tensor, check: CheckConfig, *,
+                promised: bool) -> LayerCheck:
+    """The layer's entry of the report: max |MoE - dense| on `x_ND` (the FFN's inputs, compute dtype), relative
+    to max |dense|, and for a promised method the allowance and whether it passed."""
+    if x_ND.shape[0] == 0:
+        return LayerCheck(None, None, 0)
+    y_dense = dense(x_ND)
+    with eval_mode(layer):
+        y_moe = layer(x_ND)
+    diff = (y_moe.float() - y_dense.float()).abs().max().item()
+    scale = y_dense.float().abs().max().item()
+    result = LayerCheck(diff, diff / scale if scale > 0 else diff, x_ND.shape[0])
+    if promised:
+        noise = (ReorderedFFN(dense)(x_ND).float() - y_dense.float()).abs().max().item()
+        allowed = preservation_tolerance(scale, noise, x_ND.dtype, check)["allowed_max_abs_logit_diff"]
+        result.allowed_max_abs_diff, result.rounding_noise, result.passed = allowed, noise, diff <= allowed
+    return result

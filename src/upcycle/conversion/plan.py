@@ -1,0 +1,97 @@
+"""`upcycle convert --dry-run`: what a conversion would do, from `config.json` alone (issue 13, item 4).
+
+The dense and the upcycled models are built on the meta device (`skeleton.py`), so the plan needs no weight and
+works for any size (a Llama-3-70B config plans in a second). It reports the placement, the parameters before and
+after (total, and active per token: k of E routed experts), the bytes the output takes on disk in each storage
+dtype (routers stay float32), and an estimate of the real run's peak memory, from the sizes the streaming
+conversion holds at once (`streaming.py`):
+  overhead     the Python process with torch and transformers imported (measured: about 0.6 GB)
+  trunk        embeddings, final norm, head, in the compute dtype (read when the probe or calibration runs)
+  block        the largest dense block and its MoE replacement, in the compute dtype
+  method       the method's float32 working set for one layer (the dense FFN and the E experts it builds)
+  calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
+`benchmarks/convert_scale.py` measures real runs; its JSON holds the estimate next to the measured peak.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ConvertConfig
+from ..core.moe import moe_layers
+from ..methods import Method
+from .lazy import block_paths
+from .preservation import count_parameters
+from .skeleton import empty_model, output_bytes, planned_model, tensor_specs
+
+GB = 10**9
+OVERHEAD_BYTES = int(0.6 * GB)
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_tokens: int | None = None) -> dict:
+    """The dry run's report (module docstring). `calibration_tokens`: tokens of calibration data (data-aware)."""
+    dtype = STORAGE_DTYPES[cfg.dtype]
+    dense = empty_model(config, dtype)
+    moe_model, targets = planned_model(config, cfg.moe, cfg.placement,
+                                       lambda ffn: method.layout(ffn.intermediate_size, args), dtype=dtype)
+    sizes = {}
+    for name, storage in STORAGE_DTYPES.items():
+        planned, _ = planned_model(config, cfg.moe, cfg.placement,
+                                   lambda ffn: method.layout(ffn.intermediate_size, args), dtype=storage)
+        sizes[name] = output_bytes(tensor_specs(planned))
+    layers = moe_layers(moe_model)
+    blocks = [moe_model.get_submodule(t.path) for t in targets]
+    dense_blocks = [dense.get_submodule(t.path) for t in targets]
+    element = torch.empty((), dtype=dtype).element_size()
+    block_bytes = max(output_bytes(tensor_specs(b)) for b in blocks) if blocks else 0
+    dense_block_bytes = max(output_bytes(tensor_specs(b)) for b in dense_blocks) if blocks else 0
+    trunk = output_bytes(tensor_specs(dense)) - sum(output_bytes(tensor_specs(b)) for b in _all_blocks(dense))
+    method_bytes = max((sum(p.numel() for p in layer.parameters()) * 4 for layer in layers.values()), default=0)
+    hidden = dense.config.get_text_config().hidden_size if hasattr(dense.config, "get_text_config") else 0
+    calib = 0
+    if method.needs_calibration:
+        tokens = calibration_tokens or cfg.calibration.tokens
+        calib = tokens * hidden * element * 2 + cfg.calibration.tokens * hidden * 4
+    estimate = {"overhead": OVERHEAD_BYTES, "trunk": trunk, "block": dense_block_bytes + block_bytes,
+                "method": method_bytes, "calibration": calib}
+    return {
+        "model_type": config.model_type, "model_class": type(dense).__name__, "method": method.name,
+        "method_args": args, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+        "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
+        "parameters": {"before": count_parameters(dense), "after": count_parameters(moe_model)},
+        "dense_bytes": output_bytes(tensor_specs(dense)), "output_bytes": sizes,
+        "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": sum(estimate.values()),
+        "estimate_parts_bytes": estimate, "dtype": cfg.dtype,
+    }
+
+
+def _all_blocks(model: nn.Module) -> list[nn.Module]:
+    return [model.get_submodule(p) for p in block_paths(model)]
+
+
+def describe(report: dict) -> str:
+    """The plan as lines for a person."""
+    gb = lambda n: f"{n / GB:.2f} GB"   # noqa: E731
+    p = report["parameters"]
+    lines = [f"{report['model_class']} ({report['model_type']}) -> {report['num_moe_layers']} MoE layers, "
+             f"{report['num_experts']} experts, top-{report['top_k']}, method {report['method']}",
+             f"  MoE layers: {', '.join(report['moe_layers'])}",
+             f"  parameters: {p['before']['total']:,} -> {p['after']['total']:,} total; "
+             f"{p['before']['active_per_token']:,} -> {p['after']['active_per_token']:,} active per token",
+             "  output on disk: " + ", ".join(f"{k} {gb(v)}" for k, v in report["output_bytes"].items()),
+             f"  estimated peak memory ({report['dtype']}): {gb(report['estimated_peak_bytes'])} ("
+             + ", ".join(f"{k} {gb(v)}" for k, v in report["estimate_parts_bytes"].items() if v) + ")"]
+    return "\n".join(lines)
+
+
+def dry_run(cfg: ConvertConfig) -> dict:
+    """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
+    checks them, then the plan; no weight is read."""
+    from .converter import validate
+    from .loading import dense_config
+
+    method, args = validate(cfg)
+    _, config = dense_config(cfg.model)
+    return plan(cfg, config, method, args)

@@ -1,0 +1,264 @@
+"""Streaming conversion: a dense checkpoint on disk to an upcycled checkpoint on disk, one block in memory.
+
+Issue 13, item 1 (mergekit streams checkpoints the same way, without data-aware methods or a check). The dense
+model is built without weights (`skeleton.py`); its trunk (embeddings, norms, head) is read when the probe or
+calibration batches must run through it; each block is read when its turn comes in the block-by-block
+conversion (`blockwise.py`), converted, written into the output's shards at their planned offsets
+(`shards.ShardedWriter`) and released. A block after the last one that has to run is copied tensor by tensor.
+Memory: the trunk, one dense block and its MoE layer, the method's working set for that layer, and (for
+data-aware methods) the calibration batches' hidden states at one depth; never the whole model or output.
+
+The end-to-end check (`end_to_end_output`) runs a whole model the same way, one block at a time from disk, so it
+is possible at any size; it costs another read of the dense checkpoint and of the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ConvertConfig
+from ..core.architectures import family_of
+from ..core.surgery import Target, plan_targets
+from ..errors import UpcycleError
+from ..methods import LayerLayout, Method
+from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
+from .calibration import _first_block_inputs
+from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
+from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
+from .shards import CheckpointReader, ShardedWriter
+from .skeleton import empty_model, planned_model, tensor_specs
+
+
+class NotStreamable(UpcycleError):
+    """The checkpoint cannot be read tensor by tensor (no safetensors, or names the model does not have)."""
+
+
+@dataclass
+class StreamSource:
+    """A dense checkpoint opened for streaming: its reader, the weightless model and the name map."""
+
+    reader: CheckpointReader
+    model: nn.Module
+    names: dict[str, str]
+    dtype: torch.dtype
+
+    @classmethod
+    def open(cls, path: str | Path, config, dtype: torch.dtype, *, model: nn.Module | None = None
+             ) -> StreamSource:
+        """`model`: the weightless model to read into (default: the dense model of `config`)."""
+        try:
+            reader = CheckpointReader(path)
+        except UpcycleError as e:
+            raise NotStreamable(str(e)) from None
+        model = model if model is not None else empty_model(config, dtype)
+        names, missing = checkpoint_names(model, reader)
+        if missing:
+            raise NotStreamable(f"{path}: the checkpoint's tensor names do not match {type(model).__name__}'s "
+                                f"({len(missing)} not found, e.g. {missing[:3]})")
+        return cls(reader, model, names, dtype)
+
+    def first_inputs(self, towers: dict, batches: list[dict]) -> dict:
+        """The inputs of each tower's first block, running whatever blocks come before it from disk."""
+        with blocks_on_demand(self.model, self.reader, self.names, self.dtype):
+            return _first_block_inputs(self.model, towers, batches)
+
+
+def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
+                   layout_of, promised: bool, probe: Probe | None, calibration: list[dict] | None,
+                   max_shard_bytes: int, export=None, progress: bool = True
+                   ) -> tuple[BlockwiseResult, list[Target], nn.Module]:
+    """Convert block by block into `directory`: the upcycle layout (the model's own tensor names), or with
+    `export` (an `export.Target`) the stock class's layout. Returns the per-layer results, the targets and the
+    planned (weightless) MoE model."""
+    from .export import export_specs, export_state_dict
+
+    model, reader, names, dtype = source.model, source.reader, source.names, source.dtype
+    family = family_of(model.config)
+    targets = plan_targets(model, cfg.placement)
+    planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
+    specs = tensor_specs(planned) if export is None else export_specs(planned, export)
+    planned_dtype = {name: dt for name, _, dt in specs}
+    probe_batches = [probe.inputs] if probe is not None else None
+    replay = bool(probe_batches or calibration)
+    if replay:
+        materialize_trunk(model, reader, names, dtype)
+    writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes)
+    block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
+
+    def write(name: str, tensor: torch.Tensor) -> None:
+        writer.write(name, tensor.to(planned_dtype[name]))
+
+    def before_block(path: str, block: nn.Module) -> None:
+        materialize(block, path + ".", reader, names, dtype)
+
+    def after_block(visit: BlockVisit, block: nn.Module, built) -> None:
+        prefix = visit.path + "."
+        if built is not None:
+            family.install(block, built)
+        if visit.needs_compute:
+            tensors = (((prefix + n, t) for n, t in block.state_dict().items()) if export is None else
+                       export_state_dict(model, export, prefix)[0].items())
+            for name, tensor in tensors:
+                write(name, tensor)
+            release(block)
+            return
+        if export is not None:          # the stock layout renames and adds tensors: through the block itself
+            materialize(block, prefix, reader, names, dtype)
+            for name, tensor in export_state_dict(model, export, prefix)[0].items():
+                write(name, tensor)
+            release(block)
+            return
+        for name in (n for n in planned_dtype if n.startswith(prefix)):   # a block nothing runs: copied
+            write(name, reader.get(names[name]))
+
+    try:
+        result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
+                                probe_batches=probe_batches, calibration=calibration, before_block=before_block,
+                                after_block=after_block, first_inputs=source.first_inputs, progress=progress)
+        for name in planned_dtype:
+            if not any(name.startswith(p + ".") for p in block_paths):
+                write(name, reader.get(names[name]))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return result, targets, planned
+
+
+@contextlib.contextmanager
+def _reordered(model: nn.Module, paths: list[str]):
+    """While active, each block at `paths` computes its FFN with `ReorderedFFN` (after its weights are read)."""
+    family = family_of(model.config)
+    handles = []
+    for path in paths:
+        block = model.get_submodule(path)
+        tower = next(t for t in family.towers_of(model.config).values() if t.layers in path)
+        from ..core.architectures import tower_config
+
+        tcfg = tower_config(model.config, tower)
+
+        def swap(module, args, kwargs, tcfg=tcfg):
+            module._upcycle_saved = {m: dict(m._modules) for m in module.modules()}
+            family.install(module, ReorderedFFN(family.extract(module, tcfg)))
+
+        def restore(module, args, kwargs, output):
+            for m, children in module._upcycle_saved.items():
+                m._modules.clear()
+                m._modules.update(children)
+            del module._upcycle_saved
+
+        # registered after blocks_on_demand's hooks: runs after the read, and before the release
+        handles += [block.register_forward_pre_hook(swap, with_kwargs=True),
+                    block.register_forward_hook(restore, with_kwargs=True, prepend=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def lazy_probe_output(source: StreamSource, probe: Probe, reordered: list[str] | None = None) -> ProbeOutput:
+    """The probe through the whole model, each block read from disk for its forward and released after it;
+    with `reordered`, those blocks' FFNs summed in another order (the rounding-noise run)."""
+    model = source.model
+    materialize_trunk(model, source.reader, source.names, source.dtype)
+    with blocks_on_demand(model, source.reader, source.names, source.dtype), \
+            (_reordered(model, reordered) if reordered else contextlib.nullcontext()):
+        return probe_output(model, probe)
+
+
+def layout_function(method: Method, args: dict):
+    """dense FFN -> LayerLayout, from the method's declaration."""
+    def layout_of(dense) -> LayerLayout:
+        return method.layout(dense.intermediate_size, args)
+    return layout_of
+
+
+def _end_to_end_wanted(setting, output_bytes: int) -> bool:
+    """check.end_to_end: true/false as given; auto when the output would fit in the memory available now."""
+    if setting != "auto":
+        return bool(setting)
+    import psutil
+
+    return output_bytes <= psutil.virtual_memory().available
+
+
+def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
+                      tokenizer, probe: Probe, calibration: list[dict] | None, promised: bool,
+                      progress: bool = True) -> dict:
+    """The streaming conversion into `directory` (an atomic temporary folder): configs, shards, and what the
+    report needs (the converter assembles it). With `export: hf` the shards are in the stock class's layout and
+    the end-to-end check loads that checkpoint with plain transformers."""
+    from .io import moe_spec, save_configs
+    from .preservation import compare, count_parameters
+    from .shards import parse_size
+    from .skeleton import output_bytes
+
+    timings = {"dense_probe": 0.0, "rounding_noise": 0.0}
+    layout_of = layout_function(method, args)
+    targets = plan_targets(source.model, cfg.placement)
+    planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=source.dtype)
+    end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
+    dense_out = noise = None
+    if end_to_end:
+        t = time.perf_counter()
+        dense_out = lazy_probe_output(source, probe)
+        timings["dense_probe"] = time.perf_counter() - t
+        if promised:
+            t = time.perf_counter()
+            reordered = lazy_probe_output(source, probe, reordered=[t_.path for t_ in targets])
+            noise = (dense_out.values_NC - reordered.values_NC).abs().max().item()
+            timings["rounding_noise"] = time.perf_counter() - t
+    before = count_parameters(source.model)
+    export = why_not_hf = None
+    if cfg.export == "hf":
+        from tqdm.auto import tqdm
+
+        from .export import export_target
+
+        try:
+            export = export_target(planned, cfg.export_class)      # decided here, before a tensor is written
+        except UpcycleError as e:
+            if cfg.export_class != "auto":
+                raise                      # a class the user named that does not fit is an error
+            why_not_hf = str(e)
+            tqdm.write(f"[upcycle] not exported to a stock class: {e}")
+    result, targets, planned = stream_convert(source, cfg, method, args, directory, layout_of=layout_of,
+                                              promised=promised, probe=probe, calibration=calibration,
+                                              max_shard_bytes=parse_size(cfg.shard_size), export=export,
+                                              progress=progress)
+    if export is None:
+        save_configs(planned, directory, moe_spec(planned), tokenizer)
+    else:
+        from .export import write_stock_configs
+
+        write_stock_configs(planned, export, directory, tokenizer)
+    measured = None
+    if end_to_end:
+        t = time.perf_counter()
+        if export is None:
+            written = StreamSource.open(directory, planned.config, source.dtype, model=planned)
+            measured = compare(dense_out, lazy_probe_output(written, probe))
+        else:
+            measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype))
+        timings["end_to_end_check"] = time.perf_counter() - t
+    return {"result": result, "targets": targets, "before": before, "after": count_parameters(planned),
+            "planned": planned, "measured": measured, "noise": noise, "timings": timings, "export": export,
+            "why_not_hf": why_not_hf}
+
+
+@torch.no_grad()
+def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype) -> ProbeOutput:
+    """The probe through the written stock checkpoint, loaded whole with plain transformers (only run when
+    the output fits in memory: check.end_to_end)."""
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    return probe_output(stock, probe)

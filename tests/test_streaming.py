@@ -1,0 +1,114 @@
+"""Streaming conversion (issue 13): a dense checkpoint read tensor by tensor and the output written shard by
+shard, one block in memory, gives the same tensors and the same per-layer reports as converting the model loaded
+whole; the written folder loads and computes what the in-memory model computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import upcycle
+from conftest import make_tiny, write_tiny_lm
+from test_calibration import batches_for
+from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.config import CheckConfig, PlacementConfig
+from upcycle.conversion.shards import INDEX_FILE, CheckpointReader
+from upcycle.errors import UpcycleError
+
+
+def _tensors(folder):
+    reader = CheckpointReader(folder)
+    return {name: reader.get(name) for name in reader.names()}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The tiny Llama of conftest saved by transformers as 3 shards, and its probe text."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("stream")
+    dense, _, held = write_tiny_lm(root)
+    sharded = root / "sharded"
+    AutoModelForCausalLM.from_pretrained(dense).save_pretrained(sharded, max_shard_size="80KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((dense / name).read_bytes())
+    assert len(set(json.loads((sharded / INDEX_FILE).read_text())["weight_map"].values())) == 3
+    return sharded, held
+
+
+@pytest.mark.parametrize("method", ["copy", "drop", "spri"])
+def test_streaming_writes_the_in_memory_conversion_byte_for_byte(sharded, tmp_path, method):
+    source, held = sharded
+    outs, reports = {}, {}
+    for streaming in (True, False):
+        cfg = ConvertConfig(model=str(source), method=method, moe=MoEConfig(num_experts=4, top_k=2),
+                            placement=PlacementConfig(every=2), check=CheckConfig(text=str(held)),
+                            streaming=streaming, shard_size="100KB")
+        out = tmp_path / f"out-{streaming}"
+        reports[streaming] = convert(cfg, out, progress=False).report.to_dict()
+        outs[streaming] = out
+    assert reports[True]["streamed"] and not reports[False]["streamed"]
+    assert len(list(outs[True].glob("model-*.safetensors"))) >= 3 and (outs[True] / INDEX_FILE).exists()
+    streamed, in_memory = _tensors(outs[True]), _tensors(outs[False])
+    assert streamed.keys() == in_memory.keys()
+    for name, tensor in in_memory.items():
+        assert streamed[name].dtype == tensor.dtype and torch.equal(streamed[name], tensor), name
+    # the per-layer reports, checks included, are the same numbers (the same arithmetic on the same inputs)
+    assert reports[True]["layers"] == reports[False]["layers"]
+    assert all("max_abs_diff" in layer for layer in reports[True]["layers"])
+    for key in ("parameters", "moe_layers", "max_abs_logit_diff", "kl_to_dense"):
+        assert reports[True][key] == reports[False][key], key
+    # the streamed folder loads and computes what the in-memory conversion's folder computes
+    a, b = upcycle.load(outs[True]), upcycle.load(outs[False])
+    ids = torch.arange(3, 35).reshape(2, 16)
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+
+
+def test_streaming_cluster_matches_the_in_memory_conversion(tmp_path):
+    """Calibration replayed block by block from disk gives the same activations, hence the same experts."""
+    model_dir = tmp_path / "m"
+    make_tiny("llama").save_pretrained(model_dir)
+    from safetensors.torch import save_file
+
+    batches = batches_for("llama")
+    calib = tmp_path / "calib.safetensors"
+    save_file({k: torch.cat([b[k] for b in batches]) for k in batches[0]}, str(calib))
+    outs = {}
+    for streaming in (True, False):
+        cfg = ConvertConfig(model=str(model_dir), method="cluster", moe=MoEConfig(num_experts=4, top_k=2),
+                            streaming=streaming)
+        cfg = type(cfg)(**{**cfg.__dict__, "calibration": type(cfg.calibration)(data=str(calib), tokens=200,
+                                                                                  batch_size=4)})
+        convert(cfg, tmp_path / f"out-{streaming}", progress=False)
+        outs[streaming] = _tensors(tmp_path / f"out-{streaming}")
+    assert outs[True].keys() == outs[False].keys()
+    for name in outs[False]:
+        assert torch.equal(outs[True][name], outs[False][name]), name
+
+
+def test_a_broken_promise_is_refused_per_layer_and_nothing_is_written(sharded, tmp_path, monkeypatch):
+    """A promised method whose experts drift fails the per-layer check while streaming; OUT never appears."""
+    from upcycle.conversion.report import PreservationError
+    from upcycle.methods import METHODS, registry
+
+    source, held = sharded
+    copy = METHODS["copy"]
+    broken = registry.Method(**{**copy.__dict__, "fn": METHODS["noise"].fn, "args": METHODS["noise"].args})
+    monkeypatch.setitem(METHODS, "copy", broken)
+    cfg = ConvertConfig(model=str(source), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                        check=CheckConfig(text=str(held), end_to_end=False), streaming=True)
+    with pytest.raises(PreservationError, match=r"MoE layer text\.\d+ differs from the dense FFN"):
+        convert(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_streaming_true_refuses_what_cannot_stream(tmp_path):
+    model_dir = tmp_path / "m"
+    make_tiny("llama").save_pretrained(model_dir, safe_serialization=True)
+    (model_dir / "model.safetensors").rename(model_dir / "weights.bin")
+    cfg = ConvertConfig(model=str(model_dir), method="copy", moe=MoEConfig(num_experts=4, top_k=2), streaming=True)
+    with pytest.raises(UpcycleError, match="cannot stream"):
+        convert(cfg, tmp_path / "out", progress=False)
