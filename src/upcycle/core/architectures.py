@@ -3,7 +3,8 @@ pipeline must know about the family.
 
 DESIGN principle 1: methods never see model classes. An adapter maps a family's FFN module to the canonical
 `FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row: the
-rest of the package reads what it needs from the row and names no family. A row states
+rest of the package reads what it needs about a family from its row (tests/test_architectures.py adds two
+families at test time that way). A row states
   - its model types, and per tower: the block list, the model input it reads (token ids or pixels, so the probe
     and the input checks know what to feed), whether it has a padding mask (and which module receives it), and
     the sub-config holding its sizes;
@@ -81,7 +82,7 @@ class Family:
     stock_exports: dict[str, tuple[str, ...]] | None = None
     # the transformers Auto class a dense checkpoint without a known architecture class loads with
     auto_class: str = "AutoModelForCausalLM"
-    # the outputs the preservation check compares, first returned first (LM_OUTPUTS)
+    # the outputs the preservation check compares, in order of preference: the first one the model returns counts
     outputs: tuple[tuple[str, bool], ...] = LM_OUTPUTS
     # model types that train on another task than next-token prediction (`upcycle.train.tasks.TASKS`)
     tasks_by_type: dict[str, str] | None = None
