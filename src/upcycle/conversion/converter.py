@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import EXPORTS, ConvertConfig, to_dict
-from ..core.architectures import family_of
+from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..core.moe import MoELayer
 from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
 from ..data.assets import DEFAULT_MODEL_NAMES
@@ -84,32 +84,35 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
 
 
 def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
-    """Refuse, before the weights load, data the model cannot take: text for a model with a vision tower
-    (CLIP calibrates on image-caption pairs), text without a tokenizer, model inputs lacking a tower's input,
-    and a probe text file that would silently be replaced by random ids."""
-    towers = family_of(config).towers_of(config)
+    """Refuse, before the weights load, data the model cannot take (each tower's input is in its row of the
+    architecture table): text for a model with an image tower (it calibrates on image-caption pairs), text
+    without a tokenizer, model inputs lacking a tower's input, and a probe text file that would silently be
+    replaced by random ids."""
+    family = family_of(config)
+    towers = family.towers_of(config)
+    reads = list(dict.fromkeys(tower.input for tower in towers.values()))     # each input once, in tower order
     name = cfg.model
     if cfg.check.text is not None and tokenizer is None:
         raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} has no tokenizer to read "
                            f"it with (add the tokenizer files to the model folder, or leave out --probe-text to "
                            f"probe with seeded random token ids)")
-    if cfg.check.text is not None and "text" not in towers:
+    if cfg.check.text is not None and TOKEN_IDS not in reads:
         raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} is a vision model and "
                            f"takes no text")
     if calibration_data is None:
         return
     if isinstance(calibration_data[0], dict):      # model inputs from a .safetensors file
-        needed = {"vision": "pixel_values", "text": "input_ids"}
-        missing = [needed[t] for t in towers if needed[t] not in calibration_data[0]]
+        missing = [key for key in reads if key not in calibration_data[0]]
         if missing:
             raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} ({config.model_type}, "
                                f"towers {', '.join(towers)}) needs {' and '.join(missing)} in every batch")
         return
-    if "vision" in towers:
-        kind = "a two-tower CLIP model" if "text" in towers else "a vision model"
+    if PIXELS in reads:
+        text = TOKEN_IDS in reads
+        kind = f"a two-tower {family.display_name} model" if text else "a vision model"
         raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} is {kind}, which calibrates "
                            f"on images, not text: pass image-caption pairs as a .safetensors file of model inputs "
-                           f"(pixel_values{', input_ids, attention_mask' if 'text' in towers else ''})")
+                           f"({PIXELS}{f', {TOKEN_IDS}, attention_mask' if text else ''})")
     if tokenizer is None:
         raise UpcycleError(f"model {name!r} has no tokenizer, so calibration text cannot be tokenized; "
                            f"pass model inputs as a .safetensors file (input_ids, attention_mask)")

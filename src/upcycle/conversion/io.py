@@ -25,6 +25,7 @@ import transformers
 from torch import nn
 
 from ..core.moe import MoELayer, moe_layers
+from ..core.stock_moe import STOCK_MOE_TYPES
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
 from .shards import DEFAULT_MAX_SHARD_BYTES, CheckpointReader, ShardedWriter
@@ -118,7 +119,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     if not spec_file.exists():
         model_type = json.loads((path / "config.json").read_text()).get("model_type") \
             if (path / "config.json").exists() else None
-        if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        if model_type in STOCK_MOE_TYPES:
             raise UpcycleError(f"{path} is a stock transformers {model_type} checkpoint (upcycle --export hf): "
                                "load it with transformers.AutoModelForCausalLM.from_pretrained")
         raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")

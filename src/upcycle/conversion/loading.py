@@ -17,7 +17,7 @@ import torch
 import transformers
 from torch import nn
 
-from ..core.architectures import family_of
+from ..core.architectures import family_of, find_family
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
 from ..data.assets import resolve_model_name
@@ -108,26 +108,27 @@ def load_model(name: str) -> tuple[nn.Module, object | None]:
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether the model predicts the next token: a class of transformers' causal-LM table, and for encoder
-    families (BERT's LM-head class) only when configured as a decoder, since otherwise it attends both ways and
-    `labels = input_ids` would be an identity task."""
+    """Whether the model predicts the next token: a class of transformers' causal-LM table, and for families that
+    attend both ways (BERT's LM-head class; `bidirectional` in the architecture table) only when configured as a
+    decoder, since otherwise `labels = input_ids` would be an identity task."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
     if type(model).__name__ not in names:
         return False
-    return getattr(model.config, "model_type", None) not in ("bert",) or bool(getattr(model.config, "is_decoder",
-                                                                                       False))
+    family = find_family(model.config)      # None for stock MoE checkpoints: decoders
+    return family is None or not family.bidirectional or bool(getattr(model.config, "is_decoder", False))
 
 
 def task_of(model: nn.Module, requested: str | None = None) -> str:
-    """The task a model trains on: CLIP models contrastively, causal LMs on next tokens; anything else (a BERT
-    encoder, a masked-LM head) is refused rather than trained on a task that means nothing for it."""
-    if getattr(model.config, "model_type", None) == "clip":
-        kind = "clip"
-    elif is_causal_lm(model):
+    """The task a model trains on: the one its architecture row names for its type (CLIP models: contrastive),
+    else next tokens for causal LMs; anything else (a BERT encoder, a masked-LM head) is refused rather than
+    trained on a task that means nothing for it."""
+    family = find_family(model.config)
+    kind = family.task_of(model.config) if family is not None else None
+    if kind is None and is_causal_lm(model):
         kind = "causal_lm"
-    else:
+    if kind is None:
         raise UpcycleError(f"{type(model).__name__} ({model.config.model_type}) is not a causal language model or "
                            f"CLIP: `upcycle train` and `upcycle eval` know next-token prediction and CLIP's "
                            f"contrastive task; masked-LM training and pseudo-perplexity are not implemented, and "
@@ -138,10 +139,13 @@ def task_of(model: nn.Module, requested: str | None = None) -> str:
 
 
 def check_sequence_length(model: nn.Module, sequence_length: int) -> None:
-    """Refuse rows longer than a learned position table (GPT-2's `wpe`, `position_embeddings`), which would
-    index past its end; rotary models (Llama, Qwen) have no table and may extrapolate, so they are not capped."""
+    """Refuse rows longer than a learned position table (the architecture row's `position_tables`: GPT-2's `wpe`,
+    BERT's `position_embeddings`), which would index past its end; rotary models (Llama, Qwen) have no table and
+    may extrapolate, so they are not capped."""
+    family = find_family(model.config)
+    names = family.position_tables if family is not None else ()
     tables = [m.num_embeddings for name, m in model.named_modules()
-              if isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in ("wpe", "position_embeddings")]
+              if isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in names]
     if tables and sequence_length > min(tables):
         raise UpcycleError(f"sequence_length {sequence_length} is longer than the {min(tables)} positions "
                            f"{type(model).__name__} has; use --sequence-length {min(tables)} or less")

