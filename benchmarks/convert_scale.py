@@ -9,7 +9,8 @@ Runs, each as a fresh process under GNU time (its peak RSS is its own, `Maximum 
   cluster   the same with `--method cluster` and 16K calibration tokens (random ids, a .safetensors of inputs)
   mergekit  on the 1B checkpoint: `mergekit-moe` with 8 copies of the model and `gate_mode: random` (every block
             MoE: mergekit has no placement option), next to ours with `--every 1 --export hf
-            --export-class mixtral`, which writes the same Mixtral checkpoint. mergekit (0.1.5) lives in its own
+            --export-class mixtral --set streaming=true --set check.end_to_end=false`, which writes the same
+            Mixtral checkpoint (mergekit checks nothing; ours still checks every layer). mergekit (0.1.5) lives in its own
             virtual environment, built in the cache on first use (`pip install torch==2.13.0 mergekit`, minutes),
             never a dependency of the project.
 Every output is deleted after it is measured (the 2B conversion writes about 15 GB).
@@ -208,8 +209,10 @@ def main() -> None:
     if not a.no_mergekit:
         ckpt = checkpoint("1b")
         dense = folder_bytes(ckpt)
+        # streamed straight into Mixtral's layout; no end-to-end check (mergekit runs none; ours still checks
+        # every layer against the dense FFN)
         ours = run_upcycle(ckpt, work / "1b-mixtral", "copy", "--every", "1", "--export", "hf",
-                           "--export-class", "mixtral")
+                           "--export-class", "mixtral", "--set", "streaming=true", "--set", "check.end_to_end=false")
         theirs = run_mergekit(ckpt, work / "1b-mergekit")
         results["mergekit"] = [{"tool": "upcycle", "dense_bytes": dense, **ours},
                                {"tool": "mergekit-moe", "dense_bytes": dense, **theirs}]

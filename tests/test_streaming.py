@@ -112,3 +112,58 @@ def test_streaming_true_refuses_what_cannot_stream(tmp_path):
     cfg = ConvertConfig(model=str(model_dir), method="copy", moe=MoEConfig(num_experts=4, top_k=2), streaming=True)
     with pytest.raises(UpcycleError, match="cannot stream"):
         convert(cfg, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_wrong_architecture_row_fails_the_per_layer_check(tmp_path, monkeypatch, streaming):
+    """An extraction that does not compute the model's own MLP (here: the wrong activation) passes the
+    end-to-end check, whose allowance is measured with the same extraction, but not the per-layer check, whose
+    reference is the model's own FFN module."""
+    import dataclasses
+
+    from upcycle.conversion.report import PreservationError
+    from upcycle.core import architectures
+
+    model_dir = tmp_path / "m"
+    make_tiny("llama").save_pretrained(model_dir)
+    row = next(f for f in architectures.FAMILIES if "llama" in f.model_types)
+
+    def wrong(block, cfg):
+        return dataclasses.replace(row.extract(block, cfg), activation="gelu")
+
+    monkeypatch.setattr(architectures, "FAMILIES", tuple(dataclasses.replace(f, extract=wrong) if f is row else f
+                                                         for f in architectures.FAMILIES))
+    cfg = ConvertConfig(model=str(model_dir), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                        streaming=streaming)
+    with pytest.raises(PreservationError, match="differs from the dense FFN it replaces"):
+        convert(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("export_class, every", [("mixtral", 1), ("qwen2_moe", 2)])
+def test_a_streamed_stock_export_equals_the_in_memory_one(tmp_path, export_class, every):
+    """With --export hf and streaming: true the shards are written in the stock class's layout directly; plain
+    transformers loads them, and they hold the tensors the in-memory export writes."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "m"
+    make_tiny("llama").save_pretrained(model_dir)
+    outs = {}
+    for streaming in (True, False):
+        cfg = ConvertConfig(model=str(model_dir), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                            placement=PlacementConfig(every=every), export="hf", export_class=export_class,
+                            streaming=streaming)
+        report = convert(cfg, tmp_path / f"out-{streaming}", progress=False).report
+        assert report["export"]["class"] == AutoModelForCausalLM.from_pretrained(
+            tmp_path / f"out-{streaming}").__class__.__name__
+        outs[streaming] = tmp_path / f"out-{streaming}"
+    assert report["streamed"] is False          # the last one ran in memory
+    a, b = _tensors(outs[True]), _tensors(outs[False])
+    assert a.keys() == b.keys()
+    for name in b:
+        assert torch.equal(a[name], b[name]), name
+    ids = torch.arange(3, 35).reshape(2, 16)
+    with torch.no_grad():
+        la = AutoModelForCausalLM.from_pretrained(outs[True])(input_ids=ids).logits
+        lb = AutoModelForCausalLM.from_pretrained(outs[False])(input_ids=ids).logits
+    assert torch.equal(la, lb)

@@ -88,8 +88,9 @@ def visits(model: nn.Module, family: Family, targets: list[Target], *, replay: b
     return out
 
 
-def _masks(batches: list[dict], tower: str) -> list[torch.Tensor | None]:
-    return [b.get("attention_mask") if tower != "vision" else None for b in batches]
+def _masks(batches: list[dict], tower) -> list[torch.Tensor | None]:
+    """Each batch's padding mask for a tower that has one (the architecture table says), else None."""
+    return [b.get("attention_mask") if tower.padding_mask else None for b in batches]
 
 
 @torch.no_grad()
@@ -132,12 +133,21 @@ def _visit(visit, block, model, family, method, args, cfg, promised, probe_state
     if target is not None and calibration:
         key = zlib.crc32(f"calibration:{cfg.seed}:{target.tower}:{target.index}".encode())
         reservoir = Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(key))
+    tower = family.towers_of(model.config)[visit.tower]
     t = time.perf_counter()
     if probe_states:
-        _replay(block, probe_states[visit.tower], _masks(probe_batches, visit.tower), ffn, probe_rows)
+        outputs: list[torch.Tensor] = []      # the model's own FFN output (the probe has no padding: all rows)
+        hook = (family.ffn_output(block).register_forward_hook(
+            lambda module, args, out: outputs.append(out.detach().reshape(-1, out.shape[-1])))
+            if target is not None else None)
+        try:
+            _replay(block, probe_states[visit.tower], _masks(probe_batches, tower), ffn, probe_rows)
+        finally:
+            if hook is not None:
+                hook.remove()
     tc = time.perf_counter()
     if calib_states:
-        _replay(block, calib_states[visit.tower], _masks(calibration, visit.tower), ffn, reservoir)
+        _replay(block, calib_states[visit.tower], _masks(calibration, tower), ffn, reservoir)
     result.timings["calibration"] += time.perf_counter() - tc
     result.timings["check"] += tc - t
     if target is None:
@@ -164,7 +174,11 @@ def _visit(visit, block, model, family, method, args, cfg, promised, probe_state
     result.timings["upcycle"] += time.perf_counter() - t
     if probe_rows is not None:
         t = time.perf_counter()
-        entry.check = layer_check(dense, layer, probe_rows.sample(), cfg.check, promised=promised)
+        reference = torch.cat(outputs) if outputs else None
+        x = probe_rows.sample()
+        entry.check = layer_check(dense, layer, x, cfg.check, promised=promised,
+                                  reference_ND=reference if reference is not None and len(reference) == len(x)
+                                  else None)
         result.timings["check"] += time.perf_counter() - t
     result.layers.append(entry)
     return layer

@@ -101,11 +101,12 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
 
 
 @torch.no_grad()
-def probe_output(model: nn.Module, probe: Probe) -> ProbeOutput:
-    """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens."""
+def probe_output(model: nn.Module, probe: Probe, outputs: tuple | None = None) -> ProbeOutput:
+    """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens;
+    `outputs` for a model outside the table (a stock MoE export compared with its dense source)."""
     with eval_mode(model):
         out = model(**probe.inputs)
-    outputs = family_of(model.config).outputs
+    outputs = outputs or family_of(model.config).outputs
     name, dist = next(((n, d) for n, d in outputs if getattr(out, n, None) is not None), (None, False))
     if name is None:
         raise UpcycleError(f"{type(model).__name__} returns none of the outputs its architecture row compares "

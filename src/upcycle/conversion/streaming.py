@@ -247,7 +247,8 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
             written = StreamSource.open(directory, planned.config, source.dtype, model=planned)
             measured = compare(dense_out, lazy_probe_output(written, probe))
         else:
-            measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype))
+            measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype,
+                                                             family_of(source.model.config).outputs))
         timings["end_to_end_check"] = time.perf_counter() - t
     return {"result": result, "targets": targets, "before": before, "after": count_parameters(planned),
             "planned": planned, "measured": measured, "noise": noise, "timings": timings, "export": export,
@@ -255,10 +256,10 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
 
 
 @torch.no_grad()
-def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype) -> ProbeOutput:
+def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype, outputs: tuple) -> ProbeOutput:
     """The probe through the written stock checkpoint, loaded whole with plain transformers (only run when
     the output fits in memory: check.end_to_end)."""
     from transformers import AutoModelForCausalLM
 
     stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
-    return probe_output(stock, probe)
+    return probe_output(stock, probe, outputs)

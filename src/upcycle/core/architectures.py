@@ -77,6 +77,9 @@ class Family:
     towers_by_type: dict[str, dict[str, Tower]] | None = None
     # the module of a block whose first input is the FFN's input (calibration captures it there)
     ffn_input: Callable[[nn.Module], nn.Module] = lambda block: block.mlp
+    # the module of a block whose output is the FFN's output (the per-layer check compares the MoE layer with it,
+    # so an extraction that does not compute the model's own MLP is caught)
+    ffn_output: Callable[[nn.Module], nn.Module] = lambda block: block.mlp
     # stock transformers MoE classes that compute an upcycled model of each source model type (`--export hf`),
     # the first being `auto`'s choice; a type not listed has none (the upcycle format is its output)
     stock_exports: dict[str, tuple[str, ...]] | None = None
@@ -173,7 +176,8 @@ FAMILIES = (
     Family("gpt2", ("gpt2",), {"text": Tower("h", 1)}, _gpt2_extract, _set_mlp,
            output_dropout=lambda cfg: cfg.resid_pdrop, position_tables=("wpe",)),
     Family("bert", ("bert",), {"text": Tower("encoder.layer", 2)}, _bert_extract, _bert_install,
-           ffn_input=lambda block: block.intermediate, auto_class="AutoModel", bidirectional=True,
+           ffn_input=lambda block: block.intermediate, ffn_output=lambda block: block.output.dense,
+           auto_class="AutoModel", bidirectional=True,
            position_tables=("position_embeddings",)),
     # CLIPModel compares its image-text similarities, so both towers count; it trains contrastively. Its text
     # tower's position table is not listed: the CLIP task caps captions by `text_config` itself.
