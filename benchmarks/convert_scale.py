@@ -10,9 +10,9 @@ Runs, each as a fresh process under GNU time (its peak RSS is its own, `Maximum 
   mergekit  on the 1B checkpoint: `mergekit-moe` with 8 copies of the model and `gate_mode: random` (every block
             MoE: mergekit has no placement option), next to ours with `--every 1 --export hf
             --export-class mixtral --set streaming=true --set check.end_to_end=false`, which writes the same
-            Mixtral checkpoint (mergekit checks nothing; ours still checks every layer). mergekit (0.1.5) lives in its own
-            virtual environment, built in the cache on first use (`pip install torch==2.13.0 mergekit`, minutes),
-            never a dependency of the project.
+            Mixtral checkpoint (mergekit checks nothing; ours still checks every layer). mergekit (0.1.5) lives
+            in its own virtual environment, built in the cache on first use (`pip install torch==2.13.0
+            mergekit`, minutes), never a dependency of the project.
 Every output is deleted after it is measured (the 2B conversion writes about 15 GB).
 
 Targets (issue 13): data-free methods peak at most 1.5 GB + 2 x the largest MoE layer's output, flat in model size;
