@@ -30,6 +30,7 @@ from .blockwise import convert_blocks
 from .calibration import real_tokens, tensor_batches, text_batches
 from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import save
+from .layer_check import layer_probe
 from .loading import DTYPES, dense_config, dense_weights, load_model, load_tokenizer
 from .preservation import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
 from .report import (
@@ -204,7 +205,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
             built[visit.path] = layer
 
     result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
-                            probe_batches=[probe.inputs], calibration=calibration,
+                            probe_batches=[layer_probe(probe.inputs)], calibration=calibration,
                             before_block=lambda path, block: None, after_block=keep, progress=progress)
     layers = result.layers
     # Install only once every layer is built: a method failing on any layer leaves the model untouched.

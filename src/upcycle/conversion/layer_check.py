@@ -25,6 +25,18 @@ from ..core.moe import MoELayer
 from .preservation import ReorderedFFN, preservation_tolerance
 from .report import LayerCheck
 
+# Tokens of the probe the per-layer check replays (its first rows): enough to see a broken expert, and the
+# replay through every block up to the last MoE layer costs a forward of them (slow in bfloat16 on a CPU).
+LAYER_CHECK_TOKENS = 256
+
+
+def layer_probe(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The first rows of the probe batch holding about LAYER_CHECK_TOKENS tokens (at least one row)."""
+    first = next(iter(inputs.values()))
+    per_row = first.shape[1] if "input_ids" in inputs and first.dim() == 2 else 1
+    rows = max(1, LAYER_CHECK_TOKENS // max(per_row, 1))
+    return {k: v[:rows] for k, v in inputs.items()}
+
 
 @torch.no_grad()
 def layer_check(dense: FFNWeights, layer: MoELayer, x_ND: torch.Tensor, check: CheckConfig, *,

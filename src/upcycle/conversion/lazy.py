@@ -128,6 +128,7 @@ def blocks_on_demand(model: nn.Module, reader: CheckpointReader, names: dict[str
 
         def free(module, args, kwargs, output):
             release(module)
+            reader.close()          # unmaps the files: pages read for this block leave the process
 
         handles += [block.register_forward_pre_hook(load, with_kwargs=True),
                     block.register_forward_hook(free, with_kwargs=True)]

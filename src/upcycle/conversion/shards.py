@@ -101,6 +101,7 @@ class CheckpointReader:
         return sum(numel_of(self.shape(n)) * _element_size(self.dtype(n)) for n in self.file_of)
 
     def close(self) -> None:
+        """Drop the open files (and their memory maps); the next read opens them again (a header parse)."""
         self._open.clear()
 
 

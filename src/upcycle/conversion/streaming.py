@@ -29,6 +29,7 @@ from ..errors import UpcycleError
 from ..methods import LayerLayout, Method
 from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
 from .calibration import _first_block_inputs
+from .layer_check import layer_probe
 from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
 from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
 from .shards import CheckpointReader, ShardedWriter
@@ -84,7 +85,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
     specs = tensor_specs(planned) if export is None else export_specs(planned, export)
     planned_dtype = {name: dt for name, _, dt in specs}
-    probe_batches = [probe.inputs] if probe is not None else None
+    probe_batches = [layer_probe(probe.inputs)] if probe is not None else None
     replay = bool(probe_batches or calibration)
     if replay:
         materialize_trunk(model, reader, names, dtype)
@@ -107,15 +108,18 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             for name, tensor in tensors:
                 write(name, tensor)
             release(block)
+            reader.close()      # unmaps the files: pages read for this block leave the process
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
             materialize(block, prefix, reader, names, dtype)
             for name, tensor in export_state_dict(model, export, prefix)[0].items():
                 write(name, tensor)
             release(block)
+            reader.close()
             return
         for name in (n for n in planned_dtype if n.startswith(prefix)):   # a block nothing runs: copied
             write(name, reader.get(names[name]))
+        reader.close()
 
     try:
         result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
