@@ -316,7 +316,7 @@ def _stream_source(cfg: ConvertConfig, path: str, config):
     folder without safetensors; names that do not match)."""
     if cfg.streaming is False:
         return None
-    from .streaming import NotStreamable, StreamSource
+    from .streaming import COMPUTE_DTYPE, NotStreamable, StreamSource
 
     why = None
     if not Path(path).is_dir():
@@ -327,7 +327,7 @@ def _stream_source(cfg: ConvertConfig, path: str, config):
         return None
     else:
         try:
-            return StreamSource.open(path, config, DTYPES[cfg.dtype])
+            return StreamSource.open(path, config, COMPUTE_DTYPE)
         except NotStreamable as e:
             why = str(e)
     if cfg.streaming is True:

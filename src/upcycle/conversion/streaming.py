@@ -8,6 +8,13 @@ conversion (`blockwise.py`), converted, written into the output's shards at thei
 Memory: the trunk, one dense block and its MoE layer, the method's working set for that layer, and (for
 data-aware methods) the calibration batches' hidden states at one depth; never the whole model or output.
 
+Dtypes: `dtype` is what the output stores; the blocks are read, replayed, converted and checked in float32
+(`COMPUTE_DTYPE`), the MoE layer cast to the storage dtype as it is written. Methods do their linear algebra in
+float32 anyway, and on a CPU bfloat16 matmuls are an order of magnitude slower than float32 ones (the
+calibration replay of a 2B model in bfloat16 would take hours). The in-memory path computes in `dtype`; both
+write the same bytes for copy, noise, drop, drop_svd, spri and granular (their float32 results are rounded once,
+to the storage dtype); data-aware methods see float32 activations here.
+
 The end-to-end check (`end_to_end_output`) runs a whole model the same way, one block at a time from disk, so it
 is possible at any size; it costs another read of the dense checkpoint and of the output.
 """
@@ -31,9 +38,12 @@ from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
 from .calibration import _first_block_inputs
 from .layer_check import layer_probe
 from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
+from .loading import DTYPES
 from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
 from .shards import CheckpointReader, ShardedWriter
 from .skeleton import empty_model, planned_model, tensor_specs
+
+COMPUTE_DTYPE = torch.float32
 
 
 class NotStreamable(UpcycleError):
@@ -82,7 +92,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     model, reader, names, dtype = source.model, source.reader, source.names, source.dtype
     family = family_of(model.config)
     targets = plan_targets(model, cfg.placement)
-    planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
+    planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
     specs = tensor_specs(planned) if export is None else export_specs(planned, export)
     planned_dtype = {name: dt for name, _, dt in specs}
     probe_batches = [layer_probe(probe.inputs)] if probe is not None else None
@@ -208,7 +218,7 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
     timings = {"dense_probe": 0.0, "rounding_noise": 0.0}
     layout_of = layout_function(method, args)
     targets = plan_targets(source.model, cfg.placement)
-    planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=source.dtype)
+    planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
     end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
     dense_out = noise = None
     if end_to_end:
