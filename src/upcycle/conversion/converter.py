@@ -327,7 +327,7 @@ def _stream_source(cfg: ConvertConfig, path: str, config):
         return None
     else:
         try:
-            return StreamSource.open(path, config, COMPUTE_DTYPE)
+            return StreamSource.open(path, config, COMPUTE_DTYPE, storage=DTYPES[cfg.dtype])
         except NotStreamable as e:
             why = str(e)
     if cfg.streaming is True:

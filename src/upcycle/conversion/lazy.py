@@ -54,10 +54,20 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader) -> tuple[dict[s
     return names, missing
 
 
+def _cast(value: torch.Tensor, dtype: torch.dtype, round_to: torch.dtype | None) -> torch.Tensor:
+    """Floating-point tensors in `dtype`, first rounded to `round_to` (the storage dtype: the model then
+    computes with the weights as they will be stored, as a model loaded in that dtype does)."""
+    if not value.is_floating_point():
+        return value
+    if round_to is not None and round_to != value.dtype:
+        value = value.to(round_to)
+    return value.to(dtype)
+
+
 def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names: dict[str, str],
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, round_to: torch.dtype | None = None) -> None:
     """Give `module` (at `prefix` in the model) its parameters and persistent buffers from the checkpoint,
-    floating-point ones in `dtype`; a no-op for tensors already real."""
+    floating-point ones in `dtype` (rounded to `round_to` first); a no-op for tensors already real."""
     loaded = {}
     for name, tensor in _tensors(module):
         if not tensor.is_meta:
@@ -65,8 +75,7 @@ def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names:
         key = names.get(prefix + name)
         if key is None:
             raise UpcycleError(f"the checkpoint has no tensor for {prefix + name}")
-        value = reader.get(key)
-        loaded[name] = value.to(dtype) if value.is_floating_point() else value
+        loaded[name] = _cast(reader.get(key), dtype, round_to)
     if loaded:
         module.load_state_dict(loaded, strict=False, assign=True)
 
@@ -91,7 +100,7 @@ def block_paths(model: nn.Module) -> list[str]:
 
 
 def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[str, str],
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, round_to: torch.dtype | None = None) -> None:
     """Everything outside the blocks (embeddings, norms, head), then the model's own tying."""
     blocks = set(block_paths(model))
     done: set[int] = set()          # a tied tensor is read once; tie_weights shares it again at the end
@@ -106,8 +115,7 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
             key = names.get(full)
             if key is None:
                 raise UpcycleError(f"the checkpoint has no tensor for {full}")
-            value = reader.get(key)
-            value = value.to(dtype) if value.is_floating_point() else value
+            value = _cast(reader.get(key), dtype, round_to)
             if name in module._parameters:
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
             else:
@@ -117,14 +125,15 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
 
 
 @contextlib.contextmanager
-def blocks_on_demand(model: nn.Module, reader: CheckpointReader, names: dict[str, str], dtype: torch.dtype):
+def blocks_on_demand(model: nn.Module, reader: CheckpointReader, names: dict[str, str], dtype: torch.dtype,
+                     round_to: torch.dtype | None = None):
     """Within the block, each block is read from the checkpoint before its forward and released after it."""
     handles = []
     for path in block_paths(model):
         block = model.get_submodule(path)
 
         def load(module, args, kwargs, prefix=path + "."):
-            materialize(module, prefix, reader, names, dtype)
+            materialize(module, prefix, reader, names, dtype, round_to)
 
         def free(module, args, kwargs, output):
             release(module)

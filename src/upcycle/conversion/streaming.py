@@ -57,11 +57,12 @@ class StreamSource:
     reader: CheckpointReader
     model: nn.Module
     names: dict[str, str]
-    dtype: torch.dtype
+    dtype: torch.dtype                      # the compute dtype
+    storage: torch.dtype | None = None      # weights are rounded to it as they are read (the output's dtype)
 
     @classmethod
-    def open(cls, path: str | Path, config, dtype: torch.dtype, *, model: nn.Module | None = None
-             ) -> StreamSource:
+    def open(cls, path: str | Path, config, dtype: torch.dtype, *, model: nn.Module | None = None,
+             storage: torch.dtype | None = None) -> StreamSource:
         """`model`: the weightless model to read into (default: the dense model of `config`)."""
         try:
             reader = CheckpointReader(path)
@@ -72,11 +73,11 @@ class StreamSource:
         if missing:
             raise NotStreamable(f"{path}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                 f"({len(missing)} not found, e.g. {missing[:3]})")
-        return cls(reader, model, names, dtype)
+        return cls(reader, model, names, dtype, storage)
 
     def first_inputs(self, towers: dict, batches: list[dict]) -> dict:
         """The inputs of each tower's first block, running whatever blocks come before it from disk."""
-        with blocks_on_demand(self.model, self.reader, self.names, self.dtype):
+        with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage):
             return _first_block_inputs(self.model, towers, batches)
 
 
@@ -98,7 +99,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     probe_batches = [layer_probe(probe.inputs)] if probe is not None else None
     replay = bool(probe_batches or calibration)
     if replay:
-        materialize_trunk(model, reader, names, dtype)
+        materialize_trunk(model, reader, names, dtype, source.storage)
     writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes)
     block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
 
@@ -106,7 +107,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
         writer.write(name, tensor.to(planned_dtype[name]))
 
     def before_block(path: str, block: nn.Module) -> None:
-        materialize(block, path + ".", reader, names, dtype)
+        materialize(block, path + ".", reader, names, dtype, source.storage)
 
     def after_block(visit: BlockVisit, block: nn.Module, built) -> None:
         prefix = visit.path + "."
@@ -121,7 +122,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             reader.close()      # unmaps the files: pages read for this block leave the process
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
-            materialize(block, prefix, reader, names, dtype)
+            materialize(block, prefix, reader, names, dtype, source.storage)
             for name, tensor in export_state_dict(model, export, prefix)[0].items():
                 write(name, tensor)
             release(block)
@@ -182,8 +183,8 @@ def lazy_probe_output(source: StreamSource, probe: Probe, reordered: list[str] |
     """The probe through the whole model, each block read from disk for its forward and released after it;
     with `reordered`, those blocks' FFNs summed in another order (the rounding-noise run)."""
     model = source.model
-    materialize_trunk(model, source.reader, source.names, source.dtype)
-    with blocks_on_demand(model, source.reader, source.names, source.dtype), \
+    materialize_trunk(model, source.reader, source.names, source.dtype, source.storage)
+    with blocks_on_demand(model, source.reader, source.names, source.dtype, source.storage), \
             (_reordered(model, reordered) if reordered else contextlib.nullcontext()):
         return probe_output(model, probe)
 
@@ -258,7 +259,11 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
     if end_to_end:
         t = time.perf_counter()
         if export is None:
-            written = StreamSource.open(directory, planned.config, source.dtype, model=planned)
+            # read back in the compute dtype, as the dense model ran: the skeleton in the storage dtype would
+            # run its experts in bfloat16 and compare two precisions
+            reader_model, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of,
+                                            dtype=source.dtype)
+            written = StreamSource.open(directory, planned.config, source.dtype, model=reader_model)
             measured = compare(dense_out, lazy_probe_output(written, probe))
         else:
             measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype,
