@@ -127,6 +127,12 @@ class EMATeacher:
         self.losses = {}
         return total
 
+    def to(self, device: torch.device) -> EMATeacher:
+        """Move the teacher where the student went (Accelerate's `prepare` moves the model after this was built)."""
+        for teacher in self.teachers.values():
+            teacher.to(device)       # in place: `_teacher_params` stay the teacher's parameters
+        return self
+
     def state_dict(self) -> dict:
         return {"beta": self.beta, "uncertain_fraction": self.uncertain_fraction,
                 "teachers": {name: t.state_dict() for name, t in self.teachers.items()}}

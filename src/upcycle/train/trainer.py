@@ -277,6 +277,8 @@ class _Training:
         if self.sharded:
             self.freezer.rebind(self.inner)
             self.reg = Objective(self.inner, cfg.regularizers)
+        else:        # built on the CPU before `prepare` moved the model (a no-op on CPU runs)
+            self.reg.to(accelerator.device)
 
     def _open_log(self, *, resumed: bool):
         """The log, open for appending (main process); a resumed run first drops what came after its checkpoint."""
