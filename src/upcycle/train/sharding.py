@@ -3,9 +3,10 @@
 `accelerate launch --use_fsdp --fsdp_version 2` (or an Accelerate config with `distributed_type: FSDP`) asks for
 it. On GPUs Accelerate's FSDP plugin shards the model in `Accelerator.prepare` (its transformer-block policy,
 mixed precision, offload). On CPU processes (gloo) Accelerate 1.15 leaves the plugin unused and would wrap the
-model in DDP, so `shard_on_cpu` calls torch's `fully_shard` itself with the units Accelerate's policy picks: each
-transformer block the model names in `_no_split_modules`, then the root. Either way every parameter becomes a
-DTensor sharded along dim 0, and the rest of the loop is the same code.
+model in DDP, so `shard_on_cpu` calls torch's `fully_shard` itself: each transformer block the model names in
+`_no_split_modules` (what Accelerate's transformer policy wraps), then the root, which keeps the embeddings and
+the output head (Accelerate gives those units of their own). Either way every parameter becomes a DTensor
+sharded along dim 0, and the rest of the loop is the same code.
 
 Checkpoints and the final model hold full state, in the files one process writes: `gather` all-gathers one
 tensor at a time (every process takes part) and only the main process keeps it, on the CPU. A parameter's
