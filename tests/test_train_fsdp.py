@@ -59,11 +59,24 @@ def tied_moe(tiny_lm, tmp_path_factory):
     return root / "moe"
 
 
-def _run(cmd: list[str]) -> None:
-    # one thread per process, so 1 and 2 processes round their matmuls alike
+def _launch(args: list[str]) -> None:
+    """`upcycle` on 2 FSDP2 processes (one thread each, as `_alone`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(BIN / "accelerate"), "launch", *FSDP, "-m", "upcycle.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _alone(args: list[str]) -> None:
+    """`upcycle` in this process, on one thread, so 1 and 2 processes round their matmuls alike."""
+    from upcycle.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _steps(run: Path) -> list[dict]:
@@ -103,9 +116,8 @@ def test_fsdp_two_processes_match_one_process_with_checkpoint_and_resume(tied_mo
     Covers a tied embedding, a row-range freezing rule that ends mid-run, EESD and the aux-free bias."""
     _, _, train_txt, held = tiny_lm
     data = [str(tied_moe), "--data", str(train_txt), "--eval-data", str(held), *ARGS]
-    _run([str(BIN / "upcycle"), "train", data[0], str(tmp_path / "one"), *data[1:], "--grad-accum", "2"])
-    _run([str(BIN / "accelerate"), "launch", *FSDP, "-m", "upcycle.cli", "train", data[0], str(tmp_path / "two"),
-          *data[1:]])
+    _alone(["train", data[0], str(tmp_path / "one"), *data[1:], "--grad-accum", "2"])
+    _launch(["train", data[0], str(tmp_path / "two"), *data[1:]])
     one, two = tmp_path / "one", tmp_path / "two"
     _same_steps(_steps(one), _steps(two))
     assert {"task", "z_loss", "eesd", "total"} == set(_steps(two)[0]["loss"])
@@ -126,10 +138,9 @@ def test_fsdp_two_processes_match_one_process_with_checkpoint_and_resume(tied_mo
 
     # the step-2 checkpoint, resumed under FSDP and on 1 process: step 3 and the final model as the straight run
     again = _unfinished(two, tmp_path / "again")
-    _run([str(BIN / "accelerate"), "launch", *FSDP, "-m", "upcycle.cli", "train", data[0], str(again), "--resume",
-          "--quiet"])
+    _launch(["train", data[0], str(again), "--resume", "--quiet"])
     alone = _unfinished(two, tmp_path / "alone")
-    _run([str(BIN / "upcycle"), "train", data[0], str(alone), "--resume", "--quiet"])
+    _alone(["train", data[0], str(alone), "--resume", "--quiet"])
     for resumed in (again, alone):
         _same_steps(_steps(one), _steps(resumed))
         _close(final, load_file(str(resumed / "model" / "model.safetensors")))
