@@ -51,6 +51,11 @@ class AuxFreeBalancer:
                 layer.selection_bias.add_(self.rate * torch.sign(load_E.mean() - load_E))
             load_E.zero_()
 
+    def to(self, device: torch.device) -> AuxFreeBalancer:
+        """Keep the load counts where the model is (Accelerate's `prepare` moves it after this was built)."""
+        self.counts = {name: counts.to(device) for name, counts in self.counts.items()}
+        return self
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -14,6 +14,10 @@ data, never code. Accelerate's `save_state`/`load_state` unpickles `custom_check
 
 A checkpoint is complete when its manifest exists and every file has the recorded size and hash; `newest_complete`
 skips (and names) the ones that are not, so a torn write falls back to the previous checkpoint.
+
+The state is whole whatever wrote it: one process, DDP (every process holds all of it), or FSDP (gathered by
+`upcycle.train.sharding` and written by the main process in the same files). So a checkpoint resumes on the
+same number of processes or fewer, sharded or not; every process needs the RNG state its rank wrote.
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from ..errors import UpcycleError
+from . import sharding
 
 FORMAT = "upcycle-train-checkpoint"
 VERSION = 1
@@ -82,12 +89,33 @@ def _nested_teacher(flat: dict[str, torch.Tensor]) -> dict:
     return {"teachers": teachers}
 
 
-def save_main(folder: Path, *, model: nn.Module, optimizer, scheduler, step: int, tokens: int, teacher=None) -> None:
-    """What one process writes for everyone (the model is identical on every process under DDP)."""
+class _TeacherLayers(Mapping):
+    """The layers of an open teacher file, each read when asked for (one layer in memory at a time)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.keys = f, {}
+        for flat in f.keys():
+            layer, name = flat.split("::", 1)
+            self.keys.setdefault(layer, []).append(name)
+
+    def __getitem__(self, layer: str) -> dict[str, torch.Tensor]:
+        return {name: self.f.get_tensor(f"{layer}::{name}") for name in self.keys[layer]}
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def save_main(folder: Path, *, model: nn.Module, optimizer_state: dict, scheduler, step: int, tokens: int,
+              teacher_state: dict | None = None) -> None:
+    """What one process writes for everyone: the model (whole: identical on every process under DDP, gathered
+    under FSDP), `optimizer.state_dict()` and the teacher's state dict, whole as well."""
     save_model(model, str(folder / "model.safetensors"))
-    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
-    if teacher is not None:
-        save_file(_flat_teacher(teacher.state_dict()), str(folder / "teacher.safetensors"))
+    torch.save(optimizer_state, folder / "optimizer.pt")
+    if teacher_state is not None:
+        save_file(_flat_teacher(teacher_state), str(folder / "teacher.safetensors"))
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     (folder / "trainer.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step,
                                                      "tokens": tokens, "scheduler": scheduler_state}))
@@ -115,8 +143,10 @@ def problem(folder: Path, *, processes: int) -> str | None:
         return "its manifest is not readable"
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return f"its format is {manifest.get('format')} v{manifest.get('version')}, not {FORMAT} v{VERSION}"
-    if manifest.get("processes") != processes:
-        return f"it was written by {manifest.get('processes')} process(es); this run has {processes} process(es)"
+    written = manifest.get("processes")
+    if not isinstance(written, int) or written < processes:
+        # the state is whole, but each process restores the RNG state of its rank, and only these ranks wrote one
+        return f"it was written by {written} process(es); this run has {processes} process(es)"
     needed = {"model.safetensors", "optimizer.pt", "trainer.json", *(f"rng-{r}.json" for r in range(processes))}
     if missing := sorted(needed - set(files)):
         return f"it lacks {', '.join(missing)}"
@@ -143,24 +173,41 @@ def newest_complete(found: list[Path], *, processes: int) -> tuple[Path | None, 
 
 
 def load(folder: Path, *, model: nn.Module, optimizer, scheduler, rank: int, device: torch.device,
-         teacher=None) -> dict:
+         teacher=None, sharded: bool = False) -> dict:
     """Restore a verified checkpoint into the (unwrapped) model, optimizer, scheduler and teacher; return the
-    trainer state (step, tokens). Nothing here can run code from the folder."""
+    trainer state (step, tokens). `sharded`: the model is FSDP-sharded; each process keeps its part of every
+    tensor (it reads the files itself, one tensor at a time for the model). Nothing here can run code from the
+    folder."""
     state = json.loads((folder / "trainer.json").read_text())
-    missing, unexpected = load_model(model, str(folder / "model.safetensors"), strict=False, device=str(device))
+    weights = str(folder / "model.safetensors")
+    if sharded:
+        with safe_open(weights, "pt", device="cpu") as f:
+            missing, unexpected = sharding.load_model_state(model, f.get_tensor, set(f.keys()))
+    else:
+        missing, unexpected = load_model(model, weights, strict=False, device=str(device))
     if missing or unexpected:
         raise UpcycleError(f"checkpoint {folder} does not fit the model (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]})")
     try:
-        optimizer_state = torch.load(folder / "optimizer.pt", map_location=device, weights_only=True)
+        # sharded: memory-mapped, so each process reads only the parts it keeps
+        optimizer_state = torch.load(folder / "optimizer.pt", map_location="cpu" if sharded else device,
+                                     weights_only=True, mmap=sharded)
     except Exception as e:        # weights_only refuses any pickle that is not plain tensors and containers
         raise UpcycleError(f"checkpoint {folder}: optimizer.pt is not plain tensor data, refused unread ({e})") \
             from None
-    optimizer.load_state_dict(optimizer_state)
+    if sharded:
+        sharding.load_optimizer_state(optimizer, optimizer_state)
+    else:
+        optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(scheduler.lr_lambdas)})
     if teacher is not None:
         if not (folder / "teacher.safetensors").is_file():
             raise UpcycleError(f"checkpoint {folder} has no EMA teacher, but this run distills from one")
-        teacher.load_state_dict(_nested_teacher(load_file(str(folder / "teacher.safetensors"), device=str(device))))
+        path = str(folder / "teacher.safetensors")
+        if sharded:
+            with safe_open(path, "pt", device="cpu") as f:
+                teacher.load_state_dict({"teachers": _TeacherLayers(f)})
+        else:
+            teacher.load_state_dict(_nested_teacher(load_file(path, device=str(device))))
     load_rng(folder, rank)
     return {"step": int(state["step"]), "tokens": int(state["tokens"])}

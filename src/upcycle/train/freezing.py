@@ -10,7 +10,8 @@ names (`*.self_attn.*`). Gated experts keep gate and up fused in one [E, 2F, D] 
 `experts_up` are row ranges of it: a rule that freezes a row range zeroes those gradient rows (AdamW's moments of
 a fresh optimizer stay 0, so Adam moves them by 0) and restores the rows after the step (undoing weight decay).
 Whole tensors frozen for part of the run lose their gradient before the step, so AdamW skips them entirely;
-tensors frozen for the whole run never require a gradient at all.
+tensors frozen for the whole run never require a gradient at all. Under FSDP (`upcycle.train.sharding`) the
+parameters are shards along dim 0 (experts) and a row range is cut out of each process's own part.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from ..config import FreezeRule
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
+from .sharding import is_dtensor, local
 
 GROUPS = ("all", "dense", "moe", "routed", "router", "experts", "experts_in", "experts_gate", "experts_up",
           "experts_down", "shared_experts")
@@ -123,6 +125,21 @@ class Freezer:
             raise UpcycleError("nothing to train: the train set and the freeze rules leave no parameter")
         self._restore: list[tuple[torch.Tensor, tuple, torch.Tensor]] = []
 
+    def rebind(self, model: nn.Module) -> None:
+        """Use `model`'s parameters from now on: the same names, new objects once FSDP has sharded them. A row
+        range (dim 1 of [E, 2F, D]) is cut from each process's part, which holds whole rows only when the
+        tensor is split along dim 0 alone."""
+        params = dict(model.named_parameters())
+        if params.keys() != self.params.keys():
+            raise UpcycleError("freezing: the sharded model's parameter names differ from the model's")
+        for _, chosen in self.timed:
+            for name in chosen:
+                p = params[name]
+                if chosen[name] is not None and is_dtensor(p) and any(
+                        pl.is_shard() and pl.dim != 0 for pl in p.placements):
+                    raise UpcycleError(f"freezing rows of {name}: it is sharded along {p.placements}, not dim 0")
+        self.params = params
+
     def frozen_now(self, step: int) -> Selection:
         out: Selection = {}
         for until, chosen in self.timed:
@@ -143,13 +160,13 @@ class Freezer:
             p = self.params[name]
             if rows is None:
                 p.grad = None
-            else:
+            else:          # `local`: the parameter itself, or this process's shard of it under FSDP
                 if p.grad is not None:
-                    p.grad[rows] = 0
-                self._restore.append((p, rows, p.detach()[rows].clone()))
+                    local(p.grad)[rows] = 0
+                self._restore.append((p, rows, local(p.detach())[rows].clone()))
 
     @torch.no_grad()
     def after_step(self) -> None:
         for p, rows, saved in self._restore:
-            p[rows] = saved
+            local(p)[rows] = saved
         self._restore = []

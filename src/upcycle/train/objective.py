@@ -112,6 +112,13 @@ class Objective:
         """The latest routing record of every MoE layer (upcycle's, or a stock class's routers)."""
         return dict(self.stock.records) if self.stock is not None else routing_records(self.model)
 
+    def to(self, device: torch.device) -> Objective:
+        """The teacher and the balancer's counts on `device`, where `prepare` put the model."""
+        for part in (self.teacher, self.balancer):
+            if part is not None:
+                part.to(device)
+        return self
+
     def after_optimizer_step(self) -> None:
         if self.teacher is not None:
             self.teacher.update()

@@ -7,6 +7,10 @@ the teacher runs all experts densely under no-grad: y_ens(x) = sum_i g_i^ema(x) 
 experts, so that a student with top-k = E matches it exactly), with the EMA router's full softmax. Each layer's
 loss `losses.eesd` = (1/T) sum_x ||sg(y_ens(x)) - y_moe(x)||^2 over real tokens; `loss()` averages the layers.
 
+Under FSDP (`upcycle.train.sharding`) the student's parameters are shards, and so are the teacher's: each process
+keeps the float32 EMA of its own part (the update needs no communication), and a layer's teacher is gathered whole
+only while it runs, one layer at a time.
+
 Beyond the paper (cheap): `uncertain_fraction` < 1 runs the teacher only on that fraction of each layer's real
 tokens with the highest routing entropy under the student's router (where a top-k choice discards the most of
 the ensemble), and averages the loss over those tokens.
@@ -22,6 +26,7 @@ from torch import nn
 from ..core.moe import MoELayer, moe_layers
 from ..core.router import token_entropy
 from .losses import eesd
+from .sharding import is_dtensor, local, shard_of, whole
 
 
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
@@ -47,10 +52,15 @@ class EMATeacher:
         self.students = moe_layers(model)
         if not self.students:
             raise ValueError("EESD: the model has no MoE layers")
+        self.sharded = any(is_dtensor(p) for p in model.parameters())
+        self.specs = {name: layer.spec() for name, layer in self.students.items()}
         self.teachers: dict[str, MoELayer] = {}
         for name, layer in self.students.items():
-            teacher = MoELayer(**layer.spec(), dtype=torch.float32).to(layer.router.weight.device)
-            teacher.load_state_dict(layer.state_dict())
+            if self.sharded:
+                teacher = _sharded_copy(layer, self.specs[name])
+            else:
+                teacher = MoELayer(**self.specs[name], dtype=torch.float32).to(layer.router.weight.device)
+                teacher.load_state_dict(layer.state_dict())
             teacher.requires_grad_(False).eval()
             teacher.record_routing = False
             self.teachers[name] = teacher
@@ -64,8 +74,21 @@ class EMATeacher:
     @torch.no_grad()
     def update(self) -> None:
         """theta_ema <- beta theta_ema + (1 - beta) theta, for every MoE parameter at once."""
-        src = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self._student_params]
-        torch._foreach_lerp_(self._teacher_params, src, 1.0 - self.beta)
+        src = [local(p.detach()) if p.dtype == torch.float32 else local(p.detach()).float()
+               for p in self._student_params]
+        torch._foreach_lerp_([local(p) for p in self._teacher_params], src, 1.0 - self.beta)
+
+    def _whole(self, name: str) -> MoELayer:
+        """Layer `name`'s teacher, gathered whole if it is sharded (every process must call it, in step)."""
+        teacher = self.teachers[name]
+        if not self.sharded:
+            return teacher
+        with torch.device("meta"):
+            layer = MoELayer(**self.specs[name], dtype=torch.float32)
+        layer.load_state_dict({k: whole(v) for k, v in teacher.state_dict().items()}, assign=True)
+        layer.requires_grad_(False).eval()
+        layer.record_routing = False
+        return layer
 
     def _select(self, layer: MoELayer, T: int) -> torch.Tensor | None:
         """Indices of the tokens the teacher runs on (None: all tokens)."""
@@ -91,7 +114,7 @@ class EMATeacher:
             if rows is not None:
                 x_TD, y_TD = x_TD[rows], y_TD[rows]
             with torch.no_grad():
-                target_TD = ensemble_output(self.teachers[name], x_TD.detach())
+                target_TD = ensemble_output(self._whole(name), x_TD.detach())
             self.losses[name] = eesd(y_TD, target_TD)
             self.tokens_distilled += x_TD.shape[0]
         return distill
@@ -104,15 +127,46 @@ class EMATeacher:
         self.losses = {}
         return total
 
+    def to(self, device: torch.device) -> EMATeacher:
+        """Move the teacher where the student went (Accelerate's `prepare` moves the model after this was built)."""
+        for teacher in self.teachers.values():
+            teacher.to(device)       # in place: `_teacher_params` stay the teacher's parameters
+        return self
+
     def state_dict(self) -> dict:
         return {"beta": self.beta, "uncertain_fraction": self.uncertain_fraction,
                 "teachers": {name: t.state_dict() for name, t in self.teachers.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load whole tensors (a checkpoint's); a sharded teacher keeps its own part of each."""
         for name, teacher in self.teachers.items():
-            teacher.load_state_dict(state["teachers"][name])
+            if not self.sharded:
+                teacher.load_state_dict(state["teachers"][name])
+                continue
+            given, targets = state["teachers"][name], teacher.state_dict(keep_vars=True)
+            if set(given) != set(targets):
+                raise RuntimeError(f"EESD teacher {name}: the state has {sorted(set(given) ^ set(targets))[:3]} "
+                                   "that the layer does not, or lacks them")
+            with torch.no_grad():
+                for key, t in targets.items():
+                    local(t).copy_(shard_of(given[key], t))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _sharded_copy(layer: MoELayer, spec: dict) -> MoELayer:
+    """A float32 copy of a sharded student layer, sharded the same way: each process copies its own part."""
+    with torch.device("meta"):
+        teacher = MoELayer(**spec, dtype=torch.float32)
+    for name, p in layer.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        teacher.get_submodule(owner)._parameters[leaf] = nn.Parameter(p.detach().to(torch.float32, copy=True),
+                                                                       requires_grad=False)
+    for name, b in layer.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        module = teacher.get_submodule(owner)
+        module._buffers[leaf] = b.detach().to(module._buffers[leaf].dtype, copy=True)
+    return teacher

@@ -8,11 +8,13 @@
         finish: last checkpoint, last evaluation, OUT/model
 
 The optimizer is AdamW with fresh state (CLIP-UP: optimizer state is re-initialized after upcycling), linear
-warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes (DDP; sharded
-engines are refused until their checkpoints are built); checkpoints (`upcycle.train.checkpoint`: model, optimizer,
-schedule, step, EMA teacher, every process's RNG, in safetensors/JSON with a manifest of sizes and hashes) are
-written to a temporary folder and renamed, so a checkpoint is either complete or absent. Resuming restores all
-of it and the data order, so the run continues as if never stopped.
+warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes: DDP, or FSDP2
+(`--use_fsdp --fsdp_version 2`; `upcycle.train.sharding`: each process holds a shard of the weights, optimizer
+state and EMA teacher; DeepSpeed and Megatron are refused). Checkpoints (`upcycle.train.checkpoint`: model,
+optimizer, schedule, step, EMA teacher, every process's RNG, in safetensors/JSON with a manifest of sizes and
+hashes) hold whole state (gathered under FSDP) and are written to a temporary folder and renamed, so a
+checkpoint is either complete or absent. Resuming restores all of it and the data order, so the run continues
+as if never stopped.
 
 What OUT may and may not do (validation first, staging, verified resume) is `upcycle.train.run_folder`'s job.
 
@@ -22,6 +24,7 @@ folder for MoE models, a plain transformers folder for dense ones)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,7 +44,7 @@ from ..conversion.loading import load_model
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..files import atomic_directory
-from . import checkpoint
+from . import checkpoint, sharding
 from .freezing import Freezer
 from .objective import Objective
 from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config: the trainer's public names)
@@ -184,7 +187,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
 
 
 def _accelerator(cfg: TrainConfig):
-    """The run's Accelerator, refused for sharded engines and for a batch that does not split evenly."""
+    """The run's Accelerator, refused for DeepSpeed, Megatron, FSDP1 and a batch that does not split evenly."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -199,16 +202,31 @@ def _accelerator(cfg: TrainConfig):
     accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
-    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        # upcycle.train.checkpoint writes the full model and optimizer state from one process (exact under DDP); a
-        # sharded engine would need its shards gathered, which is not built yet, and a checkpoint that resumes
-        # wrong is worse than none
-        raise UpcycleError(f"`upcycle train` checkpoints are built for single-process and DDP runs; "
-                           f"{accelerator.distributed_type.name} is not supported yet")
+    if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
+        # upcycle.train.checkpoint writes whole state gathered by upcycle.train.sharding (FSDP2); these engines
+        # shard differently, and a checkpoint that resumes wrong is worse than none
+        raise UpcycleError(f"`upcycle train` runs on one process, DDP or FSDP2; "
+                           f"{accelerator.distributed_type.name} is not supported")
+    sharded_by = _sharding(accelerator)
+    if sharded_by is not None:
+        sharding.check_version()
+        if sharded_by == "cpu":
+            # every CPU process loads the whole model: transformers' rank-0-only loading (Accelerate's
+            # cpu_ram_efficient_loading) leaves the other ranks empty for Accelerate's GPU preparation to fill
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     if cfg.batch_size % (world * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
     return accelerator
+
+
+def _sharding(accelerator) -> str | None:
+    """Who shards the model under FSDP: "accelerate" (its plugin, in `prepare`; GPUs), "cpu" (CPU processes,
+    where Accelerate leaves the plugin unused: `sharding.shard_on_cpu`), or None (not FSDP)."""
+    kind = accelerator.distributed_type.name
+    if kind == "FSDP":
+        return "accelerate"
+    return "cpu" if kind == "MULTI_CPU" and sharding.requested() else None
 
 
 class _Training:
@@ -224,20 +242,43 @@ class _Training:
         if self.is_main and resume_from is None:
             (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        self.reg = Objective(model, cfg.regularizers)
-        optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.inner = accelerator.unwrap_model(self.model)
+        self.sharding = _sharding(accelerator)
+        self.sharded = self.sharding is not None
+        # under FSDP the regularizers come after sharding (`_prepare`): the EMA teacher copies each process's shard
+        self.reg = None if self.sharded else Objective(model, cfg.regularizers)
+        self._prepare(model)
         self.state = {"step": 0, "tokens": 0}
         if resume_from is not None:
             self.state = checkpoint.load(resume_from, model=self.inner, optimizer=self.optimizer,
                                          scheduler=self.scheduler, rank=self.rank, device=accelerator.device,
-                                         teacher=self.reg.teacher)
+                                         teacher=self.reg.teacher, sharded=self.sharded)
         self.layers = moe_layers(self.inner)   # upcycle's own MoE layers (none for a dense or a stock MoE model)
         self.router_steps = round(cfg.regularizers.router_until * cfg.steps)
         self.skipped = 0
         self.log = self._open_log(resumed=resume_from is not None)
+
+    def _prepare(self, model: nn.Module) -> None:
+        """Optimizer and schedule; model and optimizer through Accelerate. Under FSDP the model is sharded first
+        (on CPU processes here, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
+        regularizers take its sharded parameters."""
+        cfg, accelerator = self.cfg, self.acc
+        self.dtypes = {name: p.dtype for name, p in model.named_parameters()}   # the final model's, under FSDP
+        if self.sharded:
+            sharding.check_dtypes(model, accelerator.mixed_precision)
+        if self.sharding == "cpu":
+            sharding.shard_on_cpu(model, self.world, accelerator.mixed_precision)
+        optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+        if self.sharding == "cpu":       # the optimizer only: Accelerate would wrap the sharded model in DDP
+            self.model, self.optimizer = model, accelerator.prepare(optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.inner = accelerator.unwrap_model(self.model)
+        if self.sharded:
+            self.freezer.rebind(self.inner)
+            self.reg = Objective(self.inner, cfg.regularizers)
+        else:        # built on the CPU before `prepare` moved the model (a no-op on CPU runs)
+            self.reg.to(accelerator.device)
 
     def _open_log(self, *, resumed: bool):
         """The log, open for appending (main process); a resumed run first drops what came after its checkpoint."""
@@ -320,7 +361,8 @@ class _Training:
             self.log.flush()
 
     def evaluate(self, step: int) -> dict | None:
-        result = self.task.evaluate(self.inner) if self.is_main else None
+        # a sharded model runs only with every process: each evaluates the whole set, the main one writes it
+        result = self.task.evaluate(self.inner) if self.is_main or self.sharded else None
         self.acc.wait_for_everyone()
         if result is not None:
             self.write({"step": step, "eval": result})
@@ -335,9 +377,11 @@ class _Training:
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
         checkpoint.save_rng(tmp, self.rank)
+        model_state, optimizer_state, teacher_state = self._whole_state()
         if self.is_main:
-            checkpoint.save_main(tmp, model=self.inner, optimizer=self.optimizer, scheduler=self.scheduler,
-                                 step=step, tokens=self.state["tokens"], teacher=self.reg.teacher)
+            with self._whole_model(model_state) as model:
+                checkpoint.save_main(tmp, model=model, optimizer_state=optimizer_state, scheduler=self.scheduler,
+                                     step=step, tokens=self.state["tokens"], teacher_state=teacher_state)
         self.acc.wait_for_everyone()
         if self.is_main:
             checkpoint.write_manifest(tmp, step=step, processes=self.world)
@@ -348,10 +392,35 @@ class _Training:
                 shutil.rmtree(old, ignore_errors=True)
         self.folder.committed()
 
+    def _whole_state(self) -> tuple[dict | None, dict | None, dict | None]:
+        """(model, optimizer, teacher) state for the main process to write: the optimizer's and teacher's own
+        state dicts (the model is written from itself), or under FSDP all three gathered whole, every process
+        taking part; None on the other processes."""
+        teacher = self.reg.teacher
+        if not self.sharded:
+            if not self.is_main:
+                return None, None, None
+            return None, self.optimizer.state_dict(), None if teacher is None else teacher.state_dict()
+        keep = self.is_main
+        model = sharding.full_model_state(self.inner, keep)
+        optimizer = sharding.full_optimizer_state(self.optimizer, keep)
+        teachers = None if teacher is None else {
+            layer: {k: sharding.gather(v, keep) for k, v in state.items()}
+            for layer, state in teacher.state_dict()["teachers"].items()}
+        if not keep:
+            return None, None, None
+        return model, optimizer, None if teachers is None else {"teachers": teachers}
+
+    def _whole_model(self, state: dict | None, dtypes: dict | None = None):
+        """The model to write: itself, or under FSDP itself with the gathered whole tensors in place."""
+        if state is None:
+            return contextlib.nullcontext(self.inner)
+        return sharding.full_parameters(self.inner, state, dtypes)
+
     def finish(self, first_eval: dict | None, interrupted: bool) -> dict:
         """The last checkpoint; at the schedule's end, the last evaluation and the final model; the summary."""
         step = self.state["step"]
-        if not _finite_parameters(self.inner):
+        if not _finite_parameters(self.inner, self.acc):
             raise TrainingStopped(f"step {step}: the weights are no longer finite; nothing of this state is kept")
         self.save_checkpoint(step)
         summary = {"step": step, "steps": self.cfg.steps, "tokens": self.state["tokens"], "interrupted": interrupted,
@@ -360,8 +429,8 @@ class _Training:
         if step >= self.cfg.steps:
             summary["eval_before"] = first_eval
             summary["eval_after"] = self.evaluate(step)
+            self.save_model()
             if self.is_main:
-                self.save_model()
                 summary["model"] = str(self.folder.path / "model")
         self.acc.wait_for_everyone()
         if self.log is not None:
@@ -370,12 +439,18 @@ class _Training:
         return summary
 
     def save_model(self) -> None:
-        """OUT/model: an upcycle folder for a model with upcycle's MoE layers, else a plain transformers folder."""
-        with atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
+        """OUT/model (written by the main process; under FSDP every process first helps gather the weights,
+        written in the dtypes the model was loaded in): an upcycle folder for a model with upcycle's MoE layers,
+        else a plain transformers folder."""
+        state = sharding.full_model_state(self.inner, self.is_main) if self.sharded else None
+        if not self.is_main:
+            return
+        with self._whole_model(state, self.dtypes) as model, \
+                atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
             if self.layers:
-                save(self.inner, tmp, tokenizer=self.tokenizer)
+                save(model, tmp, tokenizer=self.tokenizer)
             else:
-                self.inner.save_pretrained(tmp)
+                model.save_pretrained(tmp)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(tmp)
 
@@ -399,5 +474,7 @@ def _mixed_precision(choice: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def _finite_parameters(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+def _finite_parameters(model: nn.Module, accelerator) -> bool:
+    """Every weight finite on every process (each checks its own shard under FSDP)."""
+    finite = all(bool(torch.isfinite(sharding.local(p)).all()) for p in model.parameters())
+    return not any_process(accelerator, not finite)
