@@ -68,6 +68,8 @@ def checkpoint(size: str) -> Path:
 
     folder = cache() / "bench-checkpoints" / f"llama-{size}"
     if (folder / "done").exists():
+        if not (folder / "tokenizer.json").exists():
+            add_tokenizer(folder, SIZES[size][5])
         return folder
     D, F, L, H, KV, V = SIZES[size]
     config = transformers.LlamaConfig(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
@@ -81,8 +83,20 @@ def checkpoint(size: str) -> Path:
 
     ids = torch.randint(3, V, (CALIBRATION_TOKENS // 512, 512), generator=torch.Generator().manual_seed(1))
     save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, str(folder / "calibration.safetensors"))
+    add_tokenizer(folder, V)
     (folder / "done").write_text("")
     return folder
+
+
+def add_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer over the model's whole vocabulary (mergekit-moe refuses a folder without one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
+        folder)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -226,7 +240,7 @@ def main() -> None:
         theirs = run_mergekit(ckpt, work / "1b-mergekit")
         results["mergekit"] = [{"tool": "upcycle", "dense_bytes": dense, **ours},
                                {"tool": "mergekit-moe", "dense_bytes": dense, **theirs}]
-        if ours.get("peak_rss_bytes") and theirs.get("peak_rss_bytes"):
+        if ours["exit_code"] == 0 and theirs["exit_code"] == 0:
             results["versus_mergekit"] = {"time_ratio": round(ours["wall_s"] / theirs["wall_s"], 2),
                                           "peak_rss_ratio": round(ours["peak_rss_bytes"] / theirs["peak_rss_bytes"], 2)}
         print(json.dumps(results["mergekit"], indent=1), flush=True)
