@@ -182,7 +182,7 @@ def plot(results: dict, path: Path) -> None:
         x = [r["dense_bytes"] / GB for r in rows]
         ax.plot(x, [r["target_peak_bytes"] / GB for r in rows], "k--", lw=1, label="copy target")
         ax.plot(x, [r["output_bytes"] / GB for r in rows], ":", color="gray", label="output size (copy)")
-    for r in results.get("mergekit", []):
+    for r in (r for r in results.get("mergekit", []) if r["exit_code"] == 0):
         style = "^" if r["tool"] == "mergekit-moe" else "v"
         ax.plot([r["dense_bytes"] / GB], [r["peak_rss_bytes"] / GB], style, ms=9,
                 label=f"{r['tool']} (every block, Mixtral)")
