@@ -214,7 +214,7 @@ def main() -> None:
     for size in a.sizes.split(","):
         ckpt = checkpoint(size)
         dense = folder_bytes(ckpt)
-        for method in a.methods.split(","):
+        for method in [m for m in a.methods.split(",") if m]:
             if method == "cluster" and size not in a.cluster_sizes.split(","):
                 continue
             print(f"{size} {method} ...", flush=True)
