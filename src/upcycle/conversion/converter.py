@@ -40,8 +40,9 @@ from .report import (
     ParameterCount,
     Parameters,
     Preservation,
-    PreservationError,
+    PreservationError,  # noqa: F401  (raised by refuse_if_broken; imported from here by callers)
     Timings,
+    refuse_if_broken,
 )
 from .shards import parse_size
 
@@ -240,20 +241,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
         preservation=preservation, calibration=None if not calibration else CalibrationSummary(
             calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
         layers=layers, seed=cfg.seed, dtype=cfg.dtype, timings=timings)
-    failed_layer = next((layer for layer in layers if layer.check is not None and layer.check.passed is False), None)
-    if failed_layer is not None:
-        c = failed_layer.check
-        raise PreservationError(
-            f"method {method.name!r} promises to preserve the dense model's function, but MoE layer "
-            f"{failed_layer.name} differs from the dense FFN it replaces by {c.max_abs_diff:.3g} > allowed "
-            f"{c.allowed_max_abs_diff:.3g} = {cfg.check.noise_factor:g} x that layer's rounding noise "
-            f"{c.rounding_noise:.3g} on the probe's hidden states; refusing to write", report)
-    if promised and not passed:
-        raise PreservationError(
-            f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
-            f"is {measured['max_abs_logit_diff']:.3g} > allowed {allowed['allowed_max_abs_logit_diff']:.3g} "
-            f"= {cfg.check.noise_factor:g} x the rounding noise {noise:.3g} of the dense model computed in another "
-            f"order on the same probe; refusing to write (check.tolerance=X accepts up to X anyway)", report)
+    refuse_if_broken(report, cfg.check.noise_factor)
     return report
 
 

@@ -33,7 +33,8 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader) -> tuple[dict[s
     to one the checkpoint has (an output head tied to the embeddings) is not missing."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     names, missing, seen = {}, [], {}
-    for name, tensor in _tensors(model):
+    tensors = dict(_tensors(model))
+    for name, tensor in tensors.items():
         candidates = [name]
         if prefix:
             candidates += [name.removeprefix(prefix + "."), f"{prefix}.{name}"]
@@ -47,7 +48,7 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader) -> tuple[dict[s
             missing.append(name)
     # a tied tensor met before the one the checkpoint stores
     for name in list(missing):
-        tensor = dict(_tensors(model))[name]
+        tensor = tensors[name]
         if id(tensor) in seen:
             names[name] = seen[id(tensor)]
             missing.remove(name)

@@ -23,7 +23,7 @@ from ..core.moe import moe_layers
 from ..methods import Method
 from .lazy import block_paths
 from .preservation import count_parameters
-from .skeleton import empty_model, output_bytes, planned_model, tensor_specs
+from .skeleton import empty_model, layout_function, output_bytes, planned_model, tensor_specs
 
 GB = 10**9
 OVERHEAD_BYTES = int(0.6 * GB)
@@ -34,12 +34,11 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     """The dry run's report (module docstring). `calibration_tokens`: tokens of calibration data (data-aware)."""
     dtype = STORAGE_DTYPES[cfg.dtype]
     dense = empty_model(config, dtype)
-    moe_model, targets = planned_model(config, cfg.moe, cfg.placement,
-                                       lambda ffn: method.layout(ffn.intermediate_size, args), dtype=dtype)
+    layout_of = layout_function(method, args)
+    moe_model, targets = planned_model(config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
     sizes = {}
     for name, storage in STORAGE_DTYPES.items():
-        planned, _ = planned_model(config, cfg.moe, cfg.placement,
-                                   lambda ffn: method.layout(ffn.intermediate_size, args), dtype=storage)
+        planned, _ = planned_model(config, cfg.moe, cfg.placement, layout_of, dtype=storage)
         sizes[name] = output_bytes(tensor_specs(planned))
     layers = moe_layers(moe_model)
     blocks = [moe_model.get_submodule(t.path) for t in targets]

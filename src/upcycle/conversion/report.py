@@ -227,3 +227,26 @@ class PreservationError(UpcycleError):
     def __init__(self, message: str, report: ConversionReport):
         super().__init__(message)
         self.report = report
+
+
+def refuse_if_broken(report: ConversionReport, noise_factor: float) -> None:
+    """Raise PreservationError when a promised method broke the dense function: first any MoE layer that
+    failed its own check (it names the layer), then the end-to-end comparison. The same rule for the in-memory
+    and the streaming conversion."""
+    failed = next((layer for layer in report.layers if layer.check is not None and layer.check.passed is False),
+                  None)
+    if failed is not None:
+        c = failed.check
+        raise PreservationError(
+            f"method {report.method!r} promises to preserve the dense model's function, but MoE layer "
+            f"{failed.name} differs from the dense FFN it replaces by {c.max_abs_diff:.3g} > allowed "
+            f"{c.allowed_max_abs_diff:.3g} = {noise_factor:g} x that layer's rounding noise "
+            f"{c.rounding_noise:.3g} on the probe's hidden states; refusing to write", report)
+    p = report.preservation
+    if p.promised and p.passed is False:
+        a = p.allowance
+        raise PreservationError(
+            f"method {report.method!r} promises to preserve the dense model's function, but max |logit difference| "
+            f"is {report.max_abs_logit_diff:.3g} > allowed {a.allowed_max_abs_logit_diff:.3g} = {noise_factor:g} x "
+            f"the rounding noise {a.rounding_noise:.3g} of the dense model computed in another order on the same "
+            f"probe; refusing to write (check.tolerance=X accepts up to X anyway)", report)

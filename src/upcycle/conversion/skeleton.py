@@ -87,3 +87,10 @@ def tensor_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dty
 
 def output_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
     return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in specs)
+
+
+def layout_function(method, args: dict):
+    """dense FFN -> the LayerLayout `method` declares for it with resolved `args`."""
+    def layout_of(dense: FFNWeights) -> LayerLayout:
+        return method.layout(dense.intermediate_size, args)
+    return layout_of

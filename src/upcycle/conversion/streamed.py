@@ -27,8 +27,8 @@ from .report import (
     ParameterCount,
     Parameters,
     Preservation,
-    PreservationError,
     Timings,
+    refuse_if_broken,
 )
 from .streaming import StreamSource, convert_streaming
 
@@ -51,7 +51,7 @@ def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dic
         report = _report(cfg, method, args, source, probe, done, promised, calibration, calibration_source)
         report.timings.load = load_s
         phases("preservation checked")
-        _refuse_if_broken(report, method, cfg, done)
+        refuse_if_broken(report, cfg.check.noise_factor)
         files = sorted(p.name for p in tmp.glob("*.safetensors"))
         target = done["export"]
         if target is None:
@@ -107,23 +107,3 @@ def _report(cfg, method, args, source, probe, done, promised, calibration, calib
         calibration=None if not calibration else CalibrationSummary(
             calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
         layers=layers, seed=cfg.seed, dtype=cfg.dtype, timings=timings, streamed=True)
-
-
-def _refuse_if_broken(report: ConversionReport, method, cfg, done) -> None:
-    failed = next((layer for layer in report.layers if layer.check is not None and layer.check.passed is False),
-                  None)
-    if failed is not None:
-        c = failed.check
-        raise PreservationError(
-            f"method {method.name!r} promises to preserve the dense model's function, but MoE layer "
-            f"{failed.name} differs from the dense FFN it replaces by {c.max_abs_diff:.3g} > allowed "
-            f"{c.allowed_max_abs_diff:.3g} = {cfg.check.noise_factor:g} x that layer's rounding noise "
-            f"{c.rounding_noise:.3g} on the probe's hidden states; refusing to write", report)
-    p = report.preservation
-    if p.promised and p.passed is False:
-        raise PreservationError(
-            f"method {method.name!r} promises to preserve the dense model's function, but max |logit difference| "
-            f"is {report.max_abs_logit_diff:.3g} > allowed {p.allowance.allowed_max_abs_logit_diff:.3g} "
-            f"= {cfg.check.noise_factor:g} x the rounding noise {done['noise']:.3g} of the dense model computed "
-            f"in another order on the same probe; refusing to write (check.tolerance=X accepts up to X anyway)",
-            report)

@@ -33,7 +33,7 @@ from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
-from ..methods import LayerLayout, Method
+from ..methods import Method
 from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
 from .calibration import _first_block_inputs
 from .layer_check import layer_probe
@@ -41,7 +41,7 @@ from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_t
 from .loading import DTYPES
 from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
 from .shards import CheckpointReader, ShardedWriter
-from .skeleton import empty_model, planned_model, tensor_specs
+from .skeleton import empty_model, layout_function, planned_model, tensor_specs
 
 COMPUTE_DTYPE = torch.float32
 
@@ -187,13 +187,6 @@ def lazy_probe_output(source: StreamSource, probe: Probe, reordered: list[str] |
     with blocks_on_demand(model, source.reader, source.names, source.dtype, source.storage), \
             (_reordered(model, reordered) if reordered else contextlib.nullcontext()):
         return probe_output(model, probe)
-
-
-def layout_function(method: Method, args: dict):
-    """dense FFN -> LayerLayout, from the method's declaration."""
-    def layout_of(dense) -> LayerLayout:
-        return method.layout(dense.intermediate_size, args)
-    return layout_of
 
 
 def _end_to_end_wanted(setting, output_bytes: int) -> bool:
