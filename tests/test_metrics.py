@@ -49,3 +49,17 @@ def test_similarity_is_the_same_computed_in_column_blocks(monkeypatch):
     one = experts.expert(0)
     views = one.map(lambda t: t.unsqueeze(0).expand(3, *t.shape))
     assert metrics.expert_similarity(views) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_expanded_experts_take_the_norm_shortcut_with_the_same_gram():
+    """Copy-upcycled experts are one tensor expanded E times (stride 0): the Gram matrix is then its squared norm
+    everywhere, computed once instead of E^2 times, and equal (to float64 rounding) to that of real copies."""
+    import upcycle.analysis.metrics as metrics
+
+    g = torch.Generator().manual_seed(5)
+    one = torch.randn(7, 9, generator=g)
+    expanded = one.unsqueeze(0).expand(4, 7, 9)
+    assert expanded.stride(0) == 0
+    torch.testing.assert_close(metrics._gram([expanded]), metrics._gram([expanded.contiguous()]),
+                               rtol=1e-12, atol=0)
+    assert metrics._gram([expanded]).unique().numel() == 1

@@ -266,3 +266,21 @@ def test_the_kernel_path_depends_on_sizes_not_on_the_device(tokens, dtype):
     # rows grouped_mm cannot address (a stride that is not a multiple of 16 bytes) take the loop anywhere
     assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cpu") == "loop"
     assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cuda") == "loop"
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_float32_inputs_to_bfloat16_experts_compute_in_float32(kernel_path, shared):
+    """The streaming conversion checks a bfloat16 layer on float32 hidden states: the experts must compute in
+    float32 (type promotion), which equals the float32 copy of the layer exactly (bf16 -> f32 is exact). The loop
+    casts one expert at a time; the small-batch path the whole stack."""
+    layer = random_layer(E=4, K=2, bias=True, shared=shared).to(torch.bfloat16)
+    layer.router.float()          # the router is float32 in every model (MoELayer's rule)
+    wide = random_layer(E=4, K=2, bias=True, shared=shared)
+    wide.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    x = torch.randn(40, 8)
+    with torch.no_grad():
+        y = layer(x)
+        assert y.dtype == torch.float32
+        assert torch.equal(y, wide(x))
+        # bfloat16 inputs still compute in bfloat16 (and differ from the float32 result)
+        assert layer(x.bfloat16()).dtype == torch.bfloat16

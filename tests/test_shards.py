@@ -38,10 +38,11 @@ def _specs(tensors):
     return [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
 
 
+@pytest.mark.parametrize("pending", [None, 1000], ids=["in-line", "background"])
 @pytest.mark.parametrize("max_bytes", [10**9, 4000])
-def test_written_in_any_order_reads_back_exactly(tmp_path, max_bytes):
+def test_written_in_any_order_reads_back_exactly(tmp_path, max_bytes, pending):
     tensors = _tensors()
-    writer = ShardedWriter(tmp_path, _specs(tensors), max_shard_bytes=max_bytes)
+    writer = ShardedWriter(tmp_path, _specs(tensors), max_shard_bytes=max_bytes, max_pending_bytes=pending)
     order = list(tensors)
     random.Random(1).shuffle(order)
     for name in order:
@@ -108,3 +109,41 @@ def test_sizes():
     assert parse_size("500mb") == 500 * 10**6
     with pytest.raises(UpcycleError, match="shard size"):
         parse_size("lots")
+
+
+def test_the_background_writer_bounds_queued_bytes_and_raises_a_failed_write(tmp_path, monkeypatch):
+    """Queued tensors hold memory: `write` waits while more than max_pending_bytes would be queued (one tensor
+    larger than the limit is still accepted alone); a write that failed on the thread is raised, not lost."""
+    import threading
+
+    import upcycle.conversion.shards as shards
+
+    tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(6)}        # 400 bytes each
+    gate, queued, most = threading.Event(), [], [0]
+    real = shards._write_tensor
+
+    def slow(fd, tensor, offset):
+        gate.wait(5)
+        real(fd, tensor, offset)
+
+    monkeypatch.setattr(shards, "_write_tensor", slow)
+    writer = ShardedWriter(tmp_path, _specs(tensors), max_pending_bytes=1000)
+    for name, t in tensors.items():
+        if name == "t2":
+            gate.set()          # the first two are queued (800 bytes); t2 must wait for one of them
+        writer.write(name, t)
+        queued.append(writer._pending_bytes)
+        most[0] = max(most[0], writer._pending_bytes)
+    assert most[0] <= 1000 and queued[:2] == [400, 800]
+    writer.close()
+    assert all(torch.equal(load_file(tmp_path / SINGLE_FILE)[n], t) for n, t in tensors.items())
+
+    def broken(fd, tensor, offset):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shards, "_write_tensor", broken)
+    writer = ShardedWriter(tmp_path / ".." / tmp_path.name, _specs(tensors), max_pending_bytes=10**6)
+    for name, t in tensors.items():
+        writer.write(name, t)
+    with pytest.raises(OSError, match="disk full"):
+        writer.close()

@@ -36,6 +36,9 @@ def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
     gram = torch.zeros(E, E, dtype=torch.float64)
     for part in parts:
         flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
+        if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm
+            gram += sum((b.double() ** 2).sum() for b in flat[0].split(GRAM_COLUMNS))
+            continue
         for block in flat.split(GRAM_COLUMNS, dim=1):
             p = block.double()
             gram += p @ p.T

@@ -99,9 +99,11 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], meth
                    calibration: list[dict] | None, before_block: Callable[[str, nn.Module], None],
                    after_block: Callable[[BlockVisit, nn.Module, MoELayer | None], None],
                    first_inputs: Callable[[dict, list[dict]], dict] | None = None,
-                   progress: bool = True) -> BlockwiseResult:
+                   layer_dtype: torch.dtype | None = None, progress: bool = True) -> BlockwiseResult:
     """Run the conversion's per-block work (module docstring). `first_inputs(towers, batches)` records the
-    inputs of each tower's first block (default: the model's forward, stopped there)."""
+    inputs of each tower's first block (default: the model's forward, stopped there). `layer_dtype`: the dtype
+    the MoE layers are built in (default: the dense block's; the streaming conversion builds them in the storage
+    dtype and checks them in the block's wider compute dtype, so no float32 copy of a layer's experts exists)."""
     result = BlockwiseResult()
     plan = visits(model, family, targets, replay=bool(probe_batches or calibration))
     first_inputs = first_inputs or (lambda towers, batches: _first_block_inputs(model, towers, batches))
@@ -118,14 +120,14 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], meth
             if visit.needs_compute:
                 before_block(visit.path, block)
                 built = _visit(visit, block, model, family, method, args, cfg, promised, probe_states,
-                               calib_states, probe_batches, calibration, result)
+                               calib_states, probe_batches, calibration, result, layer_dtype)
             after_block(visit, block, built)
         bar.close()
     return result
 
 
 def _visit(visit, block, model, family, method, args, cfg, promised, probe_states, calib_states, probe_batches,
-           calibration, result: BlockwiseResult) -> MoELayer | None:
+           calibration, result: BlockwiseResult, layer_dtype: torch.dtype | None) -> MoELayer | None:
     target = visit.target
     ffn = family.ffn_input(block) if target is not None else None
     probe_rows = _AllRows() if target is not None and probe_states else None
@@ -163,14 +165,16 @@ def _visit(visit, block, model, family, method, args, cfg, promised, probe_state
     init = method(dense.map(lambda w: w.float()), args, num_experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
                   generator=layer_generator(cfg.seed, target), normalize_topk=cfg.moe.normalize_topk,
                   activations=activations)
-    layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
-                               router_bias_E=init.router_bias_E, dtype=dense.w_up.dtype,
-                               output_dropout=family.output_dropout(tcfg))
     entry = LayerEntry(target.name, target.path, init.info, expert_similarity(init.experts),
                        diversity(init.experts))
+    layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
+                               router_bias_E=init.router_bias_E, dtype=layer_dtype or dense.w_up.dtype,
+                               output_dropout=family.output_dropout(tcfg))
+    clusters = init.token_clusters
+    del init            # the method's float32 experts: gone before the check runs beside the layer
     if activations is not None:
         entry.calibration = LayerCalibration(seen, activations.shape[0], RoutingAtInit(
-            **layer_routing_stats(layer, activations, init.token_clusters)))
+            **layer_routing_stats(layer, activations, clusters)))
     result.timings["upcycle"] += time.perf_counter() - t
     if probe_rows is not None:
         t = time.perf_counter()

@@ -12,6 +12,11 @@ buffered, so the writer's memory is the tensor being written. Shards fill in the
 transformers reads it. The files are standard safetensors (format: https://github.com/huggingface/safetensors):
 an 8-byte little-endian header length, a JSON header padded with spaces to 8 bytes, then the tensors' bytes back
 to back in header order, larger element sizes first so that every tensor is aligned to its element size.
+
+With `max_pending_bytes`, the writer writes on a background thread, so the disk works while the caller computes
+the next block (a conversion otherwise waits on each in turn): `write` validates the tensor, queues it and
+returns; it waits only while the queued bytes would exceed the limit, so the memory held by queued tensors stays
+under it. A failed write is raised by the next `write` or by `close`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,10 +170,13 @@ class ShardedWriter:
     """Writes a planned set of tensors into safetensors shards (plus the index when there are several).
 
     Create it with every output tensor's (name, shape, dtype), call `write(name, tensor)` once per name in any
-    order, then `close()`, which checks that every planned tensor was written and writes the index."""
+    order, then `close()`, which checks that every planned tensor was written and writes the index. With
+    `max_pending_bytes` the bytes go to disk on a background thread (module docstring): the caller must not
+    change a tensor after handing it over."""
 
     def __init__(self, directory: str | os.PathLike, specs: list[tuple[str, tuple[int, ...], torch.dtype]], *,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata: dict[str, str] | None = None):
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata: dict[str, str] | None = None,
+                 max_pending_bytes: int | None = None):
         self.directory = Path(directory)
         names = [s[0] for s in specs]
         if len(set(names)) != len(names):
@@ -175,19 +185,22 @@ class ShardedWriter:
         self.files = ([SINGLE_FILE] if len(shards) == 1 else
                       [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         self.slots: dict[str, TensorSlot] = {}
-        self._handles = {}
+        self._fds: dict[str, int] = {}
         for file, tensors in zip(self.files, shards, strict=True):
             header, offsets = _header(tensors, {"format": "pt", **(metadata or {})})
             data_start = 8 + len(header)
-            handle = open(self.directory / file, "wb")       # noqa: SIM115  (closed in close())
-            handle.write(struct.pack("<Q", len(header)))
-            handle.write(header)
-            handle.truncate(data_start + (max(e for _, e in offsets.values()) if offsets else 0))
-            self._handles[file] = handle
+            fd = os.open(self.directory / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[file] = fd
+            _write_all(fd, struct.pack("<Q", len(header)) + header, 0)
+            os.ftruncate(fd, data_start + (max(e for _, e in offsets.values()) if offsets else 0))
             for name, shape, dtype in tensors:
                 start, end = offsets[name]
                 self.slots[name] = TensorSlot(file, data_start + start, end - start, tuple(shape), dtype)
         self.written: set[str] = set()
+        self.max_pending_bytes = max_pending_bytes
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if max_pending_bytes else None
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._pending_bytes = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         slot = self.slots.get(name)
@@ -198,17 +211,28 @@ class ShardedWriter:
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise UpcycleError(f"tensor {name!r}: planned {slot.dtype} {list(slot.shape)}, got {tensor.dtype} "
                                f"{list(tensor.shape)}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        handle = self._handles[slot.file]
-        handle.seek(slot.start)
-        handle.write(memoryview(data))
         self.written.add(name)
+        fd = self._fds[slot.file]
+        if self._pool is None:
+            _write_tensor(fd, tensor, slot.start)
+            return
+        while self._pending and self._pending_bytes + slot.nbytes > self.max_pending_bytes:
+            self._finish_oldest()
+        self._pending.append((self._pool.submit(_write_tensor, fd, tensor.detach(), slot.start), slot.nbytes))
+        self._pending_bytes += slot.nbytes
+
+    def _finish_oldest(self) -> None:
+        future, nbytes = self._pending.popleft()
+        self._pending_bytes -= nbytes
+        future.result()             # a failed write is raised here
 
     def close(self) -> dict[str, str]:
-        """Flush every shard and write the index (several shards); returns name -> file."""
-        for handle in self._handles.values():
-            handle.close()
-        self._handles = {}
+        """Finish queued writes, close every shard and write the index (several shards); returns name -> file."""
+        try:
+            while self._pending:
+                self._finish_oldest()
+        finally:
+            self._close_files()
         missing = [n for n in self.slots if n not in self.written]
         if missing:
             raise UpcycleError(f"the output plan has {len(missing)} tensors never written, e.g. {missing[:3]}")
@@ -220,7 +244,28 @@ class ShardedWriter:
         return weight_map
 
     def abort(self) -> None:
-        """Close the files without checks (the caller's temporary folder is removed anyway)."""
-        for handle in self._handles.values():
-            handle.close()
-        self._handles = {}
+        """Stop without checks (the caller's temporary folder is removed anyway); queued writes are dropped."""
+        for future, _ in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._close_files()
+
+    def _close_files(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)       # a write in progress finishes before its file is closed
+            self._pool = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _write_all(fd: int, data, offset: int) -> None:
+    """pwrite until every byte is written (a single call may write fewer)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _write_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    _write_all(fd, tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy(), offset)

@@ -40,10 +40,24 @@ from .layer_check import layer_probe
 from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
 from .loading import DTYPES
 from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
-from .shards import CheckpointReader, ShardedWriter
+from .shards import CheckpointReader, ShardedWriter, numel_of
 from .skeleton import empty_model, layout_function, planned_model, tensor_specs
 
 COMPUTE_DTYPE = torch.float32
+WRITE_QUEUE_FLOOR = 64 * 2**20          # bytes the writer may queue however small the blocks
+
+
+def largest_block_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]], block_paths: list[str]) -> int:
+    """Bytes of the largest block in the output (the MoE blocks, for an upcycled model)."""
+    sizes = dict.fromkeys(block_paths, 0)
+    for name, shape, dtype in specs:
+        path = name.split(".")
+        for cut in range(len(path) - 1, 0, -1):
+            key = ".".join(path[:cut])
+            if key in sizes:
+                sizes[key] += numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+                break
+    return max(sizes.values(), default=0)
 
 
 class NotStreamable(UpcycleError):
@@ -98,13 +112,23 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     planned_dtype = {name: dt for name, _, dt in specs}
     probe_batches = [layer_probe(probe.inputs)] if probe is not None else None
     replay = bool(probe_batches or calibration)
-    if replay:
-        materialize_trunk(model, reader, names, dtype, source.storage)
-    writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes)
     block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
+    # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
+    writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
+                           max_pending_bytes=max(WRITE_QUEUE_FLOOR, largest_block_bytes(specs, block_paths)))
 
     def write(name: str, tensor: torch.Tensor) -> None:
         writer.write(name, tensor.to(planned_dtype[name]))
+
+    def first_inputs(towers: dict, batches: list[dict]) -> dict:
+        # the trunk (embeddings, head: a large share of a small model) is in memory only for this: the blocks
+        # take the hidden states from here on
+        materialize_trunk(model, reader, names, dtype, source.storage)
+        try:
+            return source.first_inputs(towers, batches)
+        finally:
+            release(model)
+            reader.close()
 
     def before_block(path: str, block: nn.Module) -> None:
         materialize(block, path + ".", reader, names, dtype, source.storage)
@@ -135,7 +159,8 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     try:
         result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
                                 probe_batches=probe_batches, calibration=calibration, before_block=before_block,
-                                after_block=after_block, first_inputs=source.first_inputs, progress=progress)
+                                after_block=after_block, first_inputs=first_inputs,
+                                layer_dtype=DTYPES[cfg.dtype], progress=progress)
         for name in planned_dtype:
             if not any(name.startswith(p + ".") for p in block_paths):
                 write(name, reader.get(names[name]))

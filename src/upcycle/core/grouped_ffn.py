@@ -22,10 +22,13 @@ The activation's derivative comes from autograd on the (elementwise) activation 
 activation works without a hand-written derivative.
 
 Dtypes, stated rather than left to autocast: the expert matmuls run in the compute dtype (the autocast dtype
-when autocast is on for the device, else the weights' dtype); each expert's output is multiplied by its float32
-combine weight into a float32 accumulator (a sum over k experts in bfloat16 would round each term again); the
-result is returned in the input's dtype. Autocast is switched off inside, and the casts of x and the weights to
-the compute dtype are ordinary autograd ops, so gradients reach float32 parameters in float32.
+when autocast is on for the device, else the wider of the weights' and the input's dtype: bfloat16 weights given
+float32 inputs compute in float32, as torch's type promotion would); each expert's output is multiplied by its
+float32 combine weight into a float32 accumulator (a sum over k experts in bfloat16 would round each term again);
+the result is returned in the input's dtype. Autocast is switched off inside, and the casts of x and the weights
+to the compute dtype are ordinary autograd ops, so gradients reach float32 parameters in float32. Without a
+gradient, the per-expert loop casts one expert's weights at a time (checking a bfloat16 layer of a large model in
+float32 then never holds a float32 copy of all its experts: the streaming conversion's per-layer check).
 
 Which path runs is decided by sizes (`kernel_path`), the same rule on every device, so the CPU tests run the
 code a GPU runs: `grouped_mm` for batches up to SMALL_BATCH_BYTES of input-projection output, the per-expert
@@ -94,14 +97,18 @@ ACCUMULATOR = torch.float32     # dtype the weighted expert outputs are summed i
 
 
 def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, keep: list | None):
-    """Per-expert loop: gather the expert's tokens, run its FFN, add the float32-weighted output."""
+    """Per-expert loop: gather the expert's tokens, run its FFN, add the float32-weighted output. Weights in
+    another dtype than x are cast one expert at a time (inference only: the autograd path casts beforehand)."""
     if torch.is_tensor(counts):
         counts = counts.tolist()        # the loop slices per expert on the host: its one sync
     y_TD = x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=ACCUMULATOR)
+
+    def of(t, e):
+        return None if t is None else t[e].to(x_TD.dtype)
+
     for e, rows in _segments(counts):
         idx = tokens_N[rows]
-        pre, y = _expert_ffn(act, gated, x_TD[idx], w_in[e], None if b_in is None else b_in[e], w_down[e],
-                             None if b_down is None else b_down[e])
+        pre, y = _expert_ffn(act, gated, x_TD[idx], of(w_in, e), of(b_in, e), of(w_down, e), of(b_down, e))
         weights = weights_N[rows, None]
         if keep is not None:
             keep.append((pre, y))       # per-expert tensors: small allocations the allocator can recycle
@@ -187,11 +194,13 @@ class GroupedFFN(torch.autograd.Function):
         return gx_TD, None, g_weights, None, None, None, g_w_in, g_b_in, g_w_down, g_b_down
 
 
-def compute_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype:
-    """The autocast dtype when autocast is on for this device, else the weights' own dtype."""
+def compute_dtype(device: torch.device, weights_dtype: torch.dtype, input_dtype: torch.dtype | None = None
+                  ) -> torch.dtype:
+    """The autocast dtype when autocast is on for this device, else the wider of the weights' and the input's
+    dtype (torch's promotion: float32 inputs to bfloat16 weights compute in float32)."""
     if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
-    return weights_dtype
+    return weights_dtype if input_dtype is None else torch.promote_types(weights_dtype, input_dtype)
 
 
 def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
@@ -200,17 +209,22 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring).
     `counts` [E]: slots per expert (a tensor on x's device keeps the forward free of host syncs)."""
     device = x_TD.device
-    dtype = compute_dtype(device, w_in.dtype)
+    dtype = compute_dtype(device, w_in.dtype, x_TD.dtype)
     counts = torch.as_tensor(counts, device=device)
     off = torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
         else contextlib.nullcontext()
+    path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device.type)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x_TD, weights_N, w_in, b_in, w_down, b_down))
     with off:
         def cast(t):
             return None if t is None else t.to(dtype)
 
-        args = (cast(x_TD).contiguous(), tokens_N, weights_N.to(ACCUMULATOR), counts, act, gated, cast(w_in),
-                cast(b_in), cast(w_down), cast(b_down))
-        y_TD = _dispatch(args, tokens_N, w_in.shape, w_down.shape, dtype)
+        # the inference loop casts each expert's weights as it runs them (`_run`); the other paths cast here
+        cast_w = (lambda t: t) if path == "loop" and not needs_grad else cast
+        args = (cast(x_TD).contiguous(), tokens_N, weights_N.to(ACCUMULATOR), counts, act, gated, cast_w(w_in),
+                cast_w(b_in), cast_w(w_down), cast_w(b_down))
+        y_TD = _dispatch(args, path, needs_grad)
     return y_TD.to(x_TD.dtype)
 
 
@@ -231,11 +245,10 @@ def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device
     return "grouped_mm" if small and aligned else "loop"
 
 
-def _dispatch(args: tuple, tokens_N: torch.Tensor, w_in_shape, w_down_shape, dtype: torch.dtype) -> torch.Tensor:
-    """The path `kernel_path` picks; the loop as an autograd Function when a gradient is needed."""
-    if kernel_path(tokens_N.numel(), w_in_shape, w_down_shape, dtype, args[0].device.type) == "grouped_mm":
+def _dispatch(args: tuple, path: str, needs_grad: bool) -> torch.Tensor:
+    """The path `kernel_path` picked; the loop as an autograd Function when a gradient is needed."""
+    if path == "grouped_mm":
         return _run_grouped_mm(*args)
-    tensors = (args[0], args[2], *args[6:])
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad:
         return GroupedFFN.apply(*args)
     return _run(*args, keep=None)     # inference: nothing kept for a backward
