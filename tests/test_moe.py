@@ -269,10 +269,15 @@ def test_the_kernel_path_depends_on_sizes_not_on_the_device(tokens, dtype):
 
 
 @pytest.mark.parametrize("shared", [0, 1])
-def test_float32_inputs_to_bfloat16_experts_compute_in_float32(kernel_path, shared):
+def test_float32_inputs_to_bfloat16_experts_compute_in_float32(monkeypatch, shared):
     """The streaming conversion checks a bfloat16 layer on float32 hidden states: the experts must compute in
-    float32 (type promotion), which equals the float32 copy of the layer exactly (bf16 -> f32 is exact). The loop
-    casts one expert at a time; the small-batch path the whole stack."""
+    float32 (type promotion), which equals the float32 copy of the layer exactly (bf16 -> f32 is exact), through
+    the loop that casts one expert at a time, even for a batch small enough for grouped_mm (which would cast the
+    whole stack)."""
+    import upcycle.core.grouped_ffn as kernel
+    calls = []
+    run_grouped = kernel._run_grouped_mm
+    monkeypatch.setattr(kernel, "_run_grouped_mm", lambda *a: calls.append(a[6].dtype) or run_grouped(*a))
     layer = random_layer(E=4, K=2, bias=True, shared=shared).to(torch.bfloat16)
     layer.router.float()          # the router is float32 in every model (MoELayer's rule)
     wide = random_layer(E=4, K=2, bias=True, shared=shared)
@@ -281,6 +286,8 @@ def test_float32_inputs_to_bfloat16_experts_compute_in_float32(kernel_path, shar
     with torch.no_grad():
         y = layer(x)
         assert y.dtype == torch.float32
+        assert not calls                # the bfloat16 layer took the loop
         assert torch.equal(y, wide(x))
-        # bfloat16 inputs still compute in bfloat16 (and differ from the float32 result)
+        assert calls                    # the float32 one, this small batch, grouped_mm: the same numbers
+        # bfloat16 inputs still compute in bfloat16
         assert layer(x.bfloat16()).dtype == torch.bfloat16

@@ -37,7 +37,7 @@ def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
     for part in parts:
         flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
         if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm
-            gram += sum((b.double() ** 2).sum() for b in flat[0].split(GRAM_COLUMNS))
+            gram += sum(torch.dot(b, b) for b in (c.double() for c in flat[0].split(GRAM_COLUMNS)))
             continue
         for block in flat.split(GRAM_COLUMNS, dim=1):
             p = block.double()

@@ -169,15 +169,21 @@ def _full_config(model: nn.Module, target: Target) -> dict:
     return config
 
 
-def export_state_dict(model: nn.Module, target: Target, prefix: str = "") -> tuple[dict[str, torch.Tensor],
-                                                                                   list[dict]]:
+def export_state_dict(model: nn.Module, target: Target, prefix: str = "", *, copy: bool = True
+                      ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Stock-layout tensors, and the scales folded into them; with `prefix` (a block's path and a dot), only
-    the tensors of that part of the model (the streaming conversion writes a block at a time)."""
+    the tensors of that part of the model (the streaming conversion writes a block at a time). `copy=False`
+    returns views of the model's tensors where the layout allows (the streaming writer copies the bytes itself;
+    a state dict handed to safetensors' save must own its memory)."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        return t.clone() if copy else t
+
     moe = {name: layer for name, layer in moe_layers(model).items() if name.startswith(prefix)}
     out, folded = {}, []
     for key, tensor in model.state_dict().items():
         if key.startswith(prefix) and not any(key.startswith(name + ".") for name in moe):
-            out[key] = tensor.detach().clone().contiguous()
+            out[key] = own(tensor)
     if target.model_type == "qwen2_moe":      # Qwen2-MoE's q/k/v always carry biases: zeros when the source has none
         width = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads,
                  "v_proj": model.config.num_key_value_heads}
@@ -190,14 +196,14 @@ def export_state_dict(model: nn.Module, target: Target, prefix: str = "") -> tup
     for name, layer in moe.items():
         w = layer.experts.weights()
         prefix = name.replace(".mlp", ".block_sparse_moe") if target.model_type == "mixtral" else name
-        out[f"{prefix}.gate.weight"] = layer.router.weight.detach().to(model.dtype).clone()
+        out[f"{prefix}.gate.weight"] = own(layer.router.weight.to(model.dtype))
         for e in range(layer.num_experts):
             if target.model_type == "mixtral":
                 parts = {"w1": w.w_gate[e], "w3": w.w_up[e], "w2": w.w_down[e]}
             else:
                 parts = {"gate_proj": w.w_gate[e], "up_proj": w.w_up[e], "down_proj": w.w_down[e]}
             for part, tensor in parts.items():
-                out[f"{prefix}.experts.{e}.{part}.weight"] = tensor.contiguous().clone()
+                out[f"{prefix}.experts.{e}.{part}.weight"] = own(tensor)
         if target.model_type == "qwen2_moe":
             s = layer.shared_experts.weights() if layer.shared_experts is not None else None
             D = layer.experts.w_down.shape[1]

@@ -139,7 +139,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             family.install(block, built)
         if visit.needs_compute:
             tensors = (((prefix + n, t) for n, t in block.state_dict().items()) if export is None else
-                       export_state_dict(model, export, prefix)[0].items())
+                       export_state_dict(model, export, prefix, copy=False)[0].items())
             for name, tensor in tensors:
                 write(name, tensor)
             release(block)
@@ -147,7 +147,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
             materialize(block, prefix, reader, names, dtype, source.storage)
-            for name, tensor in export_state_dict(model, export, prefix)[0].items():
+            for name, tensor in export_state_dict(model, export, prefix, copy=False)[0].items():
                 write(name, tensor)
             release(block)
             reader.close()

@@ -28,7 +28,8 @@ float32 combine weight into a float32 accumulator (a sum over k experts in bfloa
 the result is returned in the input's dtype. Autocast is switched off inside, and the casts of x and the weights
 to the compute dtype are ordinary autograd ops, so gradients reach float32 parameters in float32. Without a
 gradient, the per-expert loop casts one expert's weights at a time (checking a bfloat16 layer of a large model in
-float32 then never holds a float32 copy of all its experts: the streaming conversion's per-layer check).
+float32 then never holds a float32 copy of all its experts: the streaming conversion's per-layer check), and an
+inference batch whose weights need a cast takes the loop whatever its size (grouped_mm would cast the stack).
 
 Which path runs is decided by sizes (`kernel_path`), the same rule on every device, so the CPU tests run the
 code a GPU runs: `grouped_mm` for batches up to SMALL_BATCH_BYTES of input-projection output, the per-expert
@@ -216,6 +217,10 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device.type)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                  for t in (x_TD, weights_N, w_in, b_in, w_down, b_down))
+    if path == "grouped_mm" and not needs_grad and w_in.dtype != dtype:
+        # grouped_mm would need every expert's weights cast at once (a copy of the whole stack) for one small
+        # batch; the loop casts only the experts that got tokens, one at a time
+        path = "loop"
     with off:
         def cast(t):
             return None if t is None else t.to(dtype)
