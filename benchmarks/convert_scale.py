@@ -109,7 +109,9 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-    return {"wall_s": round(wall, 1), "peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None,
+    cpu = sum(float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", proc.stderr))
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "load_average": round(os.getloadavg()[0], 2),
+            "peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None,
             "exit_code": proc.returncode, "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else ""}
 
 
@@ -197,6 +199,16 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def median_run(rows: list[dict]) -> dict:
+    """The run with the median wall time, its wall/CPU/RSS replaced by the medians over the runs."""
+    import statistics
+
+    ok = [r for r in rows if r["exit_code"] == 0] or rows
+    middle = sorted(ok, key=lambda r: r["wall_s"])[len(ok) // 2]
+    return {**middle, "runs": len(rows), **{k: statistics.median(r[k] for r in ok)
+                                            for k in ("wall_s", "cpu_s", "peak_rss_bytes") if middle.get(k)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="135m,0.5b,1b,2b")
@@ -205,6 +217,7 @@ def main() -> None:
     # 2-core CPU, over an hour at 2B, so cluster runs at the sizes named here
     parser.add_argument("--cluster-sizes", default="135m,0.5b")
     parser.add_argument("--no-mergekit", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each tool in the mergekit comparison")
     parser.add_argument("--out", default=str(RESULTS / "convert_scale.json"))
     a = parser.parse_args()
     work = cache() / "bench-outputs"
@@ -235,13 +248,21 @@ def main() -> None:
         ckpt = checkpoint("1b")
         dense = folder_bytes(ckpt)
         # streamed straight into Mixtral's layout (mergekit checks nothing; ours still checks every layer)
-        ours = run_upcycle(ckpt, work / "1b-mixtral", "copy", "--every", "1", "--export", "hf",
-                           "--export-class", "mixtral", "--set", "streaming=true")
-        theirs = run_mergekit(ckpt, work / "1b-mergekit")
-        results["mergekit"] = [{"tool": "upcycle", "dense_bytes": dense, **ours},
-                               {"tool": "mergekit-moe", "dense_bytes": dense, **theirs}]
+        # the two tools alternate, a.repeats times each, so both see the same background load; medians reported
+        pairs = []
+        for _ in range(a.repeats):
+            ours = run_upcycle(ckpt, work / "1b-mixtral", "copy", "--every", "1", "--export", "hf",
+                               "--export-class", "mixtral", "--set", "streaming=true")
+            theirs = run_mergekit(ckpt, work / "1b-mergekit")
+            pairs.append((ours, theirs))
+            print(json.dumps([{k: v for k, v in r.items() if k != "tail"} for r in (ours, theirs)]), flush=True)
+        results["mergekit"] = [{"tool": "upcycle", "dense_bytes": dense, **median_run([p[0] for p in pairs])},
+                               {"tool": "mergekit-moe", "dense_bytes": dense, **median_run([p[1] for p in pairs])}]
+        results["mergekit_runs"] = [[{k: v for k, v in r.items() if k != "tail"} for r in p] for p in pairs]
+        ours, theirs = results["mergekit"]
         if ours["exit_code"] == 0 and theirs["exit_code"] == 0:
             results["versus_mergekit"] = {"time_ratio": round(ours["wall_s"] / theirs["wall_s"], 2),
+                                          "cpu_time_ratio": round(ours["cpu_s"] / theirs["cpu_s"], 2),
                                           "peak_rss_ratio": round(ours["peak_rss_bytes"] / theirs["peak_rss_bytes"], 2)}
         print(json.dumps(results["mergekit"], indent=1), flush=True)
     out = Path(a.out)
