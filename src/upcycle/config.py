@@ -138,7 +138,11 @@ class ConvertConfig:
     check: CheckConfig = field(default_factory=CheckConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     seed: int = 0
-    dtype: str = "float32"      # dtype the model is loaded and converted in
+    # dtype the written weights are stored in (and the in-memory conversion computes in): auto = the checkpoint's
+    # own (config.json's torch_dtype / dtype), float32 when it states none
+    dtype: str = "auto"
+    # where calibration, the methods' linear algebra and the checks run: auto = the GPU when torch sees one
+    device: str = "auto"
     export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
     export_class: str = "auto"  # with export=hf: auto, qwen2_moe, qwen3_moe or mixtral
     # Streaming (issue 13): read the dense checkpoint tensor by tensor and write the output shard by shard, one

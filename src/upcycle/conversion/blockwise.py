@@ -167,9 +167,10 @@ def _visit(visit, block, model, family, method, args, cfg, promised, probe_state
                   activations=activations)
     entry = LayerEntry(target.name, target.path, init.info, expert_similarity(init.experts),
                        diversity(init.experts))
-    layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
-                               router_bias_E=init.router_bias_E, dtype=layer_dtype or dense.w_up.dtype,
-                               output_dropout=family.output_dropout(tcfg))
+    with torch.device(dense.w_up.device):       # where the block is (the GPU with --device cuda)
+        layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
+                                   router_bias_E=init.router_bias_E, dtype=layer_dtype or dense.w_up.dtype,
+                                   output_dropout=family.output_dropout(tcfg))
     clusters = init.token_clusters
     del init            # the method's float32 experts: gone before the check runs beside the layer
     if activations is not None:

@@ -177,8 +177,8 @@ class _Stop(Exception):
     not needed."""
 
 
-def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList],
-                        batches: list[dict[str, torch.Tensor]]) -> dict[str, list[_BlockInput]]:
+def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batches: list[dict[str, torch.Tensor]],
+                        device: torch.device | None = None) -> dict[str, list[_BlockInput]]:
     inputs = {name: [] for name in towers}
     pending: set[str] = set()
 
@@ -191,7 +191,7 @@ def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList],
         return record
 
     handles = [blocks[0].register_forward_pre_hook(hook(name), with_kwargs=True) for name, blocks in towers.items()]
-    device = next(model.parameters()).device
+    device = device or next(p for p in model.parameters() if not p.is_meta).device
     extra = {"use_cache": False} if hasattr(model.config, "use_cache") else {}
     try:
         for batch in batches:

@@ -8,6 +8,7 @@ preservation breaks it -> write the folder (temporary directory, renamed at the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from .calibration import real_tokens, tensor_batches, text_batches
 from .export import EXPORT_CLASSES, export_hf, export_target
 from .io import save
 from .layer_check import layer_probe
-from .loading import DTYPES, dense_config, dense_weights, load_model, load_tokenizer
+from .loading import DTYPES, dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
 from .preservation import compare, count_parameters, make_probe, preservation_tolerance, probe_output, rounding_noise
 from .report import (
     Allowance,
@@ -70,8 +71,9 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     args = method.resolve_args(cfg.method_args)
     if not cfg.check.noise_factor > 0 or not cfg.check.tolerance >= 0 or not cfg.check.relative_tolerance >= 0:
         raise UpcycleError("check.noise_factor must be > 0, check.tolerance and check.relative_tolerance >= 0")
-    if cfg.dtype not in DTYPES:
-        raise UpcycleError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.dtype not in DTYPES and cfg.dtype != "auto":
+        raise UpcycleError(f"dtype must be auto or one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    resolve_device(cfg.device)
     if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
         raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
     if cfg.export not in EXPORTS:
@@ -175,6 +177,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     required by methods that need calibration data, and when given the report adds each layer's routing of
     those tokens at init."""
     method, args = validate(cfg)
+    if cfg.dtype == "auto":          # a model given in memory: it is in the dtype it computes in
+        cfg = dataclasses.replace(cfg, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     family = family_of(model.config)
     targets = plan_targets(model, cfg.placement)
     if method.needs_calibration and not calibration:
@@ -258,6 +262,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     phases = Phases(5 if out is not None else 4, progress)
     t = time.perf_counter()
     path, config = dense_config(cfg.model)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config))     # the report states the dtype used
     tokenizer = load_tokenizer(path)
     check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
     source = f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
@@ -279,7 +284,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
                                   calibration_source=calibration_source, progress=progress, phases=phases)
         phases.close()
         return Conversion(None, tokenizer, report, Path(out))
-    model = dense_weights(cfg.model, path, config, cfg.dtype)
+    model = dense_weights(cfg.model, path, config, cfg.dtype).to(resolve_device(cfg.device))
     load_s = time.perf_counter() - t
     phases("model loaded")
     report = upcycle_model(model, cfg, tokenizer=tokenizer, texts=texts, text_source=source,
@@ -315,7 +320,8 @@ def _stream_source(cfg: ConvertConfig, path: str, config):
         return None
     else:
         try:
-            return StreamSource.open(path, config, COMPUTE_DTYPE, storage=DTYPES[cfg.dtype])
+            return StreamSource.open(path, config, COMPUTE_DTYPE, storage=DTYPES[cfg.dtype],
+                                     device=resolve_device(cfg.device))
         except NotStreamable as e:
             why = str(e)
     if cfg.streaming is True:

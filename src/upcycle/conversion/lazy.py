@@ -55,9 +55,11 @@ def checkpoint_names(model: nn.Module, reader: CheckpointReader) -> tuple[dict[s
     return names, missing
 
 
-def _cast(value: torch.Tensor, dtype: torch.dtype, round_to: torch.dtype | None) -> torch.Tensor:
+def _cast(value: torch.Tensor, dtype: torch.dtype, round_to: torch.dtype | None,
+          device: torch.device | None = None) -> torch.Tensor:
     """Floating-point tensors in `dtype`, first rounded to `round_to` (the storage dtype: the model then
-    computes with the weights as they will be stored, as a model loaded in that dtype does)."""
+    computes with the weights as they will be stored, as a model loaded in that dtype does), on `device`."""
+    value = value.to(device) if device is not None else value     # moved in the file's dtype: fewer bytes
     if not value.is_floating_point():
         return value
     if round_to is not None and round_to != value.dtype:
@@ -66,7 +68,8 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, round_to: torch.dtype | None)
 
 
 def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names: dict[str, str],
-                dtype: torch.dtype, round_to: torch.dtype | None = None) -> None:
+                dtype: torch.dtype, round_to: torch.dtype | None = None, device: torch.device | None = None
+                ) -> None:
     """Give `module` (at `prefix` in the model) its parameters and persistent buffers from the checkpoint,
     floating-point ones in `dtype` (rounded to `round_to` first); a no-op for tensors already real."""
     loaded = {}
@@ -76,7 +79,7 @@ def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names:
         key = names.get(prefix + name)
         if key is None:
             raise UpcycleError(f"the checkpoint has no tensor for {prefix + name}")
-        loaded[name] = _cast(reader.get(key), dtype, round_to)
+        loaded[name] = _cast(reader.get(key), dtype, round_to, device)
     if loaded:
         module.load_state_dict(loaded, strict=False, assign=True)
 
@@ -101,7 +104,8 @@ def block_paths(model: nn.Module) -> list[str]:
 
 
 def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[str, str],
-                      dtype: torch.dtype, round_to: torch.dtype | None = None) -> None:
+                      dtype: torch.dtype, round_to: torch.dtype | None = None,
+                      device: torch.device | None = None) -> None:
     """Everything outside the blocks (embeddings, norms, head), then the model's own tying."""
     blocks = set(block_paths(model))
     done: set[int] = set()          # a tied tensor is read once; tie_weights shares it again at the end
@@ -116,7 +120,7 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
             key = names.get(full)
             if key is None:
                 raise UpcycleError(f"the checkpoint has no tensor for {full}")
-            value = _cast(reader.get(key), dtype, round_to)
+            value = _cast(reader.get(key), dtype, round_to, device)
             if name in module._parameters:
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
             else:
@@ -127,14 +131,14 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
 
 @contextlib.contextmanager
 def blocks_on_demand(model: nn.Module, reader: CheckpointReader, names: dict[str, str], dtype: torch.dtype,
-                     round_to: torch.dtype | None = None):
+                     round_to: torch.dtype | None = None, device: torch.device | None = None):
     """Within the block, each block is read from the checkpoint before its forward and released after it."""
     handles = []
     for path in block_paths(model):
         block = model.get_submodule(path)
 
         def load(module, args, kwargs, prefix=path + "."):
-            materialize(module, prefix, reader, names, dtype, round_to)
+            materialize(module, prefix, reader, names, dtype, round_to, device)
 
         def free(module, args, kwargs, output):
             release(module)

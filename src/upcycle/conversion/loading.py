@@ -26,6 +26,37 @@ from .io import MOE_CONFIG
 from .io import load as load_upcycled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N"
+
+
+def resolve_dtype(setting: str, config) -> str:
+    """The dtype name a conversion uses: `setting` itself, or for "auto" the dtype the checkpoint's config
+    states (`dtype`, or `torch_dtype` as transformers 4 writes it), float32 when it states none we store."""
+    if setting != "auto":
+        return setting
+    stated = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(stated).removeprefix("torch.") if stated is not None else None
+    return name if name in DTYPES else "float32"
+
+
+def resolve_device(setting: str) -> torch.device:
+    """The device calibration, the methods' linear algebra and the checks run on: "auto" is the first GPU when
+    torch sees one, else the CPU; a GPU that is not there is an error (not a silent CPU run)."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(setting)
+    except (RuntimeError, TypeError):
+        raise UpcycleError(f"device must be one of {DEVICE_CHOICES}, got {setting!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UpcycleError(f"device must be one of {DEVICE_CHOICES}, got {setting!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UpcycleError(f"device {setting!r}: torch sees no CUDA GPU here (torch {torch.__version__}); use "
+                               f"--device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UpcycleError(f"device {setting!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 def dense_config(name: str) -> tuple[str, object]:

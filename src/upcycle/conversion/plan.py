@@ -88,9 +88,11 @@ def describe(report: dict) -> str:
 def dry_run(cfg: ConvertConfig) -> dict:
     """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
     checks them, then the plan; no weight is read."""
+    import dataclasses
+
     from .converter import validate
-    from .loading import dense_config
+    from .loading import dense_config, resolve_dtype
 
     method, args = validate(cfg)
     _, config = dense_config(cfg.model)
-    return plan(cfg, config, method, args)
+    return plan(dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config)), config, method, args)

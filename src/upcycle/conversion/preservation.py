@@ -104,8 +104,9 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
 def probe_output(model: nn.Module, probe: Probe, outputs: tuple | None = None) -> ProbeOutput:
     """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens;
     `outputs` for a model outside the table (a stock MoE export compared with its dense source)."""
+    device = next(p for p in model.parameters() if not p.is_meta).device
     with eval_mode(model):
-        out = model(**probe.inputs)
+        out = model(**{k: v.to(device) for k, v in probe.inputs.items()})
     outputs = outputs or family_of(model.config).outputs
     name, dist = next(((n, d) for n, d in outputs if getattr(out, n, None) is not None), (None, False))
     if name is None:
@@ -114,8 +115,9 @@ def probe_output(model: nn.Module, probe: Probe, outputs: tuple | None = None) -
     values = getattr(out, name)
     mask = probe.inputs.get("attention_mask")
     if values.dim() == 3:
-        values = values[mask.bool()] if mask is not None and mask.shape == values.shape[:2] else values.flatten(0, 1)
-    return ProbeOutput(values.float(), name, dist)
+        values = (values[mask.to(values.device).bool()] if mask is not None and mask.shape == values.shape[:2]
+                  else values.flatten(0, 1))
+    return ProbeOutput(values.float().cpu(), name, dist)     # compared on the CPU: outputs of two devices
 
 
 def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:

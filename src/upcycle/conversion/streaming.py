@@ -73,10 +73,11 @@ class StreamSource:
     names: dict[str, str]
     dtype: torch.dtype                      # the compute dtype
     storage: torch.dtype | None = None      # weights are rounded to it as they are read (the output's dtype)
+    device: torch.device | None = None      # where blocks are read to and computed (None: the CPU)
 
     @classmethod
     def open(cls, path: str | Path, config, dtype: torch.dtype, *, model: nn.Module | None = None,
-             storage: torch.dtype | None = None) -> StreamSource:
+             storage: torch.dtype | None = None, device: torch.device | None = None) -> StreamSource:
         """`model`: the weightless model to read into (default: the dense model of `config`)."""
         try:
             reader = CheckpointReader(path)
@@ -87,12 +88,13 @@ class StreamSource:
         if missing:
             raise NotStreamable(f"{path}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                 f"({len(missing)} not found, e.g. {missing[:3]})")
-        return cls(reader, model, names, dtype, storage)
+        return cls(reader, model, names, dtype, storage, device)
 
     def first_inputs(self, towers: dict, batches: list[dict]) -> dict:
         """The inputs of each tower's first block, running whatever blocks come before it from disk."""
-        with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage):
-            return _first_block_inputs(self.model, towers, batches)
+        with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage,
+                              self.device):
+            return _first_block_inputs(self.model, towers, batches, device=self.device)
 
 
 def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
@@ -123,7 +125,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     def first_inputs(towers: dict, batches: list[dict]) -> dict:
         # the trunk (embeddings, head: a large share of a small model) is in memory only for this: the blocks
         # take the hidden states from here on
-        materialize_trunk(model, reader, names, dtype, source.storage)
+        materialize_trunk(model, reader, names, dtype, source.storage, source.device)
         try:
             return source.first_inputs(towers, batches)
         finally:
@@ -131,7 +133,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             reader.close()
 
     def before_block(path: str, block: nn.Module) -> None:
-        materialize(block, path + ".", reader, names, dtype, source.storage)
+        materialize(block, path + ".", reader, names, dtype, source.storage, source.device)
 
     def after_block(visit: BlockVisit, block: nn.Module, built) -> None:
         prefix = visit.path + "."
@@ -146,7 +148,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
             reader.close()      # unmaps the files: pages read for this block leave the process
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
-            materialize(block, prefix, reader, names, dtype, source.storage)
+            materialize(block, prefix, reader, names, dtype, source.storage, source.device)
             for name, tensor in export_state_dict(model, export, prefix, copy=False)[0].items():
                 write(name, tensor)
             release(block)
@@ -208,8 +210,8 @@ def lazy_probe_output(source: StreamSource, probe: Probe, reordered: list[str] |
     """The probe through the whole model, each block read from disk for its forward and released after it;
     with `reordered`, those blocks' FFNs summed in another order (the rounding-noise run)."""
     model = source.model
-    materialize_trunk(model, source.reader, source.names, source.dtype, source.storage)
-    with blocks_on_demand(model, source.reader, source.names, source.dtype, source.storage), \
+    materialize_trunk(model, source.reader, source.names, source.dtype, source.storage, source.device)
+    with blocks_on_demand(model, source.reader, source.names, source.dtype, source.storage, source.device), \
             (_reordered(model, reordered) if reordered else contextlib.nullcontext()):
         return probe_output(model, probe)
 
@@ -281,7 +283,8 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
             # run its experts in bfloat16 and compare two precisions
             reader_model, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of,
                                             dtype=source.dtype)
-            written = StreamSource.open(directory, planned.config, source.dtype, model=reader_model)
+            written = StreamSource.open(directory, planned.config, source.dtype, model=reader_model,
+                                        device=source.device)
             measured = compare(dense_out, lazy_probe_output(written, probe))
         else:
             measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype,

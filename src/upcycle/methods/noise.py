@@ -32,8 +32,9 @@ def noise(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Gen
         if w_E is None:
             continue
         sigma = std * (getattr(ffn, name).float().std().item() if relative_std else 1.0)
-        eps = torch.randn(w_E.shape, generator=generator, dtype=torch.float32) * sigma
-        perturb = torch.rand(w_E.shape, generator=generator) < fraction   # 1 - M_i
+        # drawn on the CPU from the seeded generator (the same bytes on every device), then moved to the weights
+        eps = torch.randn(w_E.shape, generator=generator, dtype=torch.float32).to(w_E.device) * sigma
+        perturb = (torch.rand(w_E.shape, generator=generator) < fraction).to(w_E.device)   # 1 - M_i
         perturbed[name] = (w_E.float() + eps * perturb).to(w_E.dtype)
     router = random_router(num_experts, ffn.hidden_size, router_std, generator)
     return ExpertInit(experts=replace(experts, **perturbed), router_ED=router)

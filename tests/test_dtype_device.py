@@ -1,0 +1,91 @@
+"""The conversion's dtype and device settings (issue 13, item 3): the default stores weights in the checkpoint's
+own dtype, and the device is validated before anything is read or written."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from conftest import write_tiny_lm
+from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.config import CheckConfig, PlacementConfig
+from upcycle.conversion.loading import resolve_device, resolve_dtype
+from upcycle.conversion.shards import CheckpointReader
+from upcycle.errors import UpcycleError
+
+
+@pytest.mark.parametrize(("stated", "expected"), [
+    ({"dtype": "bfloat16"}, "bfloat16"),                    # transformers 5 writes `dtype`
+    ({"torch_dtype": torch.float16}, "float16"),            # transformers 4 `torch_dtype`, as a torch dtype
+    ({"dtype": "torch.bfloat16"}, "bfloat16"),
+    ({}, "float32"),                                        # states none
+    ({"dtype": "int8"}, "float32"),                         # not a dtype we store weights in
+])
+def test_auto_dtype_is_the_checkpoints_own(stated, expected):
+    assert resolve_dtype("auto", types.SimpleNamespace(**stated)) == expected
+    assert resolve_dtype("float16", types.SimpleNamespace(**stated)) == "float16"     # an explicit choice wins
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """The tiny Llama saved in bfloat16, its config saying so (as real checkpoints on the hub do)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("bf16")
+    dense, _, held = write_tiny_lm(root)
+    folder = root / "bf16"
+    AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((dense / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    return folder, held
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_default_dtype_follows_the_checkpoint(bf16_checkpoint, tmp_path, streaming):
+    folder, held = bf16_checkpoint
+    cfg = ConvertConfig(model=str(folder), moe=MoEConfig(num_experts=4, top_k=2), placement=PlacementConfig(every=2),
+                        check=CheckConfig(text=str(held)), streaming=streaming)
+    assert cfg.dtype == "auto"
+    report = convert(cfg, tmp_path / "out", progress=False).report
+    assert report.dtype == "bfloat16" and report.preservation.passed
+    reader = CheckpointReader(tmp_path / "out")
+    dtypes = {reader.dtype(n) for n in reader.names() if "router" not in n and "selection_bias" not in n}
+    assert dtypes == {torch.bfloat16}
+    # routers stay float32 (MoELayer's rule) whatever the storage dtype
+    assert {reader.dtype(n) for n in reader.names() if n.endswith("router.weight")} == {torch.float32}
+
+
+def test_device_settings_are_checked_before_any_work(bf16_checkpoint, tmp_path):
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("tpu", "gpu", "cuda:x"):
+        with pytest.raises(UpcycleError, match="device must be one of"):
+            resolve_device(bad)
+    folder, held = bf16_checkpoint
+    wanted = "cuda:99" if torch.cuda.is_available() else "cuda"       # a GPU this machine does not have
+    cfg = ConvertConfig(model=str(folder), moe=MoEConfig(num_experts=4, top_k=2), check=CheckConfig(text=str(held)),
+                        device=wanted)
+    with pytest.raises(UpcycleError, match="device 'cuda"):
+        convert(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_explicit_cpu_device_writes_what_auto_writes_here(bf16_checkpoint, tmp_path):
+    """On a machine without a GPU, `--device cpu` and `auto` are the same run (the same bytes)."""
+    if torch.cuda.is_available():
+        pytest.skip("auto picks the GPU on this machine")
+    folder, held = bf16_checkpoint
+    written = {}
+    for device in ("cpu", "auto"):
+        cfg = ConvertConfig(model=str(folder), method="drop", moe=MoEConfig(num_experts=4, top_k=2),
+                            check=CheckConfig(text=str(held)), device=device)
+        convert(cfg, tmp_path / device, progress=False)
+        reader = CheckpointReader(tmp_path / device)
+        written[device] = {n: reader.get(n) for n in reader.names()}
+    assert written["cpu"].keys() == written["auto"].keys()
+    assert all(torch.equal(written["cpu"][n], written["auto"][n]) for n in written["cpu"])
