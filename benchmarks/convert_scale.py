@@ -199,6 +199,13 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save(results: dict, path: str) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return out
+
+
 def median_run(rows: list[dict]) -> dict:
     """The run with the median wall time, its wall/CPU/RSS replaced by the medians over the runs."""
     import statistics
@@ -240,6 +247,7 @@ def main() -> None:
             row["met_target"] = bool(row["peak_rss_bytes"] and row["peak_rss_bytes"] <= row["target_peak_bytes"])
             results["runs"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
+            save(results, a.out)            # each finished run is kept if a later one is interrupted
     if "135m" in a.sizes.split(","):      # what the default end-to-end check adds, at the smallest size
         row = run_upcycle(checkpoint("135m"), work / "135m-e2e", "copy", "--every", "2", "--set",
                           "check.end_to_end=true")
@@ -265,9 +273,7 @@ def main() -> None:
                                           "cpu_time_ratio": round(ours["cpu_s"] / theirs["cpu_s"], 2),
                                           "peak_rss_ratio": round(ours["peak_rss_bytes"] / theirs["peak_rss_bytes"], 2)}
         print(json.dumps(results["mergekit"], indent=1), flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = save(results, a.out)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

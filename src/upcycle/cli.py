@@ -109,9 +109,9 @@ CONVERT_FLAGS = (
     ConfigFlag("--towers", "placement.towers", "for CLIP: text, vision, or text,vision", split=True),
     ConfigFlag("--seed", "seed", "seed of every random draw: same seed, same bytes"),
     ConfigFlag("--dtype", "dtype", f"dtype of the written weights (the in-memory conversion computes in it): auto "
-                                   f"(the checkpoint's own, default), {', '.join(DTYPES)}"),
+                                   f"(the checkpoint's own), {', '.join(DTYPES)}"),
     ConfigFlag("--device", "device", "where calibration, the methods' linear algebra and the checks run: auto (the "
-                                     "GPU when torch sees one, default), cpu, cuda, cuda:N"),
+                                     "GPU when torch sees one), cpu, cuda, cuda:N"),
     ConfigFlag("--probe-text", "check.text",
                "text or JSONL file for the preservation check (default: held-out Wikipedia)"),
     ConfigFlag("--calibration", "calibration.data", "text or JSONL ('text' field) file of calibration data for "

@@ -4,11 +4,14 @@ The dense and the upcycled models are built on the meta device (`skeleton.py`), 
 works for any size (a Llama-3-70B config plans in a second). It reports the placement, the parameters before and
 after (total, and active per token: k of E routed experts), the bytes the output takes on disk in each storage
 dtype (routers stay float32), and an estimate of the real run's peak memory, from the sizes the streaming
-conversion holds at once (`streaming.py`):
+conversion holds at once (`streaming.py`; the compute dtype is float32):
   overhead     the Python process with torch and transformers imported (measured: about 0.6 GB)
-  trunk        embeddings, final norm, head, in the compute dtype (read when the probe or calibration runs)
-  block        the largest dense block and its MoE replacement, in the compute dtype
-  method       the method's float32 working set for one layer (the dense FFN and the E experts it builds)
+  trunk        embeddings, final norm, head, in float32: in memory only while the first blocks' inputs are
+               computed, before any block, so the peak counts the larger of it and the per-block parts below
+  block        the largest dense block in float32
+  moe_block    its MoE replacement, built in the storage dtype
+  write_queue  at most one block's output (2 GiB at most) waiting for the background writer (storage dtype)
+  method       the method's float32 experts for one layer (an upper bound: copy returns views of the dense FFN)
   calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
 `benchmarks/convert_scale.py` measures real runs; its JSON holds the estimate next to the measured peak.
 """
@@ -24,6 +27,7 @@ from ..methods import Method
 from .lazy import block_paths
 from .preservation import count_parameters
 from .skeleton import empty_model, layout_function, output_bytes, planned_model, tensor_specs
+from .streaming import write_queue_bytes
 
 GB = 10**9
 OVERHEAD_BYTES = int(0.6 * GB)
@@ -53,15 +57,19 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     if method.needs_calibration:
         tokens = calibration_tokens or cfg.calibration.tokens
         calib = tokens * hidden * element * 2 + cfg.calibration.tokens * hidden * 4
-    estimate = {"overhead": OVERHEAD_BYTES, "trunk": trunk, "block": dense_block_bytes + block_bytes,
-                "method": method_bytes, "calibration": calib}
+    f32 = 4 // element if element < 4 else 1           # storage bytes -> float32 bytes
+    estimate = {"overhead": OVERHEAD_BYTES, "trunk": trunk * f32, "block": dense_block_bytes * f32,
+                "moe_block": block_bytes, "write_queue": write_queue_bytes(block_bytes), "method": method_bytes,
+                "calibration": calib}
+    per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method"))
+    peak = OVERHEAD_BYTES + calib + max(estimate["trunk"], per_block)
     return {
         "model_type": config.model_type, "model_class": type(dense).__name__, "method": method.name,
         "method_args": args, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
         "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
         "parameters": {"before": count_parameters(dense), "after": count_parameters(moe_model)},
         "dense_bytes": output_bytes(tensor_specs(dense)), "output_bytes": sizes,
-        "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": sum(estimate.values()),
+        "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": peak,
         "estimate_parts_bytes": estimate, "dtype": cfg.dtype,
     }
 

@@ -44,7 +44,14 @@ from .shards import CheckpointReader, ShardedWriter, numel_of
 from .skeleton import empty_model, layout_function, planned_model, tensor_specs
 
 COMPUTE_DTYPE = torch.float32
-WRITE_QUEUE_FLOOR = 64 * 2**20          # bytes the writer may queue however small the blocks
+# Bytes the background writer may hold queued: one block's output (the next block is computed while it is
+# written), at least 64 MiB, at most 2 GiB (a 70B model's MoE block is 11 GB: the disk then catches up between
+# blocks rather than holding a second block in memory).
+WRITE_QUEUE_FLOOR, WRITE_QUEUE_CAP = 64 * 2**20, 2 * 2**30
+
+
+def write_queue_bytes(largest_block: int) -> int:
+    return min(WRITE_QUEUE_CAP, max(WRITE_QUEUE_FLOOR, largest_block))
 
 
 def largest_block_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]], block_paths: list[str]) -> int:
@@ -117,7 +124,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
     # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
     writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
-                           max_pending_bytes=max(WRITE_QUEUE_FLOOR, largest_block_bytes(specs, block_paths)))
+                           max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, block_paths)))
 
     def write(name: str, tensor: torch.Tensor) -> None:
         writer.write(name, tensor.to(planned_dtype[name]))
