@@ -181,3 +181,26 @@ def test_a_low_precision_output_is_checked_in_float32_on_its_rounded_weights(tmp
     assert p["allowed_max_abs_logit_diff"] < 1e-3          # float32 rounding, not bfloat16's (eps 7.8e-3)
     loaded = upcycle.load(tmp_path / "out")
     assert loaded.dtype == torch.bfloat16
+
+
+def test_without_the_per_layer_check_the_same_bytes_and_the_report_says_nothing_was_checked(sharded, tmp_path):
+    """check.per_layer=false skips the probe's replay (a copy conversion then only reads and writes): the same
+    tensors as the checked run, no per-layer entries, and with the end-to-end check off too, `passed` is null
+    (not true: nothing was compared)."""
+    source, held = sharded
+    reports, tensors = {}, {}
+    for per_layer, end_to_end in ((True, False), (False, False), (False, True)):
+        check = CheckConfig(text=str(held), per_layer=per_layer, end_to_end=end_to_end)
+        cfg = ConvertConfig(model=str(source), moe=MoEConfig(num_experts=4, top_k=2),
+                            placement=PlacementConfig(every=2), check=check, streaming=True)
+        out = tmp_path / f"out-{per_layer}-{end_to_end}"
+        reports[per_layer, end_to_end] = convert(cfg, out, progress=False).report.to_dict()
+        tensors[per_layer, end_to_end] = _tensors(out)
+    checked, unchecked, e2e = reports[True, False], reports[False, False], reports[False, True]
+    assert all("max_abs_diff" in layer for layer in checked["layers"]) and checked["preservation"]["passed"]
+    assert not any("max_abs_diff" in layer for layer in unchecked["layers"])
+    assert unchecked["preservation"]["passed"] is None and e2e["preservation"]["passed"] is True
+    for name, t in tensors[True, False].items():
+        assert torch.equal(tensors[False, False][name], t) and torch.equal(tensors[False, True][name], t), name
+    with pytest.raises(UpcycleError, match="check.per_layer must be true or false"):
+        convert(ConvertConfig(model=str(source), check=CheckConfig(per_layer="no")), tmp_path / "x", progress=False)

@@ -96,6 +96,11 @@ class CheckConfig:
     # when the output fits in the memory available (it then reads the dense checkpoint and the output once more,
     # a block at a time); true always, false never (the per-layer check still runs).
     end_to_end: bool | str = "auto"
+    # Each MoE layer against the dense FFN on the probe's hidden states at its depth (the per-layer check, which
+    # replays the probe through every block up to the last MoE layer). false skips it: a copy conversion then
+    # only reads and writes (mergekit-moe's work); with end_to_end false too, nothing is checked and the report
+    # says so (preservation passed: null).
+    per_layer: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,6 +81,8 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     for key, value in (("streaming", cfg.streaming), ("check.end_to_end", cfg.check.end_to_end)):
         if value not in (True, False, "auto"):
             raise UpcycleError(f"{key} must be auto, true or false, got {value!r}")
+    if cfg.check.per_layer not in (True, False):
+        raise UpcycleError(f"check.per_layer must be true or false, got {cfg.check.per_layer!r}")
     parse_size(cfg.shard_size)
     if cfg.export_class not in ("auto", *EXPORT_CLASSES):
         raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
@@ -210,7 +212,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
             built[visit.path] = layer
 
     result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
-                            probe_batches=[layer_probe(probe.inputs)], calibration=calibration,
+                            probe_batches=[layer_probe(probe.inputs)] if cfg.check.per_layer else None,
+                            calibration=calibration,
                             before_block=lambda path, block: None, after_block=keep, progress=progress)
     layers = result.layers
     # Install only once every layer is built: a method failing on any layer leaves the model untouched.

@@ -83,6 +83,8 @@ def _report(cfg, method, args, source, probe, done, promised, calibration, calib
     if promised:
         layer_results = [layer.check.passed for layer in layers if layer.check is not None]
         passed = (passed is not False) and all(r is not False for r in layer_results)
+        if measured is None and not layer_results:
+            passed = None               # check.per_layer and check.end_to_end both off: nothing was checked
     shape = probe.inputs["input_ids"].shape if "input_ids" in probe.inputs else probe.inputs["pixel_values"].shape
     preservation = Preservation(
         promised=promised, tolerance=cfg.check.tolerance,

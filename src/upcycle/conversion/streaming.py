@@ -119,7 +119,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
     specs = tensor_specs(planned) if export is None else export_specs(planned, export)
     planned_dtype = {name: dt for name, _, dt in specs}
-    probe_batches = [layer_probe(probe.inputs)] if probe is not None else None
+    probe_batches = [layer_probe(probe.inputs)] if probe is not None and cfg.check.per_layer else None
     replay = bool(probe_batches or calibration)
     block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
     # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
