@@ -31,7 +31,7 @@ from .specialization import source_metrics
 
 @torch.no_grad()
 def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources_T: torch.Tensor | None = None,
-                  source_names: list[str] | None = None, *, output_tokens: int = 1024, bins: int = 20,
+                  source_names: list[str] | None = None, *, output_tokens: int = 512, bins: int = 40,
                   simplex_points: int = 2000, shuffles: int = 20, seed: int = 0) -> dict:
     """The metrics of the module docstring for `layer` on the tokens `x_TD` (with `sources_T`, each token's
     source index into `source_names`). Expert outputs are computed on a seeded sample of `output_tokens`."""

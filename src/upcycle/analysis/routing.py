@@ -51,15 +51,25 @@ def expert_routing_probability(probs_TE: torch.Tensor, ids_TK: torch.Tensor,
     return [float(sums_E[e] / counts_E[e]) if counts_E[e] > 0 else None for e in range(E)]
 
 
-def probability_histograms(probs_TE: torch.Tensor, bins: int = 20,
-                           mask_T: torch.Tensor | None = None) -> dict:
-    """{'edges': bins + 1 edges over [0, 1], 'counts': E x bins}: how often the router gives expert e each
-    probability (a router that has not specialized piles every expert's mass near 1/E)."""
+# upper ends the histograms' range is rounded up to: a router near uniform (1/E) gets fine bins over [0, 0.2],
+# a trained one the whole [0, 1]
+HISTOGRAM_RANGES = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+
+def probability_histograms(probs_TE: torch.Tensor, bins: int = 40, mask_T: torch.Tensor | None = None,
+                           upper: float | None = None) -> dict:
+    """{'edges': bins + 1 edges over [0, upper], 'counts': E x bins}: how often the router gives expert e each
+    probability (a router that has not specialized piles every expert's mass near 1/E). `upper` defaults to the
+    first of HISTOGRAM_RANGES at or above the largest probability."""
     if mask_T is not None:
         probs_TE = probs_TE[mask_T]
-    edges = torch.linspace(0, 1, bins + 1, dtype=torch.float64)
-    counts = [torch.histc(probs_TE[:, e].double(), bins=bins, min=0.0, max=1.0).long().tolist()
-              for e in range(probs_TE.shape[1])]
+    probs = probs_TE.double()
+    if upper is None:
+        top = float(probs.max()) if probs.numel() else 1.0
+        upper = next(r for r in HISTOGRAM_RANGES if r >= top)
+    edges = torch.linspace(0, upper, bins + 1, dtype=torch.float64)
+    counts = [torch.histc(probs[:, e], bins=bins, min=0.0, max=upper).long().tolist()
+              for e in range(probs.shape[1])]
     return {"edges": edges.tolist(), "counts": counts}
 
 
