@@ -20,11 +20,20 @@ from pathlib import Path
 
 STYLE = {"figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 9.5, "axes.labelsize": 9,
          "legend.fontsize": 8, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
-         "axes.spines.right": False, "figure.constrained_layout.use": True}
+         "axes.spines.right": False}
 WIDTH = 10.0                                  # inches at 100 dpi: 1000 px, the README's width
 PROJECTION_COLORS = {"gate": "#1f77b4", "up": "#ff7f0e", "down": "#2ca02c", "all": "#444444"}
 MATRIX_CMAP = "viridis"
 SHARE_CMAP = "magma"
+
+
+def _margins(fig, *, left: float = 0.55, right: float = 0.2, top: float = 0.4, bottom: float = 0.5,
+             wspace: float = 0.3, hspace: float = 0.5) -> None:
+    """Fixed margins in inches (a layout engine would draw every figure twice to measure its text: half the
+    time of writing the figures)."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h, wspace=wspace,
+                        hspace=hspace)
 
 
 def _plt():
@@ -94,6 +103,7 @@ def layers_figure(snapshot: dict, path: Path) -> None:
     layers = snapshot["layers"]
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(2, 3, figsize=(WIDTH, 5.6))
+        _margins(fig, wspace=0.25, hspace=0.45)
         ax = axes[0, 0]
         xs = _layer_axis(ax, layers)
         for proj, color in PROJECTION_COLORS.items():
@@ -151,6 +161,7 @@ def similarity_figure(snapshot: dict, path: Path) -> None:
     low = min(0.9, math.floor(10 * min(off)) / 10) if off else 0.0
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(len(names), 4, figsize=(WIDTH, 2.4 * len(names) + 0.3), squeeze=False)
+        _margins(fig, left=0.8, wspace=0.45, hspace=0.6)
         image = None
         for row, name in enumerate(names):
             for col, kind in enumerate(kinds):
@@ -177,6 +188,7 @@ def utilization_figure(snapshot: dict, path: Path) -> None:
     prob = [[_value(p) for p in m["expert_routing_probability"]] for m in layers.values()]
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 0.28 * len(labels) + 1.6))
+        _margins(fig, wspace=0.2)
         for ax, matrix, title in ((axes[0], load, "share of token-slots per expert (uniform = 1/E)"),
                                   (axes[1], prob, "mean router probability when chosen")):
             image = _matrix(ax, matrix, title, vmin=0, ylabel="block",
@@ -192,9 +204,10 @@ def specialization_figure(snapshot: dict, path: Path) -> None:
     names = picked_layers(list(snapshot["layers"]))
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, len(names), figsize=(WIDTH, 3.6), squeeze=False)
+        _margins(fig, top=0.55, bottom=0.8, wspace=0.3)
         for ax, name in zip(axes[0], names, strict=True):
             spec = snapshot["layers"][name]["specialization"]
-            title = f"{layer_title(name)}: NMI {spec['nmi']:.3f} (shuffled max {spec['nmi_baseline']['max']:.3f})"
+            title = f"{layer_title(name)}\nNMI {spec['nmi']:.3f} (shuffled max {spec['nmi_baseline']['max']:.3f})"
             image = _matrix(ax, spec["expert_source_share"], title, cmap=SHARE_CMAP, vmin=0, vmax=1,
                             xlabels=spec["sources"], xlabel="source", annotate=len(spec["expert_source_share"]) <= 16)
         fig.colorbar(image, ax=axes, shrink=0.7, label="share of the expert's token-slots")
@@ -207,6 +220,7 @@ def router_probability_figure(snapshot: dict, path: Path) -> None:
     names = picked_layers(list(snapshot["layers"]))
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, len(names), figsize=(WIDTH, 3.2), squeeze=False)
+        _margins(fig, left=0.65, wspace=0.35)
         for ax, name in zip(axes[0], names, strict=True):
             m = snapshot["layers"][name]
             h = m["probability_histograms"]
@@ -230,6 +244,7 @@ def simplex_figure(snapshot: dict, path: Path) -> None:
     corners = [(0.0, 0.0), (1.0, 0.0), (0.5, math.sqrt(3) / 2)]
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, len(names), figsize=(WIDTH, 3.4), squeeze=False)
+        _margins(fig, left=0.2, bottom=0.3, wspace=0.1)
         for ax, name in zip(axes[0], names, strict=True):
             points = snapshot["layers"][name]["simplex"]
             xs = [sum(p[i] * corners[i][0] for i in range(3)) for p in points]
@@ -279,6 +294,7 @@ def steps_figure(snapshots: list[dict], path: Path) -> None:
 
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(2, 4, figsize=(WIDTH, 4.8))
+        _margins(fig, wspace=0.35, hspace=0.5)
         ax = axes[0, 0]
         for proj in ("gate", "up", "down"):
             ax.plot(steps, series(f"similarity_{proj}"), "o-", ms=3, color=PROJECTION_COLORS[proj], label=proj)

@@ -40,11 +40,23 @@ GLOSSARY = (
 
 
 def _fmt(x, digits: int = 3) -> str:
+    """Three decimals (a rounding-level -2e-16 shows as -0.000); large numbers and the KL column (a copy's
+    1e-11 is information) in scientific notation."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
+    if isinstance(x, Sci):
+        return f"{x:.2e}"
     if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) >= 1e4 or (x != 0 and abs(x) < 1e-3) else f"{x:.{digits}f}"
+        return f"{x:.{digits}g}" if abs(x) >= 1e4 else f"{x:.{digits}f}"
     return html.escape(str(x))
+
+
+class Sci(float):
+    """A number the tables show in scientific notation."""
+
+
+def _sci(x):
+    return None if x is None else Sci(x)
 
 
 def _table(header: list[str], rows: list[list], name_columns: int = 1) -> str:
@@ -103,15 +115,15 @@ def _steps(analysis: dict) -> str:
         m = layer_means(s)
         rows.append([s["label"], m["similarity_gate"], m["similarity_up"], m["similarity_down"], m["diversity"],
                      m["output_similarity"], m["entropy_ratio"], m["load_cov"], m["relative_compactness"],
-                     m.get("nmi"), m.get("nmi_baseline_max"), m["kl_to_dense"], m["nll"]])
+                     m.get("nmi"), m.get("nmi_baseline_max"), _sci(m["kl_to_dense"]), m["nll"]])
     return "<h2>Over training (means over the MoE layers)</h2>" + _table(header, rows)
 
 
 def _per_source(snapshot: dict) -> str:
     names = list(snapshot["nll"]["per_source"])
     kl = snapshot.get("kl_to_dense")
-    rows = [[n, snapshot["nll"]["per_source"][n], kl["per_source"][n] if kl else None] for n in names]
-    rows.append(["all", snapshot["nll"]["all"], kl["all"] if kl else None])
+    rows = [[n, snapshot["nll"]["per_source"][n], _sci(kl["per_source"][n]) if kl else None] for n in names]
+    rows.append(["all", snapshot["nll"]["all"], _sci(kl["all"]) if kl else None])
     return _table(["source", "next-token NLL (nats)", "KL(dense ‖ model)"], rows)
 
 
