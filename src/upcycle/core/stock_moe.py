@@ -7,6 +7,8 @@ returns router logits [T, E], the combine weights and the selected experts [T, k
 padding mask. The class's own `output_router_logits` auxiliary loss stays off, so the router losses are the
 ones the recipe's coefficients ask for, computed once. EESD and the aux-free selection bias need upcycle's MoE
 layer (a teacher copy; a selection bias the stock classes do not have) and are refused for these classes.
+`upcycle analyze` reads a stock block through `as_moe_layer`: its router and routed experts as an upcycle
+`MoELayer`, so every metric has one implementation.
 """
 
 from __future__ import annotations
