@@ -209,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
     from .analyze.command import add_arguments as add_analyze_arguments
 
     add_analyze_arguments(sub.add_parser("analyze", help="what the experts learned: every METHODS §5 metric per MoE "
-                                         "layer as analysis.json, PNG figures and a self-contained report.html"))
+                                         "layer as analysis.json, PNG figures and a self-contained report.html"),
+                          _whole_number)
 
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
     return parser

@@ -152,8 +152,8 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     return result
 
 
-def add_arguments(parser) -> None:
-    """The `upcycle analyze` flags (cli.py only mounts them)."""
+def add_arguments(parser, whole_number=int) -> None:
+    """The `upcycle analyze` flags (cli.py mounts them, with its number rule as `whole_number`)."""
     d = AnalyzeOptions()
     parser.add_argument("target", help="an upcycle folder, an exported stock MoE folder, or a training run folder")
     parser.add_argument("out", help="output folder: analysis.json, *.png, report.html (written atomically)")
@@ -164,13 +164,13 @@ def add_arguments(parser) -> None:
                         help="a data source named after its file name (same as --source STEM=FILE)")
     parser.add_argument("--dense", help="the dense model for KL(dense || model) (default: the dense source the "
                                         "target records; 'default' is the embedded SmolLM2)")
-    parser.add_argument("--tokens", type=int, default=d.tokens, help=f"tokens per source (default {d.tokens})")
-    parser.add_argument("--sequence-length", dest="sequence_length", type=int, default=d.sequence_length)
+    parser.add_argument("--tokens", type=whole_number, default=d.tokens, help=f"tokens per source (default {d.tokens})")
+    parser.add_argument("--sequence-length", dest="sequence_length", type=whole_number, default=d.sequence_length)
     parser.add_argument("--checkpoints", default=d.checkpoints,
                         help="for a run folder: all (default), last, or every:N")
-    parser.add_argument("--output-tokens", dest="output_tokens", type=int, default=d.output_tokens,
+    parser.add_argument("--output-tokens", dest="output_tokens", type=whole_number, default=d.output_tokens,
                         help=f"tokens each expert runs on for output similarity and RC (default {d.output_tokens})")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=whole_number, default=d.seed)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
