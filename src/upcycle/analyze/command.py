@@ -176,6 +176,10 @@ def add_arguments(parser, whole_number=int) -> None:
 
 
 def run_command(args, argv: list[str] | None = None) -> int:
+    if args.quiet:                      # transformers' own weight-loading bars too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     options = AnalyzeOptions(sources=tuple(args.source), data=tuple(args.data), dense=args.dense, tokens=args.tokens,
                              sequence_length=args.sequence_length, checkpoints=args.checkpoints,
                              output_tokens=args.output_tokens, seed=args.seed)
