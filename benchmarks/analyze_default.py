@@ -12,7 +12,7 @@ Conversions (8 experts, top-2, every other block, as `make demo`):
     upcycle convert default out/smollm2-cluster --method cluster --num-experts 8 --top-k 2 --every 2
 Analyses:
     upcycle analyze out/smollm2-moe out/analysis-copy          (and drop, cluster)
-    upcycle analyze out/train-copy  out/analysis-train-copy    (and spri: every checkpoint of the run)
+    upcycle analyze out/train-copy  out/analysis-train-copy --checkpoints every:5    (and spri)
 Writes benchmarks/results/analysis_default.json (timings, machine, layer means per target),
 benchmarks/results/analysis_<target>/ (analysis.json and the figures) and analysis_default_report.png.
 """
@@ -35,6 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "out"
 CONVERSIONS = {"copy": "smollm2-moe", "drop": "smollm2-drop", "cluster": "smollm2-cluster"}
 RUNS = {"train-copy": "train-copy", "train-spri": "train-spri"}
+RUN_FLAGS = ("--checkpoints", "every:5")
 KEPT_FIGURES = ("layers.png", "specialization.png", "similarity.png", "router_probs.png", "steps.png")
 
 
@@ -43,12 +44,12 @@ def upcycle(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "upcycle.cli", *args], cwd=ROOT, env=env, check=True)
 
 
-def timed_analyze(target: Path, out: Path) -> dict:
+def timed_analyze(target: Path, out: Path, *flags: str) -> dict:
     """Wall and CPU seconds (user + system of the child) of one `upcycle analyze`, and the load around it."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    upcycle("analyze", str(target.relative_to(ROOT)), str(out.relative_to(ROOT)), "--overwrite")
+    upcycle("analyze", str(target.relative_to(ROOT)), str(out.relative_to(ROOT)), "--overwrite", *flags)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -106,9 +107,11 @@ def main() -> None:
         if (args.only and name not in args.only) or not folder.is_dir():
             continue
         out = OUT / f"analysis-{name}"
-        timing = timed_analyze(folder, out)
+        flags = RUN_FLAGS if name in RUNS else ()
+        timing = timed_analyze(folder, out, *flags)
         analysis = json.loads((out / "analysis.json").read_text())
-        result["targets"][name] = {"command": f"upcycle analyze out/{folder.name} out/analysis-{name}",
+        result["targets"][name] = {"command": " ".join(["upcycle analyze", f"out/{folder.name}",
+                                                        f"out/analysis-{name}", *flags]),
                                    "timing": timing, "seconds": analysis["seconds"],
                                    "sources": analysis["inputs"]["sources"], "summary": summary(analysis)}
         keep(out, name)

@@ -152,3 +152,21 @@ def test_cli_analyze_with_data_files_and_an_explicit_dense_model(tiny_lm, tmp_pa
     assert [s["name"] for s in result["inputs"]["sources"]] == ["train", "held"]
     assert result["target"]["dense_from"] == "--dense" and result["inputs"]["command"] == "upcycle " + " ".join(argv)
     assert main(argv) == 2 and "exists" in capsys.readouterr().err                      # OUT exists
+
+
+def test_a_recorded_dense_source_that_is_gone_skips_the_kl_with_a_note(tiny_lm, tmp_path):
+    import shutil
+
+    _, moe, train_txt, held = tiny_lm
+    moved = tmp_path / "moe"
+    shutil.copytree(moe, moved)
+    report = json.loads((moved / "upcycle_report.json").read_text())
+    report["source_model"] = str(tmp_path / "gone")
+    (moved / "upcycle_report.json").write_text(json.dumps(report))
+    result = analyze(str(moved), str(tmp_path / "a"), _options(train_txt, held), progress=False)
+    assert result["target"]["dense"] is None and result["snapshots"][0]["kl_to_dense"] is None
+    assert "does not load" in result["target"]["notes"][0]
+    with pytest.raises(UpcycleError, match="gone"):          # named on the command line: an error, before any work
+        analyze(str(moved), str(tmp_path / "b"), _options(train_txt, held, dense=str(tmp_path / "gone")),
+                progress=False)
+    assert not (tmp_path / "b").exists()

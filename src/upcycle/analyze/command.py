@@ -21,9 +21,10 @@ import torch
 
 from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
-from ..conversion.loading import load_dense
+from ..conversion.loading import dense_config, load_dense
 from ..data.sources import (
     DEFAULT_SOURCES,
+    SourceRows,
     default_source_texts,
     parse_source,
     source_rows,
@@ -79,6 +80,31 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)
 
 
+def _dense_source(options: AnalyzeOptions, recorded: str | None, notes: list[str]) -> str | None:
+    """The dense model for KL: --dense (an error when it does not load), else the recorded one (skipped with a
+    note when it is gone), checked by its config alone before any weight is read."""
+    name = options.dense or recorded
+    if name is None:
+        return None
+    try:
+        dense_config(name)
+    except UpcycleError as e:
+        if options.dense:
+            raise
+        notes.append(f"the recorded dense source {name} does not load ({e}): no KL to dense")
+        return None
+    return name
+
+
+def _sources(specs: list[tuple[str, str | None]], tokenizer, options: AnalyzeOptions) -> list[SourceRows]:
+    rows = []
+    for name, file in specs:
+        texts, origin = default_source_texts(name) if file is None else user_source_texts(file)
+        rows.append(source_rows(name, texts, origin, tokenizer, tokens=options.tokens,
+                                sequence_length=options.sequence_length, seed=options.seed))
+    return rows
+
+
 def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *, overwrite: bool = False,
             progress: bool = True, command: str | None = None) -> dict:
     """Analyze TARGET into the new folder OUT; returns the analysis (what analysis.json holds)."""
@@ -88,7 +114,7 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     specs = _source_specs(options)
     resolved = resolve_target(target, options.checkpoints)
     check_output_location(out, inputs=(target, *(f for _, f in specs)), overwrite=overwrite)
-    dense_name = options.dense or resolved.dense
+    dense_name = _dense_source(options, resolved.dense, resolved.notes)
 
     def say(message: str) -> None:
         if progress:
@@ -102,11 +128,7 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     if tokenizer is None:
         raise UpcycleError(f"{resolved.skeleton} has no tokenizer: the sources cannot be tokenized")
     t = time.perf_counter()
-    rows = []
-    for name, file in specs:
-        texts, origin = default_source_texts(name) if file is None else user_source_texts(file)
-        rows.append(source_rows(name, texts, origin, tokenizer, tokens=options.tokens,
-                                sequence_length=options.sequence_length, seed=options.seed))
+    rows = _sources(specs, tokenizer, options)
     timings["sources"] = time.perf_counter() - t
     say("sources: " + ", ".join(f"{r.name} {r.tokens} tokens" for r in rows))
     dense = None
@@ -117,7 +139,7 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     names = [r.name for r in rows]
     snapshots = []
     timings["forward"], timings["metrics"] = 0.0, 0.0
-    while snapshot is not None:
+    while snapshot is not None:                 # one model in memory: each checkpoint is loaded into it in turn
         t = time.perf_counter()
         with _progress(sum(r.tokens for r in rows), f"{snapshot.label}: forward", progress) as bar:
             cap = capture(model, rows, dense, batch_size=options.batch_size, progress=bar)
