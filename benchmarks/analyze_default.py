@@ -5,6 +5,7 @@ model) and screenshots its report in headless Chromium.
 
     .venv/bin/python benchmarks/analyze_default.py --convert   # convert copy/drop/cluster into out/ first
     .venv/bin/python benchmarks/analyze_default.py             # analyze what is in out/ (runs when present)
+    .venv/bin/python benchmarks/analyze_default.py --redraw    # redraw the kept figures from the kept JSON
 
 Conversions (8 experts, top-2, every other block, as `make demo`):
     upcycle convert default out/smollm2-moe     --method copy    --num-experts 8 --top-k 2 --every 2
@@ -89,19 +90,36 @@ def keep(out: Path, name: str) -> None:
             shutil.copy(out / figure, target / figure)
 
 
+def redraw() -> None:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from upcycle.analysis.figures import write_figures
+
+    for folder in sorted(RESULTS.glob("analysis_*/")):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_figures(json.loads((folder / "analysis.json").read_text()), Path(tmp))
+            for figure in KEPT_FIGURES:
+                if (Path(tmp) / figure).is_file():
+                    shutil.copy(Path(tmp) / figure, folder / figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--convert", action="store_true", help="convert copy, drop and cluster into out/ first")
     parser.add_argument("--only", nargs="*", help="analyze only these targets (copy drop cluster train-copy ...)")
+    parser.add_argument("--redraw", action="store_true",
+                        help="only redraw the kept figures from the kept analysis.json files (figures read only them)")
     args = parser.parse_args()
+    if args.redraw:
+        redraw()
+        return
     if args.convert:
         for method, folder in CONVERSIONS.items():
             upcycle("convert", "default", f"out/{folder}", "--method", method, "--num-experts", "8", "--top-k", "2",
                     "--every", "2", "--overwrite", "--quiet")
     path = RESULTS / "analysis_default.json"
-    result = json.loads(path.read_text()) if path.exists() else {"targets": {}}
-    result["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                         "cpus": os.cpu_count()}
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()}
     targets = {**{m: OUT / f for m, f in CONVERSIONS.items()}, **{r: OUT / f for r, f in RUNS.items()}}
     for name, folder in targets.items():
         if (args.only and name not in args.only) or not folder.is_dir():
@@ -110,17 +128,19 @@ def main() -> None:
         flags = RUN_FLAGS if name in RUNS else ()
         timing = timed_analyze(folder, out, *flags)
         analysis = json.loads((out / "analysis.json").read_text())
-        result["targets"][name] = {"command": " ".join(["upcycle analyze", f"out/{folder.name}",
-                                                        f"out/analysis-{name}", *flags]),
-                                   "timing": timing, "seconds": analysis["seconds"],
-                                   "sources": analysis["inputs"]["sources"], "summary": summary(analysis)}
+        entry = {"command": " ".join(["upcycle analyze", f"out/{folder.name}", f"out/analysis-{name}", *flags]),
+                 "timing": timing, "seconds": analysis["seconds"], "sources": analysis["inputs"]["sources"],
+                 "summary": summary(analysis)}
         keep(out, name)
+        # read again just before writing: another invocation may have added its targets meanwhile
+        result = json.loads(path.read_text()) if path.exists() else {"targets": {}}
+        result["machine"], result["targets"][name] = machine, entry
         if name == "copy":
             why = screenshot(out / "report.html", RESULTS / "analysis_default_report.png")
             result["screenshot"] = why or "benchmarks/results/analysis_default_report.png"
+        path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"{name}: {timing['wall_s']} s wall, {timing['cpu_s']} s CPU (load average "
               f"{timing['load_average_before']:.1f})")
-        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -219,8 +219,8 @@ def router_probability_figure(snapshot: dict, path: Path) -> None:
     plt = _plt()
     names = picked_layers(list(snapshot["layers"]))
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(1, len(names), figsize=(WIDTH, 3.2), squeeze=False)
-        _margins(fig, left=0.65, wspace=0.35)
+        fig, axes = plt.subplots(1, len(names), figsize=(WIDTH, 3.4), squeeze=False)
+        _margins(fig, left=0.65, top=0.65, wspace=0.35)
         for ax, name in zip(axes[0], names, strict=True):
             m = snapshot["layers"][name]
             h = m["probability_histograms"]
@@ -233,7 +233,8 @@ def router_probability_figure(snapshot: dict, path: Path) -> None:
             ax.axvline(1 / m["num_experts"], color="black", ls=":", lw=1)
             ax.set(title=f"{layer_title(name)}: router probability per expert", xlabel="g_e(x)",
                    ylabel="fraction of tokens", xlim=(0, h["edges"][-1]), ylim=(0, None))
-        axes[0, -1].legend(loc="upper right", ncol=2, fontsize=6.5)
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 8), frameon=False)
         fig.savefig(path)
         plt.close(fig)
 
