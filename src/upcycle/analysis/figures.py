@@ -299,15 +299,20 @@ def steps_figure(snapshots: list[dict], path: Path) -> None:
         ax = axes[0, 0]
         for proj in ("gate", "up", "down"):
             ax.plot(steps, series(f"similarity_{proj}"), "o-", ms=3, color=PROJECTION_COLORS[proj], label=proj)
-        ax.set(title="weight similarity (layer mean)")
+        ax.set(title="weight similarity (layer mean)", ylim=(-0.05, 1.05))
         ax.legend()
         panels = [(axes[0, 1], "diversity", "diversity"), (axes[0, 2], "output_similarity", "output similarity"),
                   (axes[0, 3], "entropy_ratio", "routing entropy / log E"), (axes[1, 0], "load_cov", "load CoV"),
                   (axes[1, 1], "relative_compactness", "relative compactness"),
                   (axes[1, 3], "kl_to_dense", "KL(dense ‖ model), nats/token")]
-        for ax, key, title in panels:
+        bounded = {"diversity", "output_similarity", "entropy_ratio"}     # in [0, 1]: drawn on [0, 1], like
+        for ax, key, title in panels:                                     # layers.png (exact values: the table)
             ax.plot(steps, series(key), "o-", ms=3, color="#333333")
             ax.set(title=title)
+            if key in bounded:
+                ax.set_ylim(-0.05, 1.05)
+            else:
+                ax.ticklabel_format(axis="y", useOffset=False)
         ax = axes[1, 2]
         if "nmi" in means[0]:
             ax.plot(steps, series("nmi"), "o-", ms=3, color="#bcbd22", label="NMI")
