@@ -125,3 +125,17 @@ def test_an_upward_import_is_reported():
              "upcycle.core.router": set(), "upcycle.data.text": {"upcycle.core.moe"}}
     assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.train.losses",
                                      "upcycle.data.text -> upcycle.core.moe"]
+
+
+def test_the_short_names_import_as_modules_in_a_fresh_interpreter():
+    # `upcycle.losses` was only an attribute: `import upcycle.losses` failed with ModuleNotFoundError. A fresh
+    # interpreter, since this one has already imported the package.
+    import subprocess
+    import sys
+
+    code = ("import upcycle.losses, upcycle.balance, upcycle.teacher\n"
+            "from upcycle.losses import dpsl\n"
+            "import upcycle.train.losses as full\n"
+            "assert upcycle.losses is full and dpsl is full.dpsl\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
