@@ -36,6 +36,7 @@ from ..errors import UpcycleError
 from ..methods import Method
 from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
 from .calibration import _first_block_inputs
+from .heap import trim_heap
 from .layer_check import layer_probe
 from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
 from .loading import DTYPES
@@ -154,6 +155,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
                 write(name, tensor)
             release(block)
             reader.close()      # unmaps the files: pages read for this block leave the process
+            trim_heap()         # and the block's freed tensors leave the heap (heap.py)
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
             materialize(block, prefix, reader, names, dtype, source.storage, source.device)

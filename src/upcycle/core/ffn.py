@@ -79,6 +79,15 @@ class FFNWeights:
         """Apply `fn` to every present tensor (dtype casts, device moves, clones)."""
         return replace(self, **{k: fn(v) for k, v in self.tensors().items()})
 
+    def expand(self, num_experts: int) -> FFNWeights:
+        """`num_experts` identical experts as expanded views of this single FFN: no memory of their own (stride 0
+        on the expert dimension). For experts that are only read: the MoE layer copies them into its own
+        parameters. A method replaces the fields it changes and keeps the rest as views, where `repeat` would
+        first copy every projection E times (1.6 GB of float32 for a 2B model's layer)."""
+        if self.stacked:
+            raise ValueError("expand() takes a single FFN, not a stack")
+        return self.map(lambda t: t.unsqueeze(0).expand(num_experts, *t.shape))
+
     def repeat(self, num_experts: int) -> FFNWeights:
         """Stack `num_experts` identical copies of this single FFN: the copy-upcycling starting point."""
         if self.stacked:

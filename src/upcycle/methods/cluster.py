@@ -86,7 +86,8 @@ def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, ac
     names = ("w_gate", "w_up") if ffn.gated else ("w_up",)
     full_rank = min(ffn.intermediate_size, D)
     min_rank = max(1, math.ceil(min_rank_fraction * full_rank))
-    truncated = {name: [] for name in names}
+    # written expert by expert into the stacked tensors: a list then torch.stack would hold every expert twice
+    truncated = {name: getattr(ffn, name).new_empty(E, *getattr(ffn, name).shape) for name in names}
     ranks = {name.removeprefix("w_"): [] for name in names}
     energy = {name.removeprefix("w_"): [] for name in names}
     dampings = []
@@ -99,10 +100,10 @@ def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, ac
         for name in names:
             result = truncate_whitened(getattr(ffn, name), S_DD, lam, tau=tau, min_rank=min_rank,
                                        wtw_DD=wtw[name])
-            truncated[name].append(result.W_approx)
+            truncated[name][i] = result.W_approx
             ranks[name.removeprefix("w_")].append(result.rank)
             energy[name.removeprefix("w_")].append(result.retained_energy)
-    experts = replace(ffn.repeat(E), **{name: torch.stack(ws) for name, ws in truncated.items()})
+    experts = replace(ffn.expand(E), **truncated)
     info = {"cluster_sizes": sizes.tolist(), "ranks": ranks, "full_rank": full_rank, "retained_energy": energy,
             "damping": dampings, "damped_clusters": sum(lam > 0 for lam in dampings),
             "kmeans": {"objective": km.objective, "iters": km.iters, "repaired_empty_clusters": km.repaired,

@@ -19,6 +19,6 @@ from .registry import ExpertInit, random_router, register
 def copy(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
          router_std: float = 0.02) -> ExpertInit:
     """Every expert is a copy of the dense FFN; router ~ N(0, router_std^2)."""
-    experts = ffn.map(lambda t: t.unsqueeze(0).expand(num_experts, *t.shape))
+    experts = ffn.expand(num_experts)
     return ExpertInit(experts=experts,
                       router_ED=random_router(num_experts, ffn.hidden_size, router_std, generator))

@@ -43,6 +43,6 @@ def drop(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Gene
             # drawn on the CPU from the seeded generator (the same bytes on every device)
             fresh = (torch.randn(shape, generator=generator, dtype=torch.float32) * sigma + mu).to(w.device, w.dtype)
             stacks[name].append(w.index_copy(dim, neurons.to(w.device), fresh))
-    experts = replace(ffn.repeat(num_experts), **{n: torch.stack(s) for n, s in stacks.items()})
+    experts = replace(ffn.expand(num_experts), **{n: torch.stack(s) for n, s in stacks.items()})
     router = random_router(num_experts, ffn.hidden_size, router_std, generator)
     return ExpertInit(experts=experts, router_ED=router, info={"dropped_neurons_per_expert": n_drop})

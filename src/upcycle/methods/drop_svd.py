@@ -71,7 +71,7 @@ def drop_svd(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.
             Q = orthonormal_complement(U_keep, n_low, generator)
             P = orthonormal_complement(V_keep, n_low, generator)
             stacks[name].append((w64 - low + (Q * s_low) @ P.T).to(w.dtype))
-    experts = replace(ffn.repeat(num_experts), **{n: torch.stack(s) for n, s in stacks.items()})
+    experts = replace(ffn.expand(num_experts), **{n: torch.stack(s) for n, s in stacks.items()})
     router = random_router(num_experts, ffn.hidden_size, router_std, generator)
     return ExpertInit(experts=experts, router_ED=router,
                       info={"replaced_singular_vectors": {n: p[-1] for n, p in plans.items()}})

@@ -80,7 +80,7 @@ def spri(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Gene
             stack.append(residual.to(w.dtype))
         else:
             stack.append(w.clone() if i == 0 else (w64 + residual).to(w.dtype))
-    experts = replace(ffn.repeat(num_experts), **{w_name: torch.stack(stack)})
+    experts = replace(ffn.expand(num_experts), **{w_name: torch.stack(stack)})
     if shared_expert:
         present = [b for b in (b_name, "b_down") if getattr(experts, b) is not None]
         experts = replace(experts, **{b: torch.zeros_like(getattr(experts, b)) for b in present})
