@@ -158,3 +158,24 @@ def test_granular_virtual_group_router_rows_and_errors():
         with pytest.raises(UpcycleError, match=message):
             method(dense(), method.resolve_args(args), num_experts=E, top_k=k,
                    generator=torch.Generator().manual_seed(0), normalize_topk=True)
+
+
+@pytest.mark.parametrize("name", ["copy", "cluster", "drop", "drop_svd", "spri"])
+def test_projections_a_method_does_not_change_are_views_not_copies(name):
+    # FFNWeights.expand: unchanged projections cost no memory (stride 0 on the expert dimension); a method that
+    # went back to repeat() would hold E copies of them (1.6 GB of float32 per layer of a 2B model)
+    ffn = dense(bias=True)
+    method = get_method(name)
+    common = {"activations": torch.randn(256, D, generator=torch.Generator().manual_seed(3))} if name == "cluster" \
+        else {"top_k": 2}
+    init = method.fn(ffn, num_experts=E, generator=torch.Generator().manual_seed(0), **common,
+                     **method.resolve_args({}))
+    unchanged = [n for n, t in init.experts.tensors().items()
+                 if all(torch.equal(t[i], getattr(ffn, n)) for i in range(E))]
+    assert unchanged, "every method here keeps at least one projection (or bias) of the dense FFN"
+    for n in unchanged:
+        assert getattr(init.experts, n).stride(0) == 0, f"{name}: {n} is a copy"
+    single = FFNWeights(w_up=torch.ones(3, 2), w_down=torch.ones(2, 3), activation="relu")
+    assert single.expand(5).w_up.stride(0) == 0 and single.expand(5).num_experts == 5
+    with pytest.raises(ValueError, match="single FFN"):
+        single.expand(2).expand(2)
