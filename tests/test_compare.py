@@ -138,3 +138,28 @@ def test_a_cell_planned_otherwise_is_refused_not_resumed(setup, tmp_path):
     (tmp_path / "other" / "file.txt").write_text("mine")
     with pytest.raises(UpcycleError, match="is not an `upcycle compare` folder"):
         make_plan(_request(dense, recipe), tmp_path / "other")
+
+
+def test_plan_shares_everything_but_the_method_and_its_own_keys(setup, tmp_path):
+    """Every cell gets the same conversion and training settings; --method-set and --method-config reach only
+    their method; without --eesd the recipe's coefficient is kept; the seed is the conversion's and the run's."""
+    root, dense, recipe = setup
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), "train": ["routed"]}))
+    plan = make_plan(_request(dense, recipe, methods=("copy", "drop", "spri"), seeds=(3,),
+                              train_sets=("regularizers.eesd=0.25",),
+                              method_sets=("drop.method_args.ratio=0.25",),
+                              method_recipes=(f"spri={own}",)), tmp_path / "study")
+    cells = {c.name: c for c in plan.cells}
+    assert sorted(cells) == ["copy-eesd-0.25-seed-3", "dense-seed-3", "drop-eesd-0.25-seed-3",
+                             "spri-eesd-0.25-seed-3"]
+    copy, drop, spri = (cells[f"{m}-eesd-0.25-seed-3"] for m in ("copy", "drop", "spri"))
+    base = cells["dense-seed-3"]
+    assert drop.convert.method_args == {"ratio": 0.25} and copy.convert.method_args == {} == spri.convert.method_args
+    for cell in (copy, drop, spri):
+        assert cell.convert.moe == copy.convert.moe and cell.convert.placement == copy.convert.placement
+        assert cell.convert.seed == cell.train.seed == 3 and cell.train.regularizers.eesd == 0.25
+        assert (cell.train.steps, cell.train.batch_size, cell.train.sequence_length) == (4, 4, 32)
+    assert spri.train.train == ("routed",) and copy.train.train == drop.train.train == ("all",)
+    assert base.convert is None and base.train.model == str(dense) and base.train.regularizers.eesd == 0.0
+    assert not (tmp_path / "study").exists()          # planning writes nothing
