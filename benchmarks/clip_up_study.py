@@ -9,10 +9,12 @@ with copy, drop and cluster (cluster calibrated on the training image-caption pa
 It runs, and records, these commands (rerunning resumes: finished cells are skipped):
 
     upcycle tiny-clip WORK/init
-    upcycle train WORK/init WORK/pre --config configs/train/tiny-clip-pretrain.yaml --quiet
+    upcycle train WORK/init WORK/pre --config configs/train/tiny-clip-pretrain.yaml --mixed-precision no --quiet
     upcycle compare WORK/pre/model WORK/study --methods copy,drop,cluster --eesd none,1.0 --seeds 0,1,2
         --config configs/train/clip-up.yaml --convert-config configs/convert/clip-up.yaml
-        --convert-set calibration.batch_size=128 --set eval_every=25 --keep results --quiet
+        --convert-set calibration.batch_size=128 --set eval_every=25 --set mixed_precision=no --keep results --quiet
+
+(float32 throughout, `mixed_precision: no`, as on a CPU: on a GPU `auto` would train in bf16.)
 
 then copies comparison.json (with the machine, the wall time and every cell), comparison.md and the two figures
 into benchmarks/results/clip_up_study/.
@@ -37,11 +39,11 @@ def commands(work: Path) -> list[list[str]]:
     return [
         ["tiny-clip", str(work / "init")],
         ["train", str(work / "init"), str(work / "pre"), "--config", "configs/train/tiny-clip-pretrain.yaml",
-         "--quiet"],
+         "--mixed-precision", "no", "--quiet"],
         ["compare", str(work / "pre" / "model"), str(work / "study"), "--methods", "copy,drop,cluster",
          "--eesd", "none,1.0", "--seeds", "0,1,2", "--config", "configs/train/clip-up.yaml",
          "--convert-config", "configs/convert/clip-up.yaml", "--convert-set", "calibration.batch_size=128",
-         "--set", "eval_every=25", "--keep", "results", "--quiet"],
+         "--set", "eval_every=25", "--set", "mixed_precision=no", "--keep", "results", "--quiet"],
     ]
 
 
