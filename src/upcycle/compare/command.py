@@ -1,14 +1,16 @@
 """`upcycle compare MODEL OUT --methods copy,drop,cluster --config TRAIN_RECIPE`: every method on the same model,
 placement, E, k, recipe and token budget, against the dense model continued the same way.
 
-    plan (every check; nothing written before it passes) -> OUT/study.json -> the cells not yet finished, one after
-    the other (`cell.run_cell`: convert, train or resume, evaluate, diagnose) -> after each cell and at the end:
-    comparison.json, comparison.md, metric_over_steps.png, init_diagnostics.png from every finished cell in OUT
+    plan (every check; nothing written before it passes) -> OUT/study.json, OUT/invocations/ -> the cells not yet
+    finished, one after the other (`cell.run_cell`: convert, train or resume, evaluate, diagnose) -> after each
+    cell and at the end: comparison.json, comparison.md, metric_over_steps.png, init_diagnostics.png from every
+    finished cell in OUT
 
 Rerunning the same command skips finished cells and resumes an interrupted one from its checkpoint; a wider
-grid (another method, EESD setting or seed) into the same OUT adds its cells to the same table. Ctrl-C stops
-the running cell's training after its current step with a checkpoint (the trainer's own stop), and the command
-exits with 130.
+grid (another method, EESD setting or seed) into the same OUT adds its cells to the same table. Invocations may
+run at the same time into one OUT when their cells are disjoint (one seed each, say); two on the same cell would
+both run it. Ctrl-C stops the running cell's training after its current step with a checkpoint (the trainer's
+own stop), and the command exits with 130.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, 
     plan = make_plan(request, out)
     started = time.time()
     plan.out.mkdir(parents=True, exist_ok=True)
-    study = _record_start(plan, command, started)
+    record = _record_start(plan, command, started)
 
     def say(message: str) -> None:     # the cell lines are printed with or without progress bars
         print(f"[upcycle compare] {message}", file=sys.stderr, flush=True)
@@ -74,22 +76,24 @@ def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, 
             say(f"cell {cell.name} stopped before its last step; run the same command again to resume it")
             break
         durations.append(time.perf_counter() - cell_started)
-        write_outputs(plan, study, started)
-    outputs = write_outputs(plan, study, started, interrupted=interrupted)
+        write_outputs(plan, record, started)
+    outputs = write_outputs(plan, record, started, interrupted=interrupted)
     say(f"wrote {plan.out}: comparison.json, comparison.md, {', '.join(outputs)} "
         f"({_duration(time.time() - started)})")
     return {"cells": len(plan.cells), "skipped": len(plan.cells) - len(todo), "ran": len(durations),
             "interrupted": interrupted, "out": str(plan.out)}
 
 
-def _record_start(plan: Plan, command: str | None, started: float) -> dict:
-    """study.json: the folder's model and task, and one entry per invocation (its command and times)."""
-    path = plan.out / STUDY
-    study = json.loads(path.read_text()) if path.is_file() else {
-        "format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task, "invocations": []}
-    study["invocations"].append({"command": command, "started": started, "upcycle": __version__})
-    write_json(path, study)
-    return study
+def _record_start(plan: Plan, command: str | None, started: float) -> Path:
+    """study.json (the folder's model and task, written once) and this invocation's own record under
+    invocations/ (its command and times): one file per invocation, so invocations running at once into the same
+    OUT, on disjoint cells (one per seed, say), do not overwrite each other's record."""
+    if not (plan.out / STUDY).is_file():
+        write_json(plan.out / STUDY, {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task})
+    record = plan.out / "invocations" / f"{int(started * 1000)}-{os.getpid()}.json"
+    record.parent.mkdir(exist_ok=True)
+    write_json(record, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0})
+    return record
 
 
 def _write_pairs(plan: Plan, say) -> None:
@@ -120,16 +124,18 @@ def finished_cells(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/cell.json"))]
 
 
-def write_outputs(plan: Plan, study: dict, started: float, *, interrupted: str | None = None) -> list[str]:
+def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str | None = None) -> list[str]:
     """comparison.json, comparison.md and the figures from every finished cell; the figures' names."""
     cells = finished_cells(plan.out)
     table = rows(cells, plan.task, plan.methods)
-    invocation = study["invocations"][-1]
-    invocation["seconds"] = round(time.time() - started, 1)
-    write_json(plan.out / STUDY, study)
-    result = {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task,
-              "machine": machine(), "wall_seconds": round(sum(i.get("seconds", 0.0) for i in study["invocations"]), 1),
-              "invocations": study["invocations"], "unfinished": interrupted, "table": table, "cells": cells}
+    mine = json.loads(record.read_text())
+    write_json(record, {**mine, "seconds": round(time.time() - started, 1)})
+    invocations = sorted((json.loads(p.read_text()) for p in (plan.out / "invocations").glob("*.json")),
+                         key=lambda i: i["started"])
+    # summed: invocations that ran at the same time each count their own wall time
+    result = {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task, "machine": machine(),
+              "seconds_all_invocations": round(sum(i["seconds"] for i in invocations), 1),
+              "invocations": invocations, "unfinished": interrupted, "table": table, "cells": cells}
     write_json(plan.out / "comparison.json", result)
     text = f"# upcycle compare: {plan.model}\n\n" + (markdown(table, plan.task) if table else "No finished cell yet.\n")
     tmp = plan.out / f".comparison.md.tmp-{os.getpid()}"
