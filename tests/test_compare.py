@@ -73,6 +73,7 @@ def test_compare_every_cell_skip_and_exact_resume(setup, capsys):
     assert [(r["method"], r["eesd"], r["seeds"]) for r in result["table"]] == [
         ("dense", "–", [0, 1]), ("copy", "none", [0, 1]), ("drop", "none", [0, 1])]
     assert len(result["cells"]) == 6 and result["task"] == "causal_lm" and result["machine"]["cpus"]
+    assert [i["command"] for i in result["invocations"]] == [None, None]      # the stopped and the resuming one
     copy_row = result["table"][1]
     ppl = copy_row["metrics"]["perplexity"]
     assert len(ppl["after_conversion"]["values"]) == len(ppl["after_training"]["values"]) == 2

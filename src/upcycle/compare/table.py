@@ -15,7 +15,7 @@ from .plan import DENSE, eesd_label
 
 # task -> [(key, label, path into an evaluation dict)]; the first is the table's held-out metric
 METRICS = {
-    "causal_lm": [("perplexity", "held-out perplexity", ("perplexity",))],
+    "causal_lm": [("perplexity", "perplexity", ("perplexity",))],
     "clip": [("zero_shot", "zero-shot accuracy", ("zero_shot", "accuracy")),
              ("i2t_r1", "I→T R@1", ("image_to_text", "R@1")), ("i2t_r5", "I→T R@5", ("image_to_text", "R@5")),
              ("t2i_r1", "T→I R@1", ("text_to_image", "R@1")), ("t2i_r5", "T→I R@5", ("text_to_image", "R@5"))],
@@ -103,7 +103,8 @@ def markdown(table: list[dict], task: str) -> str:
     (main, label, _), *others = METRICS[task]
     d = _digits(task, main)
     arrow = "lower is better" if not HIGHER_IS_BETTER[main] else "higher is better"
-    lines = [f"Held-out {label} ({arrow}) right after conversion → after training: mean ± sample std over seeds. "
+    lines = [f"{label[0].upper()}{label[1:]} on held-out data ({arrow}) right after conversion → after training: "
+             "mean ± sample std over seeds. "
              "Similarity: mean pairwise cosine of the experts' weights; entropy: mean routing entropy / log E; "
              "both means over the MoE layers on held-out inputs, at init → after training.", "",
              f"| method | EESD | seeds | {label}: after conversion → after training | parameters total / active | "
