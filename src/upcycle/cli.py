@@ -215,6 +215,13 @@ def _parser() -> argparse.ArgumentParser:
                                          "layer as analysis.json, PNG figures and a self-contained report.html"),
                           _whole_number)
 
+    from .compare.command import add_arguments as add_compare_arguments
+
+    add_compare_arguments(sub.add_parser("compare", help="which method wins: convert with each method, train each "
+                                         "with one recipe, evaluate and diagnose, against the dense model continued "
+                                         "the same way; comparison.json, comparison.md and figures (resumable)"),
+                          _whole_number, _comma_list)
+
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
     return parser
 
@@ -350,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "tiny-clip":
             return _tiny_clip(args)
+        if args.command == "compare":
+            from .compare.command import run_command as run_compare
+
+            return run_compare(args, argv)
         if args.command == "analyze":
             from .analyze.command import run_command
 

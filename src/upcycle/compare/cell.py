@@ -1,0 +1,130 @@
+"""One cell of `upcycle compare`: convert, train (or resume), read the evaluations, diagnose, record.
+
+    plan.json -> conversions/METHOD-seed-S/ moe/ + conversion.json (skipped when written, as by the other EESD
+    setting of the same method and seed) -> run/ (a new run, or `--resume` of the trainer
+    from its newest complete checkpoint; skipped when run/model exists) -> cell.json (written last)
+
+Every stage is the project's own: `conversion.converter.convert`, `train.trainer.train` (its checkpoints,
+resume and log), the evaluations the trainer logs (before the first step = right after conversion, every
+`eval_every` steps, after the last), and `diagnostics.diagnose` on the converted and the trained model. A cell
+stopped anywhere continues from the last stage that finished, and a resumed run computes what an uninterrupted
+one computes (the trainer's guarantee), so a resumed cell ends with the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ..conversion.converter import convert
+from ..conversion.loading import load_model
+from ..conversion.preservation import count_parameters
+from ..train.checkpoint import newest_complete
+from ..train.run_folder import LOG, checkpoints, read_log
+from ..train.tasks import make_task
+from ..train.trainer import train
+from .diagnostics import diagnose, held_out_batches
+from .plan import DENSE, Cell, Plan
+
+RESULT = "cell.json"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """A JSON file written whole or not at all (a temporary sibling renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def finished(plan: Plan, cell: Cell) -> dict | None:
+    """The cell's recorded results, or None when it has not finished."""
+    path = plan.folder(cell) / RESULT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_cell(plan: Plan, cell: Cell, *, progress: bool = True, stop_after: int | None = None,
+             say=lambda message: None) -> dict | None:
+    """Run (or continue) `cell`; its results, or None when the training run stopped before its last step."""
+    folder = plan.folder(cell)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "plan.json").is_file():
+        write_json(folder / "plan.json", cell.describe())
+    started = time.perf_counter()
+    conversion = _convert(plan, cell, progress, say)
+    run = folder / "run"
+    if not (run / "model").is_dir():
+        resume = bool(checkpoints(run)) and newest_complete(checkpoints(run), processes=1)[0] is not None
+        say("resuming the training run from its checkpoint" if resume else "training")
+        # a run folder without a complete checkpoint (a process killed before its first one) starts again
+        summary = train(cell.train, run, resume=resume, overwrite=run.exists() and not resume,
+                        stop_after=stop_after, progress=progress)
+        if summary["step"] < cell.train.steps:
+            return None
+    say("diagnostics at init and after training")
+    result = {"name": cell.name, "method": cell.method, "eesd": cell.eesd, "seed": cell.seed,
+              "conversion": conversion, **_training(run), **_diagnostics(plan, cell, run)}
+    result["seconds_this_session"] = round(time.perf_counter() - started, 2)
+    write_json(folder / RESULT, result)
+    prune(plan, cell)
+    return result
+
+
+def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
+    """The conversion's summary, converting first unless conversion.json records a finished one."""
+    if cell.convert is None:
+        return None
+    folder = plan.conversion(cell)
+    record = folder / "conversion.json"
+    if record.is_file() and (folder / "moe").is_dir():     # (--keep results removes moe/ when its cells are done)
+        return json.loads(record.read_text())
+    say(f"converting with {cell.method}")
+    started = time.perf_counter()
+    # overwrite: a moe/ without conversion.json is from a process stopped between the two writes
+    report = convert(cell.convert, folder / "moe", overwrite=True, progress=progress).report.to_dict()
+    summary = {"seconds": round(time.perf_counter() - started, 3), "parameters": report["parameters"],
+               "max_abs_logit_diff": report["max_abs_logit_diff"], "kl_to_dense": report["kl_to_dense"],
+               "preservation_passed": report["preservation"]["passed"], "calibration": report.get("calibration"),
+               "timings_s": report["timings_s"], "num_moe_layers": report["num_moe_layers"]}
+    write_json(record, summary)
+    return summary
+
+
+def _training(run: Path) -> dict:
+    """Evaluations over the steps and throughput, from the run's log."""
+    rows = [json.loads(line) for line in read_log(run / LOG, 1 << 62)]
+    evals = [{"step": r["step"], **r["eval"]} for r in rows if "eval" in r and r["eval"] is not None]
+    steps = [r for r in rows if "loss" in r]
+    tokens = sum(r["tokens"] for r in steps)
+    seconds = sum(r["seconds"] for r in steps)
+    return {"evals": evals, "train": {"steps": len(steps), "tokens": tokens, "seconds": round(seconds, 3),
+                                      "tokens_per_s": tokens / seconds if seconds else None,
+                                      "final_task_loss": steps[-1]["loss"]["task"] if steps else None}}
+
+
+def _diagnostics(plan: Plan, cell: Cell, run: Path) -> dict:
+    """Parameters, and the analysis metrics of the model at init (as converted) and after training."""
+    end, tokenizer = load_model(str(run / "model"))
+    parameters = count_parameters(end)
+    if cell.method == DENSE:
+        return {"parameters": parameters, "diagnostics": {"init": None, "end": None}}
+    batches = held_out_batches(make_task(cell.train, end, tokenizer))
+    init, _ = load_model(cell.train.model)
+    return {"parameters": parameters, "diagnostics": {"init": diagnose(init, batches), "end": diagnose(end, batches)}}
+
+
+def prune(plan: Plan, cell: Cell) -> None:
+    """What a finished cell keeps (--keep): all; models (the trained model, not the run's checkpoints with their
+    optimizer state); results (the JSON files and the run's log only). A converted model is removed (results)
+    once every cell of the plan that starts from it has finished."""
+    if plan.keep == "all":
+        return
+    run = plan.folder(cell) / "run"
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    if plan.keep == "results":
+        shutil.rmtree(run / "model", ignore_errors=True)
+        if cell.convert is not None and all(finished(plan, c) is not None for c in plan.cells
+                                            if c.convert is not None and plan.conversion(c) == plan.conversion(cell)):
+            shutil.rmtree(plan.conversion(cell) / "moe", ignore_errors=True)

@@ -1,0 +1,219 @@
+"""`upcycle compare MODEL OUT --methods copy,drop,cluster --config TRAIN_RECIPE`: every method on the same model,
+placement, E, k, recipe and token budget, against the dense model continued the same way.
+
+    plan (every check; nothing written before it passes) -> OUT/study.json, OUT/invocations/ -> the cells not yet
+    finished, one after the other (`cell.run_cell`: convert, train or resume, evaluate, diagnose) -> after each
+    cell and at the end: comparison.json, comparison.md, metric_over_steps.png, init_diagnostics.png from every
+    finished cell in OUT
+
+Rerunning the same command skips finished cells and resumes an interrupted one from its checkpoint; a wider
+grid (another method, EESD setting or seed) into the same OUT adds its cells to the same table. Invocations may
+run at the same time into one OUT when their cells are disjoint (one seed each, say); two on the same cell would
+both run it. Ctrl-C stops the running cell's training after its current step with a checkpoint (the trainer's
+own stop), and the command exits with 130.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..analyze.command import machine
+from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
+from ..errors import UpcycleError
+from ..version import __version__
+from .cell import finished, run_cell, write_json
+from .figures import write_figures
+from .plan import FORMAT, KEEP, STUDY, CompareRequest, Plan, make_plan
+from .table import markdown, rows
+
+VERSION = 1
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, stop_after: int | None = None,
+            command: str | None = None) -> dict:
+    """Run every cell of the request that has not finished; returns {'cells', 'skipped', 'ran', 'interrupted',
+    'out'}. `progress`: the conversion's and the trainer's progress bars. `stop_after`: each cell's training
+    stops at that step with a checkpoint (as an interruption would; run again to resume)."""
+    plan = make_plan(request, out)
+    started = time.time()
+    plan.out.mkdir(parents=True, exist_ok=True)
+    record = _record_start(plan, command, started)
+
+    def say(message: str) -> None:     # the cell lines are printed with or without progress bars
+        print(f"[upcycle compare] {message}", file=sys.stderr, flush=True)
+
+    if plan.calibration_pairs is not None:
+        _write_pairs(plan, say)
+    todo = [c for c in plan.cells if finished(plan, c) is None]
+    say(f"{len(plan.cells)} cells ({len(plan.methods)} method(s) + dense, seeds "
+        f"{sorted({c.seed for c in plan.cells})}): {len(plan.cells) - len(todo)} finished before (skipped), "
+        f"{len(todo)} to run")
+    durations: list[float] = []
+    interrupted = None
+    for index, cell in enumerate(todo, 1):
+        cell_started = time.perf_counter()
+        left = len(todo) - index + 1
+        estimate = (f"about {_duration(sum(durations) / len(durations) * left)} left" if durations else
+                    "time left known after the first cell")
+
+        def say_cell(message: str, index=index, cell=cell, estimate=estimate) -> None:
+            say(f"cell {index}/{len(todo)} {cell.name}: {message} ({_duration(time.time() - started)} elapsed, "
+                f"{estimate})")
+
+        result = run_cell(plan, cell, progress=progress, stop_after=stop_after, say=say_cell)
+        if result is None:
+            interrupted = cell.name
+            say(f"cell {cell.name} stopped before its last step; run the same command again to resume it")
+            break
+        durations.append(time.perf_counter() - cell_started)
+        write_outputs(plan, record, started)
+    outputs = write_outputs(plan, record, started, interrupted=interrupted)
+    say(f"wrote {plan.out}: comparison.json, comparison.md, {', '.join(outputs)} "
+        f"({_duration(time.time() - started)})")
+    return {"cells": len(plan.cells), "skipped": len(plan.cells) - len(todo), "ran": len(durations),
+            "interrupted": interrupted, "out": str(plan.out)}
+
+
+def _record_start(plan: Plan, command: str | None, started: float) -> Path:
+    """study.json (the folder's model and task, written once) and this invocation's own record under
+    invocations/ (its command and times): one file per invocation, so invocations running at once into the same
+    OUT, on disjoint cells (one per seed, say), do not overwrite each other's record."""
+    if not (plan.out / STUDY).is_file():
+        write_json(plan.out / STUDY, {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task})
+    record = plan.out / "invocations" / f"{int(started * 1000)}-{os.getpid()}.json"
+    record.parent.mkdir(exist_ok=True)
+    write_json(record, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0})
+    return record
+
+
+def _write_pairs(plan: Plan, say) -> None:
+    """CLIP: the recipe's training image-caption pairs as model inputs, the calibration of data-aware methods."""
+    from ..conversion.loading import dense_config, load_tokenizer
+
+    path, source = plan.calibration_pairs
+    if path.is_file():
+        return
+    from safetensors.torch import save_file
+
+    model_path, config = dense_config(plan.model)
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer is None:
+        raise UpcycleError(f"{plan.model} has no caption tokenizer to encode the calibration captions with")
+    pairs = load_pairs(source, split="train")
+    tensors = {**encode_captions(tokenizer, pairs.captions, config.text_config.max_position_embeddings),
+               "pixel_values": pixel_values(pairs.images, config.vision_config.image_size)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+    say(f"calibration for data-aware methods: the {len(pairs)} training image-caption pairs ({path})")
+
+
+def finished_cells(out: Path) -> list[dict]:
+    """Every finished cell in OUT (of this invocation's grid or an earlier one)."""
+    return [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/cell.json"))]
+
+
+def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str | None = None) -> list[str]:
+    """comparison.json, comparison.md and the figures from every finished cell; the figures' names."""
+    cells = finished_cells(plan.out)
+    table = rows(cells, plan.task, plan.methods)
+    mine = json.loads(record.read_text())
+    write_json(record, {**mine, "seconds": round(time.time() - started, 1)})
+    invocations = sorted((json.loads(p.read_text()) for p in (plan.out / "invocations").glob("*.json")),
+                         key=lambda i: i["started"])
+    # summed: invocations that ran at the same time each count their own wall time
+    result = {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task, "machine": machine(),
+              "seconds_all_invocations": round(sum(i["seconds"] for i in invocations), 1),
+              "invocations": invocations, "unfinished": interrupted, "table": table, "cells": cells}
+    write_json(plan.out / "comparison.json", result)
+    text = f"# upcycle compare: {plan.model}\n\n" + (markdown(table, plan.task) if table else "No finished cell yet.\n")
+    tmp = plan.out / f".comparison.md.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, plan.out / "comparison.md")
+    if not table:
+        return []
+    figures = plan.out / f".figures.tmp-{os.getpid()}"
+    figures.mkdir(exist_ok=True)
+    names = write_figures(cells, table, plan.task, figures)
+    for name in names:
+        os.replace(figures / name, plan.out / name)
+    figures.rmdir()
+    return names
+
+
+def add_arguments(parser, whole_number=int, comma_list=lambda text: text.split(",")) -> None:
+    """The `upcycle compare` flags (cli.py mounts them with its number and list rules)."""
+    parser.add_argument("model", help="the dense model: 'default' (embedded SmolLM2-135M), a folder, or an id")
+    parser.add_argument("out", help="the study folder (created, or an earlier compare folder to continue)")
+    parser.add_argument("--methods", type=comma_list, required=True,
+                        help="comma-separated methods (`upcycle methods`); the dense-continued baseline is added")
+    parser.add_argument("--eesd", type=comma_list, help="comma-separated EESD settings: none or a coefficient, e.g. "
+                                                        "none,1.0 (default: the recipe's own)")
+    parser.add_argument("--seeds", type=comma_list, default=["0"], help="comma-separated seeds (default 0)")
+    parser.add_argument("--config", required=True, help="the training recipe every cell uses (configs/train/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a training key")
+    parser.add_argument("--convert-config", dest="convert_config",
+                        help="conversion recipe (placement, E, k, capacity; configs/convert/)")
+    parser.add_argument("--convert-set", dest="convert_set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a conversion key for every method, e.g. calibration.tokens=16384")
+    for flag, key in (("--num-experts", "moe.num_experts"), ("--top-k", "moe.top_k"), ("--every", "placement.every"),
+                      ("--calibration", "calibration.data"), ("--calibration-tokens", "calibration.tokens")):
+        parser.add_argument(flag, dest=key, metavar=flag.lstrip("-").replace("-", "_").upper(),
+                            help=f"the conversion key {key} for every method")
+    parser.add_argument("--layers", dest="placement.layers", type=comma_list, metavar="LAYERS",
+                        help="the conversion key placement.layers (comma-separated blocks)")
+    parser.add_argument("--towers", dest="placement.towers", type=comma_list, metavar="TOWERS",
+                        help="the conversion key placement.towers (CLIP: text,vision)")
+    parser.add_argument("--method-set", dest="method_set", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                        help="a conversion key for one method, e.g. drop.method_args.ratio=0.25")
+    parser.add_argument("--method-config", dest="method_config", action="append", default=[],
+                        metavar="METHOD=RECIPE", help="one method's own training recipe (SPRI's two stages: "
+                        "spri=configs/train/smollm2-spri.yaml); --set applies on top")
+    parser.add_argument("--keep", choices=KEEP, default="models",
+                        help="what a finished cell keeps: all, models (default: the converted and the trained "
+                             "model, not the checkpoints), results (JSON and logs only)")
+    parser.add_argument("--stop-after", dest="stop_after", type=whole_number,
+                        help="stop a cell's training at this step with a checkpoint (run again to resume)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (the cell lines stay)")
+
+
+CONVERT_FLAG_KEYS = ("moe.num_experts", "moe.top_k", "placement.every", "calibration.data", "calibration.tokens",
+                     "placement.layers", "placement.towers")
+
+
+def request_from_args(args) -> CompareRequest:
+    """The flags as a request; a conversion flag is a --convert-set of its key (so its value is read by the
+    key's type, as everywhere)."""
+    sets = []
+    for key in CONVERT_FLAG_KEYS:
+        value = getattr(args, key)
+        if value is not None:
+            sets.append(f"{key}={json.dumps(value) if isinstance(value, list) else value}")
+    return CompareRequest(model=args.model, methods=tuple(args.methods), train_recipe=args.config,
+                          seeds=tuple(args.seeds), eesd=None if args.eesd is None else tuple(args.eesd),
+                          train_sets=tuple(args.set), convert_recipe=args.convert_config,
+                          convert_sets=tuple(sets) + tuple(args.convert_set), method_sets=tuple(args.method_set),
+                          method_recipes=tuple(args.method_config), keep=args.keep)
+
+
+def run_command(args, argv: list[str] | None = None) -> int:
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
+    summary = compare(request_from_args(args), args.out, progress=not args.quiet, stop_after=args.stop_after,
+                      command=command)
+    print(json.dumps(summary, indent=2))
+    return 130 if summary["interrupted"] else 0

@@ -1,0 +1,299 @@
+"""The grid `upcycle compare` runs, as cells with their full configs, checked before anything is written.
+
+A cell is one (method, EESD setting, seed): the dense model converted with that method (the same placement,
+E and k for every method: one convert config, only `method`, its arguments and the seed differ), then trained
+with one recipe (the same steps, batch and sequence length, so the same token budget), with
+`regularizers.eesd` set to the cell's EESD coefficient. Each seed also gets one dense-continued cell: the dense
+model trained with the same recipe (EESD off: a dense model has no experts to distil), the baseline.
+
+The seed is both the conversion's seed (router draws, Drop-Upcycling's re-drawn neurons, k-means) and the
+run's (the data order is a function of (seed, step)), so cells of one seed see the same batches.
+
+Everything a cell will do is fixed here: a finished or interrupted cell in OUT whose recorded plan differs from
+the new one is refused, not silently skipped or resumed into another run.
+
+    OUT/study.json                         marks OUT as a compare folder; one line per invocation
+    OUT/calibration/train_pairs.safetensors    CLIP only: the training image-caption pairs, for data-aware methods
+    OUT/conversions/METHOD-seed-S/moe/     the converted model (upcycle folder), shared by the EESD settings
+    OUT/conversions/METHOD-seed-S/conversion.json   conversion time and report summary, once `moe/` is written
+    OUT/cells/NAME/plan.json               the cell's convert and train configs
+    OUT/cells/NAME/run/                    the training run (log.jsonl, checkpoints/, model/)
+    OUT/cells/NAME/cell.json               the cell's results, written last: the cell is finished
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import ConvertConfig, TrainConfig, build, coerce, load_recipe, refuse_overwrite_key, set_override, to_dict
+from ..conversion.converter import validate as validate_convert
+from ..conversion.loading import dense_config
+from ..core.architectures import family_of
+from ..data.assets import DEFAULT_MODEL_NAMES
+from ..errors import UpcycleError
+from ..files import check_output_location
+from ..methods import get_method
+from ..train.trainer import validate as validate_train
+
+DENSE = "dense"                # the dense-continued baseline's method name
+KEEP = ("all", "models", "results")
+STUDY = "study.json"
+FORMAT = "upcycle-compare"
+CALIBRATION_PAIRS = Path("calibration") / "train_pairs.safetensors"
+
+
+@dataclass(frozen=True)
+class CompareRequest:
+    """What the user asked for, as written (the CLI's flags, or a script's arguments)."""
+
+    model: str
+    methods: tuple[str, ...]
+    train_recipe: str | None
+    seeds: tuple[int | str, ...] = (0,)
+    eesd: tuple[str | float, ...] | None = None     # "none" or a coefficient; None: the recipe's own
+    train_sets: tuple[str, ...] = ()                # KEY=VALUE on the train config
+    convert_recipe: str | None = None
+    convert_sets: tuple[str, ...] = ()              # KEY=VALUE on the convert config (every method)
+    method_sets: tuple[str, ...] = ()               # METHOD.KEY=VALUE on one method's convert config
+    method_recipes: tuple[str, ...] = ()            # METHOD=RECIPE: that method's train recipe
+    keep: str = "models"
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    method: str                     # a registered method, or DENSE
+    eesd: float | None              # None for the dense baseline
+    seed: int
+    convert: ConvertConfig | None   # None for the dense baseline
+    train: TrainConfig
+
+    def describe(self) -> dict:
+        """The cell's plan as JSON (what plan.json holds and a rerun must match)."""
+        return json.loads(json.dumps({"name": self.name, "method": self.method, "eesd": self.eesd,
+                                      "seed": self.seed,
+                                      "convert": None if self.convert is None else to_dict(self.convert),
+                                      "train": to_dict(self.train)}))
+
+
+@dataclass
+class Plan:
+    out: Path
+    model: str
+    task: str                       # causal_lm | clip
+    methods: tuple[str, ...]        # in the order asked (the table's order)
+    cells: list[Cell]
+    keep: str
+    calibration_pairs: tuple[Path, str | None] | None = None   # (file to write, CLIP data source) when needed
+    notes: list[str] = field(default_factory=list)
+
+    def folder(self, cell: Cell) -> Path:
+        return self.out / "cells" / cell.name
+
+    def conversion(self, cell: Cell) -> Path:
+        """The cell's converted model's folder, shared by the EESD settings of one (method, seed): EESD changes the
+        training only, so they start from the very same weights."""
+        return self.out / "conversions" / f"{cell.method}-seed-{cell.seed}"
+
+
+def eesd_label(value: float | None) -> str:
+    return "none" if not value else f"{value:g}"
+
+
+def _eesd_settings(values: tuple[str | float, ...] | None) -> list[float | None]:
+    """--eesd values as coefficients (none = 0.0); None = keep the recipe's own value."""
+    if values is None:
+        return [None]
+    if not values:
+        raise UpcycleError("--eesd needs at least one value: none or a coefficient such as 1.0")
+    out = []
+    for text in values:
+        if isinstance(text, str) and text.strip().lower() in ("none", "off"):
+            value = 0.0
+        else:
+            value = coerce(text, float, "--eesd value")
+            if not (math.isfinite(value) and value >= 0):
+                raise UpcycleError(f"--eesd values are none or a finite coefficient >= 0, got {text!r}")
+        if value in out:
+            raise UpcycleError(f"--eesd lists {eesd_label(value)} twice")
+        out.append(value)
+    return out
+
+
+def _seeds(values: tuple[int | str, ...]) -> list[int]:
+    if not values:
+        raise UpcycleError("--seeds needs at least one seed")
+    seeds = [coerce(v, int, "--seeds value") for v in values]
+    if any(s < 0 for s in seeds):
+        raise UpcycleError(f"--seeds must be whole numbers >= 0, got {list(values)}")
+    if len(set(seeds)) != len(seeds):
+        raise UpcycleError(f"--seeds lists a seed twice: {seeds}")
+    return seeds
+
+
+def _methods(names: tuple[str, ...]) -> list[str]:
+    if not names:
+        raise UpcycleError("--methods needs at least one method (see `upcycle methods`)")
+    for name in names:
+        if name == DENSE:
+            raise UpcycleError("the dense-continued baseline is always run: leave 'dense' out of --methods")
+        get_method(name)                       # an unknown method is refused with the list of known ones
+    if len(set(names)) != len(names):
+        raise UpcycleError(f"--methods lists a method twice: {list(names)}")
+    return list(names)
+
+
+def _split_method_key(assignment: str, sep: str, what: str, methods: list[str]) -> tuple[str, str]:
+    """'drop.method_args.ratio=0.25' -> ('drop', 'method_args.ratio=0.25') (sep '.'); 'spri=r.yaml' (sep '=')."""
+    method, found, rest = assignment.partition(sep)
+    if not found or not rest:
+        raise UpcycleError(f"{what} {assignment!r}: expected METHOD{sep}...")
+    if method not in methods:
+        raise UpcycleError(f"{what} {assignment!r}: {method!r} is not one of --methods ({', '.join(methods)})")
+    return method, rest
+
+
+def _recipe(path: str | None, what: str) -> dict:
+    data = load_recipe(path)
+    refuse_overwrite_key(data, f"{what} {path}")
+    return data
+
+
+def task_of_model(model: str) -> str:
+    """The task the dense model trains on, from its config alone (no weights read)."""
+    _, config = dense_config(model)
+    return family_of(config).task_of(config) or "causal_lm"
+
+
+def make_plan(request: CompareRequest, out: str | Path) -> Plan:
+    """Every cell's configs, checked (method, arguments, ranges, recipes, OUT, existing cells) before any output."""
+    if request.keep not in KEEP:
+        raise UpcycleError(f"--keep must be one of {', '.join(KEEP)}, got {request.keep!r}")
+    methods = _methods(tuple(request.methods))
+    eesd = _eesd_settings(None if request.eesd is None else tuple(request.eesd))
+    seeds = _seeds(tuple(request.seeds))
+    if request.train_recipe is None:
+        raise UpcycleError("compare needs a training recipe (--config, e.g. configs/train/clip-up.yaml): every cell "
+                           "trains with it, so the methods get the same token budget")
+    task = task_of_model(request.model)             # also: the model exists and its architecture is supported
+    out = Path(out).expanduser()
+    root = out.absolute()
+
+    base_train = _recipe(request.train_recipe, "recipe")
+    method_recipes = {}
+    for assignment in request.method_recipes:
+        method, path = _split_method_key(assignment, "=", "--method-config", methods)
+        method_recipes[method] = _recipe(path, "recipe")
+    base_convert = _recipe(request.convert_recipe, "convert recipe")
+    for assignment in request.convert_sets:
+        refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--convert-set {assignment}")
+        set_override(base_convert, assignment)
+    method_sets: dict[str, dict] = {m: {} for m in methods}
+    for assignment in request.method_sets:
+        method, rest = _split_method_key(assignment, ".", "--method-set", methods)
+        set_override(method_sets[method], rest)
+
+    def train_config(method: str, model: str, seed: int, value: float | None) -> TrainConfig:
+        data = json.loads(json.dumps(method_recipes.get(method, base_train)))    # a deep copy
+        for assignment in request.train_sets:
+            refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--set {assignment}")
+            set_override(data, assignment)
+        data["model"], data["seed"] = model, seed
+        if value is not None:
+            data.setdefault("regularizers", {})["eesd"] = value
+        cfg = build(TrainConfig, data)
+        validate_train(cfg)
+        return cfg
+
+    dense_train = train_config(DENSE, request.model, seeds[0], 0.0)
+    calibration = None
+    cells: list[Cell] = []
+    for method in methods:
+        for value in eesd:
+            for seed in seeds:
+                train = train_config(method, request.model, seed, value)
+                coefficient = train.regularizers.eesd          # the recipe's own when --eesd is not given
+                name = f"{method}-eesd-{eesd_label(coefficient)}-seed-{seed}"
+                data = json.loads(json.dumps(base_convert))
+                recipe_method = data.get("method")
+                data["method"], data["model"], data["seed"] = method, request.model, seed
+                # a convert recipe's method_args belong to the method it names; other methods start from none
+                args = dict(data.get("method_args") or {}) if recipe_method in (None, method) else {}
+                data["method_args"] = {**args, **method_sets[method].get("method_args", {})}
+                for key, section in method_sets[method].items():
+                    if key != "method_args":
+                        data[key] = {**data.get(key, {}), **section} if isinstance(section, dict) else section
+                if get_method(method).needs_calibration and not (data.get("calibration") or {}).get("data"):
+                    data.setdefault("calibration", {})["data"], calibration = _default_calibration(
+                        request.model, task, dense_train, root, calibration)
+                convert = build(ConvertConfig, data)
+                validate_convert(convert)
+                moe = root / "conversions" / f"{method}-seed-{seed}" / "moe"
+                cells.append(Cell(name, method, coefficient, seed, convert,
+                                  dataclasses.replace(train, model=str(moe))))
+    for seed in seeds:
+        cells.append(Cell(f"{DENSE}-seed-{seed}", DENSE, None, seed, None,
+                          train_config(DENSE, request.model, seed, 0.0)))
+    plan = Plan(out, request.model, task, tuple(methods), cells, request.keep, calibration)
+    _check_out(plan, request)
+    return plan
+
+
+def _default_calibration(model: str, task: str, train: TrainConfig, root: Path,
+                         pairs: tuple[Path, str | None] | None) -> tuple[str, tuple[Path, str | None] | None]:
+    """The calibration data of a data-aware method when none is given: the recipe's training data (CLIP: its
+    image-caption pairs, written once as model inputs; text: the recipe's data file); the converter's own default
+    (the embedded Wikipedia train split, the recipe's default data too) on the embedded model."""
+    if task == "clip":
+        path = root / CALIBRATION_PAIRS
+        return str(path), (path, train.data)
+    if train.data is not None:
+        return train.data, pairs
+    if model in DEFAULT_MODEL_NAMES:
+        return None, pairs
+    raise UpcycleError(f"a data-aware method needs calibration data: give the recipe a `data` file, or "
+                       f"--convert-set calibration.data=FILE (model {model!r} has no embedded default)")
+
+
+def _check_out(plan: Plan, request: CompareRequest) -> None:
+    """OUT may be new, or a compare folder whose existing cells have the plans this run would give them."""
+    train = plan.cells[-1].train
+    check_output_location(plan.out, inputs=(request.model, request.train_recipe, request.convert_recipe,
+                                            train.data, train.eval_data,
+                                            *(r.partition("=")[2] for r in request.method_recipes)),
+                          overwrite=True)
+    if plan.out.is_dir() and any(plan.out.iterdir()) and not (plan.out / STUDY).is_file():
+        raise UpcycleError(f"output {plan.out} exists and is not an `upcycle compare` folder (no {STUDY}); "
+                           f"choose a new folder")
+    if (plan.out / STUDY).is_file():
+        try:
+            model = json.loads((plan.out / STUDY).read_text()).get("model")
+        except (OSError, ValueError) as e:
+            raise UpcycleError(f"{plan.out / STUDY} cannot be read ({e})") from None
+        if model != plan.model:
+            raise UpcycleError(f"{plan.out} is a comparison of model {model!r}, not {plan.model!r}: choose a new OUT")
+    for cell in plan.cells:
+        saved = plan.folder(cell) / "plan.json"
+        if not saved.is_file():
+            continue
+        try:
+            before = json.loads(saved.read_text())
+        except (OSError, ValueError) as e:
+            raise UpcycleError(f"cell {cell.name}: {saved} cannot be read ({e}); move the cell folder away") from None
+        now = cell.describe()
+        differ = sorted(k for part in ("convert", "train") for k in _diff(before.get(part), now[part], part))
+        if differ:
+            raise UpcycleError(f"cell {cell.name} in {plan.out} was planned with other settings ({', '.join(differ)}"
+                               f" differ); a cell is only skipped or resumed with the settings it ran with: use a "
+                               f"new OUT, or move {plan.folder(cell)} away")
+
+
+def _diff(a, b, where: str) -> list[str]:
+    """Dotted keys where two config dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b)) for k in _diff(a.get(key), b.get(key), f"{where}.{key}")]
+    return [] if a == b else [where]
