@@ -11,7 +11,7 @@ import torch
 
 from conftest import write_tiny_lm
 from upcycle import ConvertConfig, MoEConfig, convert
-from upcycle.config import CheckConfig, PlacementConfig
+from upcycle.config import CalibrationConfig, CheckConfig, PlacementConfig
 from upcycle.conversion.loading import resolve_device, resolve_dtype
 from upcycle.conversion.shards import CheckpointReader
 from upcycle.errors import UpcycleError
@@ -89,3 +89,44 @@ def test_an_explicit_cpu_device_writes_what_auto_writes_here(bf16_checkpoint, tm
         written[device] = {n: reader.get(n) for n in reader.names()}
     assert written["cpu"].keys() == written["auto"].keys()
     assert all(torch.equal(written["cpu"][n], written["auto"][n]) for n in written["cpu"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the conversion's --device cuda path)")
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("method", ["copy", "drop", "cluster"])
+def test_a_gpu_conversion_writes_what_the_cpu_one_writes(bf16_checkpoint, tmp_path, method, streaming):
+    """--device cuda against --device cpu. copy does no arithmetic on the weights, so the bytes are the same.
+    drop draws its neurons and values from the CPU generator but takes the matrix's mean and std on the GPU (a
+    different reduction order), so its fresh values agree to float32 rounding. cluster's k-means and whitened SVD
+    run on the GPU (other kernels, other rounding): the same partition, the experts equal to rounding.
+    Run on an H100 (torch 2.11): this test found the expert-similarity Gram matrix built on the CPU."""
+    folder, held = bf16_checkpoint
+    train = folder.parent / "train.txt"
+    written, reports = {}, {}
+    for device in ("cpu", "cuda"):
+        cfg = ConvertConfig(model=str(folder), method=method, moe=MoEConfig(num_experts=4, top_k=2),
+                            placement=PlacementConfig(every=2), check=CheckConfig(text=str(held)), device=device,
+                            streaming=streaming, dtype="float32",
+                            calibration=CalibrationConfig(data=str(train), tokens=512))
+        reports[device] = convert(cfg, tmp_path / device, progress=False).report
+        reader = CheckpointReader(tmp_path / device)
+        written[device] = {n: reader.get(n) for n in reader.names()}
+    assert written["cpu"].keys() == written["cuda"].keys()
+    assert reports["cuda"].preservation.passed == reports["cpu"].preservation.passed
+    if method == "copy":
+        different = [n for n in written["cpu"] if not torch.equal(written["cpu"][n], written["cuda"][n])]
+        assert not different, different
+        return
+    if method == "drop":
+        for name, w in written["cpu"].items():
+            # a wrongly placed neuron would differ by the weights' own scale; rounding of mu and sigma by ~1e-7 of it
+            scale = float(w.abs().max()) or 1.0
+            assert float((w - written["cuda"][name]).abs().max()) <= 1e-5 * scale, name
+        return
+    for cpu_layer, gpu_layer in zip(reports["cpu"].layers, reports["cuda"].layers, strict=True):
+        assert cpu_layer.method_facts["cluster_sizes"] == gpu_layer.method_facts["cluster_sizes"], cpu_layer.name
+    for name, w in written["cpu"].items():
+        # float32 k-means and float64 SVDs: 1e-3 of the tensor's scale is far above the kernels' rounding
+        # differences and far below what a different partition or rank would change
+        scale = float(w.abs().max()) or 1.0
+        assert float((w - written["cuda"][name]).abs().max()) <= 1e-3 * scale, name

@@ -32,7 +32,9 @@ def stock_logits_match(folder, ours: torch.nn.Module) -> T.PreTrainedModel:
     stock, info = T.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info          # no missing, unexpected or mismatched tensor
     with torch.no_grad():
-        diff = (stock.eval()(input_ids=IDS).logits - ours.eval()(input_ids=IDS).logits).abs().max().item()
+        # ours is where the conversion ran (the GPU when there is one: device auto); compared on the CPU
+        ours_logits = ours.eval()(input_ids=IDS.to(ours.device)).logits.cpu()
+        diff = (stock.eval()(input_ids=IDS).logits - ours_logits).abs().max().item()
     assert diff <= 1e-5
     out = stock.generate(IDS[:, :4], max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 8)

@@ -37,7 +37,7 @@ GRAM_COLUMNS = 2**21
 def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
     """sum over parts of P P^T in float64, a block of columns at a time: no float64 copy of whole experts."""
     E = parts[0].shape[0]
-    gram = torch.zeros(E, E, dtype=torch.float64)
+    gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)   # on the GPU with --device cuda
     for part in parts:
         flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
         if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm

@@ -274,7 +274,9 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     """Load the written folder with plain AutoModelForCausalLM and return max |logit difference| vs `model`."""
     from transformers import AutoModelForCausalLM
 
-    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).eval()
+    device = model.get_input_embeddings().weight.device      # the GPU with --device cuda: both run there
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).to(device).eval()
+    input_ids = input_ids.to(device)
     with eval_mode(model):
         ours = model(input_ids=input_ids).logits.float()
     return (stock(input_ids=input_ids).logits.float() - ours).abs().max().item()

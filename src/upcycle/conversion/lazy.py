@@ -67,11 +67,23 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, round_to: torch.dtype | None,
     return value.to(dtype)
 
 
+def _buffers_to(module: nn.Module, device: torch.device | None) -> None:
+    """Move `module`'s own buffers that were computed at construction (not read: BERT's position_ids, rotary
+    frequencies) to `device`: with --device cuda a CPU position_ids would index a GPU embedding. Found on an H100."""
+    if device is None:
+        return
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta and buffer.device != device:
+            module._buffers[name] = buffer.to(device)
+
+
 def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names: dict[str, str],
                 dtype: torch.dtype, round_to: torch.dtype | None = None, device: torch.device | None = None
                 ) -> None:
     """Give `module` (at `prefix` in the model) its parameters and persistent buffers from the checkpoint,
     floating-point ones in `dtype` (rounded to `round_to` first); a no-op for tensors already real."""
+    for sub in module.modules():
+        _buffers_to(sub, device)
     loaded = {}
     for name, tensor in _tensors(module):
         if not tensor.is_meta:
@@ -112,6 +124,7 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
     for path, module in model.named_modules():
         if path in blocks or any(path.startswith(b + ".") for b in blocks):
             continue
+        _buffers_to(module, device)
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is None or not tensor.is_meta or id(tensor) in done:
                 continue
