@@ -15,7 +15,7 @@ The data flow is the streaming conversion's (`streaming.py`), with one dense blo
   4. at a target, each source's FFN tensors of that block are read (only those), turned into its experts, and
      the router is initialized from the groups (`methods.source_router`: random, prompts or data); the layer
      is installed in the block, the block written into the planned shards and released.
-Memory: the base's block, one source FFN at a time, the layer's stacked experts, and the groups' hidden states
+Memory: the base's block, the sources' FFNs of one block, the layer's stacked experts, and the groups' hidden states
 at one depth (which grow with the amount of text, not with the weights).
 
 Reported per layer: router-source agreement (the fraction of a source's held-out tokens whose top-1 expert is
