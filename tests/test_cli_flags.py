@@ -193,6 +193,7 @@ def test_no_flag_reads_numbers_on_its_own():
     args = parser.parse_args(["train", "m", "out", "--stop-after", "1e1"])
     assert args.stop_after == 10 and type(args.stop_after) is int
     assert parser.parse_args(["eval", "m", "--tokens", "1e5"]).tokens == 100000
+    assert parser.parse_args(["analyze", "m", "out", "--tokens", "2e3"]).tokens == 2000
 
 
 def test_a_run_flag_that_is_no_whole_number_is_a_usage_error(capsys):

@@ -79,8 +79,9 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 
 # DESIGN's layering: a module imports only its own sub-package and the layers below it. The leaves (version,
 # config, output folders) know only the error type; core and data are independent of each other; methods and
-# analysis read core; conversion uses those; train uses conversion (loading folders, saving); the CLI and the
-# package root are on top.
+# analysis read core; conversion uses those; train uses conversion (loading folders, saving); analyze (the
+# `upcycle analyze` command) loads models and run folders through conversion and train; the CLI and the package
+# root are on top.
 LAYERS = {
     "upcycle.errors": 0,
     "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
@@ -88,7 +89,8 @@ LAYERS = {
     "upcycle.methods": 3, "upcycle.analysis": 3,
     "upcycle.conversion": 4,
     "upcycle.train": 5,
-    "upcycle.cli": 6, "upcycle": 6,
+    "upcycle.analyze": 6,
+    "upcycle.cli": 7, "upcycle": 7,
 }
 
 

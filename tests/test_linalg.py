@@ -13,6 +13,7 @@ from upcycle.methods.linalg import (
     pca,
     spherical_assign,
     spherical_kmeans,
+    truncate_whitened,
     truncated_svd_rank,
     whitening_factor,
 )
@@ -201,6 +202,24 @@ def test_data_aware_truncation_error_equals_discarded_energy():
     assert res32.W_approx.dtype == torch.float32 and res32.rank == res.rank
     err32 = float(((W @ X - res32.W_approx.double() @ X) ** 2).sum())
     assert err32 == pytest.approx(res.discarded, rel=1e-3)
+
+
+@pytest.mark.parametrize("F", [48, 20])   # taller than D, and wider (min(F, D) = F singular values)
+def test_truncation_by_eigh_equals_the_explicit_svd(F):
+    # The eigendecomposition route against the definition W~ = U_r Sigma_r V_r^T S^{-1} with a thin SVD of W S.
+    W = torch.randn(F, 32, generator=gen(6), dtype=torch.float64)
+    X = torch.randn(32, 300, generator=gen(7), dtype=torch.float64) * torch.linspace(0.2, 2, 32)[:, None].double()
+    S, lam = whitening_factor(X @ X.T)
+    U, sigma, Vh = torch.linalg.svd(W @ S, full_matrices=False)
+    r = truncated_svd_rank(sigma, 0.9)
+    reference = torch.linalg.solve_triangular(S, (U[:, :r] * sigma[:r]) @ Vh[:r], upper=False, left=False)
+    for shared in (None, W.T @ W):         # W^T W computed inside, or given by the caller: the same result
+        res = truncate_whitened(W, S, lam, tau=0.9, wtw_DD=shared)
+        assert res.rank == r
+        # both are float64 computations of the same matrix; 1e-9 of its scale is far above their rounding
+        torch.testing.assert_close(res.W_approx, reference, rtol=0, atol=1e-9 * float(reference.abs().max()))
+        assert res.discarded == pytest.approx(float((sigma[r:] ** 2).sum()), rel=1e-9)
+        assert res.retained_energy == pytest.approx(float((sigma[:r] ** 2).sum() / (sigma**2).sum()), rel=1e-12)
 
 
 def test_data_aware_truncation_rank_deficient_x_needs_damping():

@@ -1,4 +1,4 @@
-"""The `upcycle` command line: a thin layer over convert, train, evaluate and the method registry.
+"""The `upcycle` command line: a thin layer over convert, train, evaluate, analyze and the method registry.
 
 Configuration precedence (DESIGN principle 8): dataclass defaults < `--config recipe.yaml` < explicit flags
 < `--set key=value` (repeatable, dotted keys, YAML values).
@@ -218,6 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=_whole_number, default=0)
     k.add_argument("--overwrite", action="store_true")
 
+    from .analyze.command import add_arguments as add_analyze_arguments
+
+    add_analyze_arguments(sub.add_parser("analyze", help="what the experts learned: every METHODS §5 metric per MoE "
+                                         "layer as analysis.json, PNG figures and a self-contained report.html"),
+                          _whole_number)
+
     sub.add_parser("methods", help="list the upcycling methods, their arguments and papers")
     return parser
 
@@ -371,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "tiny-clip":
             return _tiny_clip(args)
+        if args.command == "analyze":
+            from .analyze.command import run_command
+
+            return run_command(args, argv)
         if args.command == "export":
             from .conversion.export import export_folder
 

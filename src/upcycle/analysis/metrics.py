@@ -15,12 +15,16 @@ import torch
 from ..core.ffn import FFNWeights
 
 
+def _cosines(gram_EE: torch.Tensor) -> torch.Tensor:
+    norms = gram_EE.diagonal().clamp_min(0).sqrt()
+    return gram_EE / (norms[:, None] * norms[None, :]).clamp_min(1e-300)
+
+
 def _mean_offdiagonal_cosine(gram_EE: torch.Tensor) -> float | None:
     E = gram_EE.shape[0]
     if E < 2:
         return None
-    norms = gram_EE.diagonal().clamp_min(0).sqrt()
-    cos_EE = gram_EE / (norms[:, None] * norms[None, :]).clamp_min(1e-300)
+    cos_EE = _cosines(gram_EE)
     i, j = torch.triu_indices(E, E, offset=1)
     return cos_EE[i, j].mean().item()
 

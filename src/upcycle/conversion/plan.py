@@ -10,7 +10,7 @@ conversion holds at once (`streaming.py`; the compute dtype is float32):
                computed, before any block, so the peak counts the larger of it and the per-block parts below
   block        the largest dense block in float32
   moe_block    its MoE replacement, built in the storage dtype
-  write_queue  at most one block's output (2 GiB at most) waiting for the background writer (storage dtype)
+  write_queue  at most half a block's output (2 GiB at most) waiting for the background writer (storage dtype)
   method       the method's float32 experts for one layer (an upper bound: copy returns views of the dense FFN)
   calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
 `benchmarks/convert_scale.py` measures real runs; its JSON holds the estimate next to the measured peak.

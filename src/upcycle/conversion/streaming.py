@@ -44,14 +44,15 @@ from .shards import CheckpointReader, ShardedWriter, numel_of
 from .skeleton import empty_model, layout_function, planned_model, tensor_specs
 
 COMPUTE_DTYPE = torch.float32
-# Bytes the background writer may hold queued: one block's output (the next block is computed while it is
-# written), at least 64 MiB, at most 2 GiB (a 70B model's MoE block is 11 GB: the disk then catches up between
-# blocks rather than holding a second block in memory).
+# Bytes the background writer may hold queued: half the largest block's output (the next block's reading and
+# replay overlap the end of this one's writing; a whole block queued put the 2B benchmark 26 MB over its memory
+# target of 1.5 GB + 2 x the largest layer), at least 64 MiB, at most 2 GiB (a 70B model's MoE block is 11 GB:
+# the disk then catches up between blocks rather than holding a second block in memory).
 WRITE_QUEUE_FLOOR, WRITE_QUEUE_CAP = 64 * 2**20, 2 * 2**30
 
 
 def write_queue_bytes(largest_block: int) -> int:
-    return min(WRITE_QUEUE_CAP, max(WRITE_QUEUE_FLOOR, largest_block))
+    return min(WRITE_QUEUE_CAP, max(WRITE_QUEUE_FLOOR, largest_block // 2))
 
 
 def largest_block_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]], block_paths: list[str]) -> int:

@@ -7,6 +7,8 @@ returns router logits [T, E], the combine weights and the selected experts [T, k
 padding mask. The class's own `output_router_logits` auxiliary loss stays off, so the router losses are the
 ones the recipe's coefficients ask for, computed once. EESD and the aux-free selection bias need upcycle's MoE
 layer (a teacher copy; a selection bias the stock classes do not have) and are refused for these classes.
+`upcycle analyze` reads a stock block through `as_moe_layer`: its router and routed experts as an upcycle
+`MoELayer`, so every metric has one implementation.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .moe import RoutingRecord
+from .moe import MoELayer, RoutingRecord
 
 STOCK_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -52,3 +54,27 @@ class StockRouting:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def stock_moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The sparse MoE blocks of a stock model, by name: modules whose `gate` is a `*TopKRouter` and whose
+    `experts` hold the fused stacked weights of transformers 5 (`gate_up_proj` [E, 2F, D], gate rows first, and
+    `down_proj` [E, D, F])."""
+    return {name: m for name, m in model.named_modules()
+            if type(getattr(m, "gate", None)).__name__.endswith("TopKRouter")
+            and hasattr(getattr(m, "experts", None), "gate_up_proj")}
+
+
+@torch.no_grad()
+def as_moe_layer(block: nn.Module, activation: str) -> MoELayer:
+    """An upcycle `MoELayer` with the routed experts and router of a stock block (a copy; its shared expert, an
+    always-on MLP, is left out): the same routing and the same experts for the analysis' metrics. Mixtral's
+    router always renormalizes the top-k weights; Qwen's read `norm_topk_prob`."""
+    from .ffn import FFNWeights
+
+    router, experts = block.gate, block.experts
+    F_ = experts.gate_up_proj.shape[1] // 2
+    weights = FFNWeights(w_gate=experts.gate_up_proj[:, :F_], w_up=experts.gate_up_proj[:, F_:],
+                         w_down=experts.down_proj, activation=activation)
+    return MoELayer.from_init(weights, router.weight.float(), top_k=router.top_k,
+                              normalize_topk=getattr(router, "norm_topk_prob", True))

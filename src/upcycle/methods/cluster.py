@@ -90,12 +90,15 @@ def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, ac
     ranks = {name.removeprefix("w_"): [] for name in names}
     energy = {name.removeprefix("w_"): [] for name in names}
     dampings = []
+    # W^T W in float64 once per matrix: every cluster's truncation of that matrix reads it
+    wtw = {name: getattr(ffn, name).double().T @ getattr(ffn, name).double() for name in names}
     for i in range(E):
         X_i = X_ND[clusters_N == i].double()
         S_DD, lam = whitening_factor(X_i.T @ X_i, damping=damping)
         dampings.append(lam)
         for name in names:
-            result = truncate_whitened(getattr(ffn, name), S_DD, lam, tau=tau, min_rank=min_rank)
+            result = truncate_whitened(getattr(ffn, name), S_DD, lam, tau=tau, min_rank=min_rank,
+                                       wtw_DD=wtw[name])
             truncated[name].append(result.W_approx)
             ranks[name.removeprefix("w_")].append(result.rank)
             energy[name.removeprefix("w_")].append(result.retained_energy)

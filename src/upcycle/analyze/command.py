@@ -1,0 +1,214 @@
+"""`upcycle analyze TARGET OUT`: every METHODS §5 metric of every MoE layer, as JSON, PNG figures and one HTML page.
+
+    validate (TARGET, OUT, sources) -> tokenize the sources -> per snapshot: one forward (+ the dense model's)
+    -> `analysis.layer_metrics` per layer -> OUT/analysis.json, OUT/*.png, OUT/report.html (written atomically)
+
+For a training run every checkpoint is one snapshot, and the figures add the metrics over the steps.
+Nothing is written until every number is computed; OUT appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..analysis.figures import write_figures
+from ..analysis.html_report import render_report
+from ..conversion.loading import dense_config, load_dense
+from ..data.sources import (
+    DEFAULT_SOURCES,
+    SourceRows,
+    default_source_texts,
+    parse_source,
+    source_rows,
+    user_source_texts,
+)
+from ..errors import UpcycleError
+from ..files import atomic_directory, check_output_location
+from ..version import __version__
+from .collect import capture, moe_modules, snapshot_metrics
+from .target import resolve_target, snapshot_models
+
+FORMAT = "upcycle-analysis"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    sources: tuple[str, ...] = ()          # NAME=FILE
+    data: tuple[str, ...] = ()             # FILE (named after its stem)
+    dense: str | None = None
+    tokens: int = 1024                     # real tokens per source
+    sequence_length: int = 256
+    checkpoints: str = "all"
+    batch_size: int = 8
+    output_tokens: int = 512               # tokens every expert runs on (output similarity, RC)
+    bins: int = 40
+    shuffles: int = 20
+    seed: int = 0
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "upcycle": __version__}
+
+
+def _source_specs(options: AnalyzeOptions) -> list[tuple[str, str | None]]:
+    """(name, file or None for a default source), names unique."""
+    specs = [parse_source(s) for s in options.sources] + [parse_source(f) for f in options.data]
+    specs = specs or [(name, None) for name in DEFAULT_SOURCES]
+    names = [name for name, _ in specs]
+    if len(set(names)) != len(names):
+        raise UpcycleError(f"source names must differ: {names}")
+    for _, file in specs:
+        if file is not None and not Path(file).is_file():
+            raise UpcycleError(f"source file {file} does not exist")
+    return specs
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)
+
+
+def _dense_source(options: AnalyzeOptions, recorded: str | None, notes: list[str]) -> str | None:
+    """The dense model for KL: --dense (an error when it does not load), else the recorded one (skipped with a
+    note when it is gone), checked by its config alone before any weight is read."""
+    name = options.dense or recorded
+    if name is None:
+        return None
+    try:
+        dense_config(name)
+    except UpcycleError as e:
+        if options.dense:
+            raise
+        notes.append(f"the recorded dense source {name} does not load ({e}): no KL to dense")
+        return None
+    return name
+
+
+def _sources(specs: list[tuple[str, str | None]], tokenizer, options: AnalyzeOptions) -> list[SourceRows]:
+    rows = []
+    for name, file in specs:
+        texts, origin = default_source_texts(name) if file is None else user_source_texts(file)
+        rows.append(source_rows(name, texts, origin, tokenizer, tokens=options.tokens,
+                                sequence_length=options.sequence_length, seed=options.seed))
+    return rows
+
+
+def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *, overwrite: bool = False,
+            progress: bool = True, command: str | None = None) -> dict:
+    """Analyze TARGET into the new folder OUT; returns the analysis (what analysis.json holds)."""
+    started = time.perf_counter()
+    if options.tokens < 16 or options.sequence_length < 2:
+        raise UpcycleError("--tokens must be at least 16 and --sequence-length at least 2")
+    specs = _source_specs(options)
+    resolved = resolve_target(target, options.checkpoints)
+    check_output_location(out, inputs=(target, *(f for _, f in specs)), overwrite=overwrite)
+    dense_name = _dense_source(options, resolved.dense, resolved.notes)
+
+    def say(message: str) -> None:
+        if progress:
+            print(f"[upcycle analyze] {message}", file=sys.stderr)
+
+    say(f"{resolved.kind} {target}: {len(resolved.snapshots)} snapshot(s); dense source: {dense_name or 'none'}")
+    timings: dict[str, float] = {}
+    models = snapshot_models(resolved)
+    snapshot, model, tokenizer = next(models)
+    timings["load"] = time.perf_counter() - started
+    if tokenizer is None:
+        raise UpcycleError(f"{resolved.skeleton} has no tokenizer: the sources cannot be tokenized")
+    t = time.perf_counter()
+    rows = _sources(specs, tokenizer, options)
+    timings["sources"] = time.perf_counter() - t
+    say("sources: " + ", ".join(f"{r.name} {r.tokens} tokens" for r in rows))
+    dense = None
+    if dense_name is not None:
+        t = time.perf_counter()
+        dense, _ = load_dense(dense_name)
+        timings["load_dense"] = time.perf_counter() - t
+    names = [r.name for r in rows]
+    snapshots = []
+    timings["forward"], timings["metrics"] = 0.0, 0.0
+    while snapshot is not None:                 # one model in memory: each checkpoint is loaded into it in turn
+        t = time.perf_counter()
+        with _progress(sum(r.tokens for r in rows), f"{snapshot.label}: forward", progress) as bar:
+            cap = capture(model, rows, dense, batch_size=options.batch_size, progress=bar)
+        timings["forward"] += time.perf_counter() - t
+        t = time.perf_counter()
+        with _progress(len(moe_modules(model)), f"{snapshot.label}: metrics", progress) as bar:
+            metrics = snapshot_metrics(model, cap, names, output_tokens=options.output_tokens, bins=options.bins,
+                                       shuffles=options.shuffles, seed=options.seed, progress=bar)
+        timings["metrics"] += time.perf_counter() - t
+        snapshots.append({"label": snapshot.label, "step": snapshot.step, "path": snapshot.path, **metrics})
+        say(f"{snapshot.label}: {len(metrics['layers'])} MoE layers analyzed")
+        snapshot, model, _ = next(models, (None, None, None))
+    result = {"format": FORMAT, "version": VERSION,
+              "target": {"path": str(target), "kind": resolved.kind, "dense": dense_name,
+                         "dense_from": "--dense" if options.dense else ("recorded" if dense_name else None),
+                         "notes": resolved.notes},
+              "inputs": {"sources": [r.describe() for r in rows], "tokens_per_source": options.tokens,
+                         "sequence_length": options.sequence_length, "checkpoints": options.checkpoints,
+                         "output_tokens": options.output_tokens, "histogram_bins": options.bins,
+                         "shuffles": options.shuffles, "seed": options.seed, "command": command},
+              "machine": machine(), "snapshots": snapshots}
+    t = time.perf_counter()
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        figures = write_figures(result, tmp)
+        timings["figures"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - started
+        result["seconds"] = {k: round(v, 2) for k, v in timings.items()}
+        (tmp / "report.html").write_text(render_report(result, {name: (tmp / name).read_bytes()
+                                                                for name, _ in figures}, figures))
+        (tmp / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+    say(f"wrote {out}: analysis.json, {len(figures)} figures, report.html ({timings['total']:.0f} s)")
+    return result
+
+
+def add_arguments(parser, whole_number=int) -> None:
+    """The `upcycle analyze` flags (cli.py mounts them, with its number rule as `whole_number`)."""
+    d = AnalyzeOptions()
+    parser.add_argument("target", help="an upcycle folder, an exported stock MoE folder, or a training run folder")
+    parser.add_argument("out", help="output folder: analysis.json, *.png, report.html (written atomically)")
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
+                        help="a named data source (.txt: blank-line separated documents; .jsonl: 'text' fields); "
+                             "repeatable. Default: " + ", ".join(DEFAULT_SOURCES))
+    parser.add_argument("--data", action="append", default=[], metavar="FILE",
+                        help="a data source named after its file name (same as --source STEM=FILE)")
+    parser.add_argument("--dense", help="the dense model for KL(dense || model) (default: the dense source the "
+                                        "target records; 'default' is the embedded SmolLM2)")
+    parser.add_argument("--tokens", type=whole_number, default=d.tokens, help=f"tokens per source (default {d.tokens})")
+    parser.add_argument("--sequence-length", dest="sequence_length", type=whole_number, default=d.sequence_length)
+    parser.add_argument("--checkpoints", default=d.checkpoints,
+                        help="for a run folder: all (default), last, or every:N")
+    parser.add_argument("--output-tokens", dest="output_tokens", type=whole_number, default=d.output_tokens,
+                        help=f"tokens each expert runs on for output similarity and RC (default {d.output_tokens})")
+    parser.add_argument("--seed", type=whole_number, default=d.seed)
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run_command(args, argv: list[str] | None = None) -> int:
+    if args.quiet:                      # transformers' own weight-loading bars too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    options = AnalyzeOptions(sources=tuple(args.source), data=tuple(args.data), dense=args.dense, tokens=args.tokens,
+                             sequence_length=args.sequence_length, checkpoints=args.checkpoints,
+                             output_tokens=args.output_tokens, seed=args.seed)
+    command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
+    result = analyze(args.target, args.out, options, overwrite=args.overwrite, progress=not args.quiet,
+                     command=command)
+    print(json.dumps({"out": args.out, "snapshots": len(result["snapshots"]),
+                      "moe_layers": len(result["snapshots"][-1]["layers"]), "seconds": result["seconds"]}, indent=2))
+    print(f"wrote {args.out}: open {args.out}/report.html")
+    return 0

@@ -1,0 +1,165 @@
+"""What `upcycle analyze TARGET` looks at: one model, or the checkpoints of a training run, as snapshots.
+
+  upcycle folder (upcycle_config.json)        one snapshot; dense source: its run_config.yaml `model`
+  stock MoE folder (`--export hf`)            one snapshot; dense source: the `source_model` of the
+                                              upcycle_report.json the export copied
+  training run (run_config.yaml + checkpoints/ or model/)
+                                              step 0 = the run's input model (when that folder is still there),
+                                              then its checkpoints (`checkpoints`: all, last, or every:N = the
+                                              steps divisible by N, the last one always kept), loaded one after the
+                                              other into the same model; dense source: the input model's
+
+A run folder's input model is named in its run_config.yaml as the user typed it, relative to where training
+ran: it is looked up as written, then next to the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_model as load_safetensors
+from torch import nn
+
+from ..conversion.io import MOE_CONFIG
+from ..conversion.loading import load_model
+from ..core.stock_moe import STOCK_MOE_TYPES
+from ..errors import UpcycleError
+from ..train.checkpoint import MANIFEST
+from ..train.run_folder import CHECKPOINTS, RUN_CONFIG, checkpoints
+
+REPORT = "upcycle_report.json"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    label: str                        # "model", "step 0 (init)", "step 20"
+    step: int | None
+    path: str                         # the model folder, or the checkpoint folder whose weights are loaded
+
+
+@dataclass
+class Target:
+    path: Path
+    kind: str                         # "upcycle" | "stock" | "run"
+    snapshots: list[Snapshot]
+    dense: str | None                 # the dense model the target was upcycled from, when recorded
+    skeleton: str                     # the folder whose model the checkpoints are loaded into
+    notes: list[str] = field(default_factory=list)
+
+
+def _yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_dense(folder: Path) -> str | None:
+    """The dense source an upcycle or exported folder records (its report's source_model, else its run config's
+    model), or None."""
+    report = folder / REPORT
+    if report.is_file():
+        try:
+            source = json.loads(report.read_text()).get("source_model")
+        except (OSError, ValueError):
+            source = None
+        if source:
+            return str(source)
+    model = _yaml(folder / RUN_CONFIG).get("model") if (folder / MOE_CONFIG).is_file() else None
+    return str(model) if model else None
+
+
+def _step(folder: Path) -> int:
+    return int(folder.name.split("-", 1)[1])
+
+
+def select_checkpoints(found: list[Path], rule: str) -> list[Path]:
+    """`all`, `last`, or `every:N` (steps divisible by N, and the last checkpoint)."""
+    if rule == "all" or not found:
+        return list(found)
+    if rule == "last":
+        return found[-1:]
+    kind, _, number = rule.partition(":")
+    if kind != "every" or not number.isdigit() or int(number) < 1:
+        raise UpcycleError(f"--checkpoints {rule!r}: give all, last or every:N (N >= 1)")
+    n = int(number)
+    return [f for f in found if _step(f) % n == 0 or f == found[-1]]
+
+
+def _run_input(run: Path) -> Path | None:
+    """The run's input model folder, as written in its config or next to the run folder."""
+    model = _yaml(run / RUN_CONFIG).get("model")
+    if not model:
+        return None
+    for candidate in (Path(model).expanduser(), run.parent / model):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        raise UpcycleError(f"TARGET {target} is not a folder (an upcycle folder, an exported MoE folder or a "
+                           f"training run folder)")
+    if (path / RUN_CONFIG).is_file() and ((path / CHECKPOINTS).is_dir() or (path / "model").is_dir()):
+        return _run_target(path, checkpoint_rule)
+    if (path / MOE_CONFIG).is_file():
+        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path), str(path))
+    config = path / "config.json"
+    model_type = None
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError):
+            pass
+    if model_type in STOCK_MOE_TYPES:
+        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path), str(path))
+    raise UpcycleError(f"TARGET {target} is neither an upcycle folder ({MOE_CONFIG}), a stock MoE folder "
+                       f"({', '.join(STOCK_MOE_TYPES)}) nor a training run folder ({RUN_CONFIG} with "
+                       f"{CHECKPOINTS}/ or model/); a dense model has no experts to analyze")
+
+
+def _run_target(run: Path, rule: str) -> Target:
+    complete = [f for f in checkpoints(run) if (f / MANIFEST).is_file()]
+    chosen = select_checkpoints(complete, rule)
+    source = _run_input(run)
+    notes = []
+    snapshots = []
+    if source is not None and rule != "last":
+        snapshots.append(Snapshot("step 0 (init)", 0, str(source)))
+    elif source is None:
+        notes.append(f"the run's input model ({_yaml(run / RUN_CONFIG).get('model')}) was not found: no step 0")
+    snapshots += [Snapshot(f"step {_step(f)}", _step(f), str(f)) for f in chosen]
+    if not chosen and (run / "model").is_dir():
+        snapshots.append(Snapshot("model", None, str(run / "model")))
+    if not snapshots:
+        raise UpcycleError(f"run {run} has no complete checkpoint, no model/ and no input model to analyze")
+    skeleton = str(source) if source is not None else str(run / "model")
+    if source is None and not (run / "model").is_dir():
+        raise UpcycleError(f"run {run}: neither its input model nor its model/ folder is there to load the "
+                           f"checkpoints into")
+    dense = recorded_dense(source) if source is not None else None
+    return Target(run, "run", snapshots, dense, skeleton, notes)
+
+
+def snapshot_models(target: Target) -> Iterator[tuple[Snapshot, nn.Module, object]]:
+    """(snapshot, model in eval mode, tokenizer) for each snapshot; checkpoints are loaded into one model."""
+    model, tokenizer = load_model(target.skeleton)
+    model.eval()
+    for snapshot in target.snapshots:
+        folder = Path(snapshot.path)
+        if (folder / "model.safetensors").is_file() and (folder / MANIFEST).is_file():
+            missing, unexpected = load_safetensors(model, str(folder / "model.safetensors"), strict=False)
+            if missing or unexpected:
+                raise UpcycleError(f"checkpoint {folder} does not fit the model of {target.skeleton} (missing "
+                                   f"{missing[:3]}, unexpected {unexpected[:3]})")
+        elif str(folder) != target.skeleton:
+            model, tokenizer = load_model(str(folder))
+            model.eval()
+        yield snapshot, model, tokenizer
