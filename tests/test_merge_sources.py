@@ -19,6 +19,7 @@ from upcycle.config import CalibrationConfig, CheckConfig, ExpertSource, Placeme
 from upcycle.conversion import merge
 from upcycle.conversion.io import load
 from upcycle.conversion.shards import CheckpointReader
+from upcycle.core.moe import moe_layers
 from upcycle.errors import UpcycleError
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -132,10 +133,55 @@ def test_the_data_router_on_separable_sources_agrees_with_the_source_everywhere(
     assert len(report["layers"]) == 4
     for layer in report["layers"]:
         assert set(layer["agreement"].values()) == {1.0}, layer
+    # the merged model itself, on each source's text: every token's top-1 expert, in every layer, is its source's
+    model = load(tmp_path / "out")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    for i, path in enumerate(data):
+        # the words only: the special tokens are in neither half
+        ids = tokenizer(path.read_text().split("\n\n")[0], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            model(ids)
+        tops = [layer.last_record.topk_ids_TK[:, 0] for layer in moe_layers(model).values()]
+        assert len(tops) == 4 and all(bool((top == i).all()) for top in tops), (i, tops)
     # the random router, for contrast, is not the sources' split
     cfg = ConvertConfig(**{**cfg.__dict__, "sources": SourcesConfig(experts=experts, router="random")})
     report = convert(cfg, tmp_path / "random", progress=False).report
     assert min(min(layer["agreement"].values()) for layer in report["layers"]) < 1.0
+
+
+def test_analyze_reads_a_merged_models_own_sources_and_reports_router_source_agreement(tmp_path):
+    """Item 4: `upcycle analyze` on a merge, with no --source, reads each source's held-out documents (the
+    merge's own split, recorded in its report) and reports per-source agreement; --source still overrides."""
+    from upcycle.analyze.command import AnalyzeOptions, analyze
+
+    base, sources, data = _separable(tmp_path)
+    experts = tuple(ExpertSource(model=str(s), data=str(d)) for s, d in zip(sources, data, strict=True))
+    cfg = ConvertConfig(model=str(base), moe=MoEConfig(num_experts=2, top_k=1), placement=PlacementConfig(every=2),
+                        sources=SourcesConfig(experts=experts, router="data", held_out=0.2))
+    report = convert(cfg, tmp_path / "merged", progress=False).report
+    names = [e["name"] for e in report["sources"]["experts"]]
+    assert names == ["0-ft0", "1-ft1"]
+    options = AnalyzeOptions(tokens=64, sequence_length=16, output_tokens=32, shuffles=2)
+    result = analyze(str(tmp_path / "merged"), str(tmp_path / "analysis"), options, progress=False)
+    inputs = result["inputs"]
+    assert inputs["sources_from"] == "the merge's sources" and inputs["expert_source"] == [0, 1]
+    # 60 documents a source, 0.2 held out: the 12 the merge measured its agreement on, not the 48 it calibrated on
+    assert [(s["name"], s["documents_available"]) for s in inputs["sources"]] == [(n, 12) for n in names]
+    layers = result["snapshots"][0]["layers"]
+    assert len(layers) == 2
+    # every word token goes to its source's expert; the EOS that ends each packed document is in neither half
+    # (its embedding is the base's random one), so at most those tokens disagree
+    floor = {s["name"]: 1 - s["documents"] / s["tokens"] for s in inputs["sources"]}
+    for layer in layers.values():
+        agreement = layer["specialization"]["source_agreement"]
+        assert set(agreement) == set(names) and all(floor[n] <= agreement[n] <= 1 for n in names), agreement
+    assert "source agreement" in (tmp_path / "analysis" / "report.html").read_text()
+    # the user's sources replace the merge's; without the merge's sources there is no agreement to report
+    options = AnalyzeOptions(sources=(f"words={data[0]}",), tokens=64, sequence_length=16, output_tokens=32,
+                             shuffles=2)
+    result = analyze(str(tmp_path / "merged"), str(tmp_path / "own"), options, progress=False)
+    assert result["inputs"]["sources_from"] == "--source/--data" and result["inputs"]["expert_source"] is None
+    assert all("source_agreement" not in m["specialization"] for m in result["snapshots"][0]["layers"].values())
 
 
 def test_the_prompts_router_follows_the_prompts_minus_the_negatives(tmp_path):

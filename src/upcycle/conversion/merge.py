@@ -62,7 +62,7 @@ from .loading import DTYPES, load_tokenizer, resolve_device, resolve_dtype
 from .preservation import count_parameters, make_probe
 from .shards import ShardedWriter, parse_size
 from .skeleton import empty_model, planned_model, tensor_specs
-from .sources import AveragedReader, Source, open_sources
+from .sources import AveragedReader, Source, held_out_split, open_sources, source_name
 from .stock_stream import check_export, export_streamed
 from .streaming import COMPUTE_DTYPE, largest_block_bytes, write_queue_bytes
 
@@ -134,10 +134,8 @@ def source_batches(cfg: ConvertConfig, tokenizer, index: int) -> dict[str, list[
     where = f"sources.experts[{index}] ({entry.model})"
     docs = _texts(entry.data, where) if entry.data else []
     held = _texts(entry.eval_data, where) if entry.eval_data else []
-    if docs and not entry.eval_data and cfg.sources.held_out > 0 and len(docs) > 1:
-        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(cfg.seed + index)).tolist()
-        n_held = max(1, round(cfg.sources.held_out * len(docs)))
-        held, docs = [docs[i] for i in order[:n_held]], [docs[i] for i in order[n_held:]]
+    if docs and not entry.eval_data:
+        docs, held = held_out_split(docs, cfg.sources.held_out, cfg.seed + index)
     groups = {"calibration": docs, "held_out": held, "prompts": list(entry.prompts),
               "negative_prompts": list(entry.negative_prompts)}
     out = {}
@@ -433,6 +431,20 @@ def _stream(cfg, method, args, model, family, targets, planned, reader, names, b
     return entries
 
 
+def _absolute(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
+
+
+def _held_out_record(cfg: ConvertConfig, entry, index: int) -> dict | None:
+    """Where the source's held-out documents are (`upcycle analyze` reads them back): the whole `eval_data`,
+    or `held_out_split(documents of data, share, seed)`; None without text."""
+    if entry.eval_data:
+        return {"file": _absolute(entry.eval_data), "split": None}
+    if entry.data and cfg.sources.held_out > 0:
+        return {"file": _absolute(entry.data), "split": {"share": cfg.sources.held_out, "seed": cfg.seed + index}}
+    return None
+
+
 def _report(cfg, base, sources, planned, targets, layers, export, timings) -> dict:
     s = cfg.sources
     counts = [e.count for e in s.experts]
@@ -448,10 +460,11 @@ def _report(cfg, base, sources, planned, targets, layers, export, timings) -> di
         "num_moe_layers": len(targets), "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
         "moe_layers": [t.name for t in targets], "moe": dataclasses.asdict(cfg.moe),
         "sources": {"router": s.router, "non_ffn": s.non_ffn, "shared_expert": s.shared_expert,
-                    "experts": [{"model": e.model, "path": src.path, "count": e.count, "data": e.data,
-                                 "eval_data": e.eval_data, "prompts": len(e.prompts),
+                    "experts": [{"name": source_name(e.model, i), "model": e.model, "path": src.path,
+                                 "count": e.count, "data": _absolute(e.data), "eval_data": _absolute(e.eval_data),
+                                 "held_out": _held_out_record(cfg, e, i), "prompts": len(e.prompts),
                                  "negative_prompts": len(e.negative_prompts)}
-                                for e, src in zip(s.experts, sources, strict=True)],
+                                for i, (e, src) in enumerate(zip(s.experts, sources, strict=True))],
                     # expert e was made from source expert_source[e]: the routing analysis's groups
                     "expert_source": groups, "base": base.path},
         "router_source_agreement": agreement,

@@ -10,6 +10,10 @@ base's architecture with the base's shapes. Two checks, both on metadata only:
 A source stored in another dtype is accepted (a bf16 fine-tune of a float32 base): its tensors are cast to the
 output's dtype like the base's.
 
+`held_out_split` is the one rule for a source's held-out documents when the recipe gives no `eval_data`: the
+merge measures router-source agreement on them and records the rule in its report, so `upcycle analyze` reads
+the same documents.
+
 `AveragedReader` reads a tensor as the mean of the sources' tensors (BTX's `non_ffn: average`: the experts'
 attention, embeddings and norms averaged), with the reader interface the streaming conversion uses.
 """
@@ -93,6 +97,24 @@ def open_sources(cfg: ConvertConfig) -> tuple[Source, list[Source]]:
             raise UpcycleError(f"{where} does not have the base's architecture and shapes ({cfg.model}): {why}")
         sources.append(source)
     return base, sources
+
+
+def held_out_split(docs: list[str], share: float, seed: int) -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents): a seeded random `share` of `docs` held out (at least one;
+    none when `share` is 0 or there is a single document)."""
+    if share <= 0 or len(docs) < 2:
+        return list(docs), []
+    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = max(1, round(share * len(docs)))
+    return [docs[i] for i in order[n_held:]], [docs[i] for i in order[:n_held]]
+
+
+def source_name(model: str, index: int) -> str:
+    """A short name for source `index`: its folder's name (the parent's when the folder is called `model`, as a
+    training run's output is), prefixed by the index so that names stay distinct."""
+    path = Path(model)
+    name = path.parent.name if path.name == "model" and path.parent.name else path.name
+    return f"{index}-{name or model}"
 
 
 class AveragedReader:
