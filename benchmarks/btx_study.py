@@ -7,7 +7,9 @@ has a train and a held-out file. Stages (each reused when its output exists; `--
   1. fine-tunes: `upcycle train default ft-SOURCE --data SOURCE_train.txt` (short: the CPU is small and shared)
   2. merges, every block MoE, one expert per source, top-2, float32, each timed under GNU time (wall, peak RSS):
        ours, router random | prompts | data:  upcycle convert default OUT --config RECIPE --every 1 --top-k 2
-       ours, router data, as stock Mixtral:    the same with --export hf --export-class mixtral
+       ours, router data, as stock Mixtral:    the same with --export hf --export-class mixtral (and once more
+                                               with --set check.end_to_end=false: no check of the stock model)
+       ours, router data, two sources:         wikipedia and python only (memory against the sources' number)
        mergekit-moe 0.1.5, gate_mode hidden:   the same sources and prompts, Mixtral, on the CPU
   3. a short joint fine-tune on the three train files mixed: `upcycle train MERGED joint-X --data mixed.txt`
   4. every model on every source's held-out rows: perplexity and, for MoE models, router-source agreement
@@ -137,9 +139,9 @@ def fine_tune(model: str, out: Path, data: Path, steps: int, lr: float) -> dict:
     return row
 
 
-def recipe(path: Path, fts: dict[str, Path], files, router: str) -> Path:
+def recipe(path: Path, fts: dict[str, Path], files, router: str, sources=SOURCES) -> Path:
     experts = [{"model": str(fts[s] / "model"), "data": str(files[s][0]), "eval_data": str(files[s][1]),
-                "prompts": PROMPTS[s]} for s in SOURCES]
+                "prompts": PROMPTS[s]} for s in sources]
     path.write_text(json.dumps({"sources": {"router": router, "experts": experts},
                                 "calibration": {"tokens": 1024, "sequence_length": SEQ}}))   # JSON is YAML
     return path
@@ -259,6 +261,10 @@ def table(results: dict) -> str:
             r = row["held_out"][s]
             cells += [f"{r['perplexity']:.2f}", f"{r['agreement']:.2f}" if "agreement" in r else ""]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| merge | wall s | CPU s | peak RSS GB | load average |", "|---|---:|---:|---:|---:|"]
+    for name, row in results["stages"].get("merges", {}).items():
+        lines.append(f"| {name} | {row['wall_s']} | {row['cpu_s']} | {row['peak_rss_bytes'] / 1e9:.2f} | "
+                     f"{row['load_average']} |")
     return "\n".join(lines)
 
 
@@ -303,6 +309,13 @@ def main() -> None:
         save()
     merges["ours-data-mixtral"] = merge_ours(out / "merge-data-mixtral", out / "data.yaml", "--export", "hf",
                                              "--export-class", "mixtral")
+    # the export's check loads the stock model whole (transformers fuses its experts as it loads): without it
+    merges["ours-data-mixtral-unchecked"] = merge_ours(out / "merge-data-mixtral-unchecked", out / "data.yaml",
+                                                       "--export", "hf", "--export-class", "mixtral",
+                                                       "--set", "check.end_to_end=false")
+    # memory against the number of sources: two sources instead of three, the same settings
+    merges["ours-data-2-sources"] = merge_ours(out / "merge-data-2", recipe(out / "data-2.yaml", fts, files, "data",
+                                                                             SOURCES[:2]))
     merges["mergekit-hidden"] = merge_mergekit(out / "merge-mergekit", fts)
     results["stages"]["merges"] = merges
     results["stages"]["merge_s"] = round(time.perf_counter() - t, 1)
