@@ -26,7 +26,18 @@ from upcycle.cli import (
     main,
     train_config,
 )
-from upcycle.config import EXPORTS, MIXED_PRECISIONS, SCHEDULES, ConvertConfig, TrainConfig, build, coerce, to_dict
+from upcycle.config import (
+    EXPORTS,
+    MIXED_PRECISIONS,
+    NON_FFN,
+    ROUTER_INITS,
+    SCHEDULES,
+    ConvertConfig,
+    TrainConfig,
+    build,
+    coerce,
+    to_dict,
+)
 from upcycle.conversion.converter import validate as validate_convert
 from upcycle.conversion.export import EXPORT_CLASSES
 from upcycle.errors import UpcycleError
@@ -38,7 +49,8 @@ COMMANDS = {"convert": (ConvertConfig, CONVERT_FLAGS, convert_config),
 # the values each choice flag must offer: the config's allowed values (the run's validators accept each of them
 # and refuse others, checked below)
 ALLOWED = {"export": EXPORTS, "export_class": ("auto", *EXPORT_CLASSES), "schedule": SCHEDULES,
-           "mixed_precision": MIXED_PRECISIONS, "task": TASKS}
+           "mixed_precision": MIXED_PRECISIONS, "task": TASKS, "sources.router": ROUTER_INITS,
+           "sources.non_ffn": NON_FFN}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -103,10 +115,10 @@ def test_choices_are_the_values_the_config_allows(command):
         default = leaf_default(cls, key)
         assert default is None or default in choices
         for value in choices:       # each offered value passes the validator the run uses
-            cfg = build(cls, {key: value})
+            cfg = build(cls, nested(key, value))
             validate_convert(cfg) if cls is ConvertConfig else validate_train(cfg)
         with pytest.raises(UpcycleError, match=key):
-            cfg = build(cls, {key: "not-a-choice"})
+            cfg = build(cls, nested(key, "not-a-choice"))
             validate_convert(cfg) if cls is ConvertConfig else validate_train(cfg)
 
 

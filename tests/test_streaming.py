@@ -4,7 +4,9 @@ whole; the written folder loads and computes what the in-memory model computes."
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +206,31 @@ def test_without_the_per_layer_check_the_same_bytes_and_the_report_says_nothing_
         assert torch.equal(tensors[False, False][name], t) and torch.equal(tensors[False, True][name], t), name
     with pytest.raises(UpcycleError, match="check.per_layer must be true or false"):
         convert(ConvertConfig(model=str(source), check=CheckConfig(per_layer="no")), tmp_path / "x", progress=False)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's memory maps (Linux)")
+def test_a_released_block_keeps_no_view_of_the_checkpoint_file(tmp_path):
+    """A materialized buffer survives `release` (it may be computed, not stored); as a view of the reader's
+    memory map it would keep the whole file mapped, and every page the stream read from it resident (the
+    multi-source export held its 1.2 GB folder that way, twice). It owns its bytes instead."""
+    from safetensors.torch import save_file
+
+    from upcycle.conversion.lazy import materialize, release
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(64, 64))
+            self.register_buffer("bias", torch.zeros(8))
+
+    save_file({"b.weight": torch.randn(64, 64), "b.bias": torch.arange(8.0)}, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        block = Block()
+    reader = CheckpointReader(tmp_path)
+    materialize(block, "b.", reader, {"b.weight": "b.weight", "b.bias": "b.bias"}, torch.float32)
+    assert torch.equal(block.bias, torch.arange(8.0)) and not block.weight.is_meta
+    release(block)
+    reader.close()
+    gc.collect()
+    assert torch.equal(block.bias, torch.arange(8.0)) and block.weight.is_meta
+    assert str(tmp_path / "model.safetensors") not in Path("/proc/self/maps").read_text()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from .config import (
     EXPORTS,
     MIXED_PRECISIONS,
+    NON_FFN,
+    ROUTER_INITS,
     SCHEDULES,
     ConvertConfig,
     TrainConfig,
@@ -122,6 +124,10 @@ CONVERT_FLAGS = (
     ConfigFlag("--shard-size", "shard_size", "largest output shard (safetensors), e.g. 5GB, 500MB"),
     ConfigFlag("--export-class", "export_class", "with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), "
                "or a class by name", choices=("auto", *EXPORT_CLASSES)),
+    ConfigFlag("--router", "sources.router", "with --expert: the router's rows from random draws, the sources' "
+               "prompts, or the centroid of each source's data", choices=ROUTER_INITS),
+    ConfigFlag("--non-ffn", "sources.non_ffn", "with --expert: attention, embeddings and norms from the base, or "
+               "the sources' average", choices=NON_FFN),
 )
 
 TRAIN_FLAGS = (
@@ -149,7 +155,7 @@ TRAIN_FLAGS = (
 
 # Flags (by dest) of `convert` and `train` that are about the run, not a config key; `model` is the positional
 # that sets the key `model`.
-RUN_FLAGS = {"convert": {"help", "out", "config", "set", "overwrite", "quiet", "dry_run"},
+RUN_FLAGS = {"convert": {"help", "out", "config", "set", "overwrite", "quiet", "dry_run", "expert"},
              "train": {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet"}}
 
 
@@ -164,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="YAML recipe with the same keys as the run config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set method_args.ratio=0.25 --set moe.capacity_factor_eval=2")
+    c.add_argument("--expert", action="append", metavar="MODEL[=DATA]",
+                   help="a fine-tune of MODEL whose FFNs become a routed expert, with its text file (repeat for each "
+                        "source; replaces the recipe's sources.experts): MODEL is then the base of the merge")
     c.add_argument("--overwrite", action="store_true", default=None, help="replace OUT if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.add_argument("--dry-run", dest="dry_run", action="store_true",
@@ -247,9 +256,27 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
     data = load_recipe(args.config)
     refuse_overwrite_key(data, f"recipe {args.config}")
     data["model"] = args.model
+    if args.expert:
+        experts = [dict(zip(("model", "data"), text.split("=", 1), strict=False)) for text in args.expert]
+        data.setdefault("sources", {})["experts"] = experts
     _nested(data, _flag_values(args, CONVERT_FLAGS))
     _apply_sets(data, args.set)
+    _experts_count(data)
     return build(ConvertConfig, data)
+
+
+def _experts_count(data: dict) -> None:
+    """A merge of several sources has as many routed experts as its entries make (their `count`, 1 by
+    default): moe.num_experts is filled in when the recipe and the flags leave it out."""
+    sources = data.get("sources")
+    experts = sources.get("experts") if isinstance(sources, dict) else None
+    if not isinstance(experts, list) or not experts:
+        return
+    moe = data.setdefault("moe", {})
+    if isinstance(moe, dict) and "num_experts" not in moe:
+        counts = [e.get("count", 1) if isinstance(e, dict) else 1 for e in experts]
+        if all(isinstance(c, int) for c in counts):
+            moe["num_experts"] = sum(counts)
 
 
 def _apply_sets(data: dict, assignments: list[str]) -> None:
@@ -378,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()
         cfg = convert_config(args)
+        if args.dry_run and cfg.sources.experts:
+            raise UpcycleError("--dry-run does not plan a merge of several sources yet")
         if args.dry_run:
             from .conversion.plan import describe, dry_run
 

@@ -33,6 +33,8 @@ SCORES = ("softmax", "sigmoid")     # router score functions (upcycle.core.route
 EXPORTS = ("upcycle", "hf")                            # ConvertConfig.export
 SCHEDULES = ("linear", "cosine", "constant")           # TrainConfig.schedule
 MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")      # TrainConfig.mixed_precision
+ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
+NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +136,33 @@ class RegularizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertSource:
+    """One fine-tuned model of the base whose FFNs become routed experts (issue 16; Branch-Train-MiX)."""
+
+    model: str                  # a local folder of safetensors with the base's architecture and shapes
+    # Text of this source (.txt documents separated by blank lines, or .jsonl "text"): its FFN-input centroid is
+    # the `data` router's row, and its held-out share measures router-source agreement.
+    data: str | None = None
+    eval_data: str | None = None     # held-out text for the agreement; None: the last `held_out` of `data`
+    prompts: tuple[str, ...] = ()    # the `prompts` router (mergekit-moe's positive_prompts)
+    negative_prompts: tuple[str, ...] = ()
+    count: int = 1              # experts made from this source (the conversion's `method` makes them: copy, drop...)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourcesConfig:
+    """Several fine-tunes of one base merged into one MoE (`upcycle.conversion.merge`). No experts: the ordinary
+    single-model conversion. The base is the conversion's `model`."""
+
+    experts: tuple[ExpertSource, ...] = ()
+    router: str = "data"        # random | prompts | data (ROUTER_INITS)
+    non_ffn: str = "base"       # attention, embeddings, norms and dense blocks: the base's, or the experts' average
+    shared_expert: bool = False     # the base's FFN as an always-on shared expert in every MoE layer
+    held_out: float = 0.1       # share of each source's `data` documents kept out of the router, for agreement
+    router_std: float = 0.02    # the `random` router's N(0, std^2) rows
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConvertConfig:
     model: str = "default"      # "default" (embedded SmolLM2), a Hugging Face id, or a local folder
     method: str = "copy"
@@ -155,6 +184,7 @@ class ConvertConfig:
     # false: load the whole model; true: refuse a checkpoint that cannot stream.
     streaming: bool | str = "auto"
     shard_size: str = "50GB"    # largest output shard (transformers' save_pretrained default); e.g. 5GB, 500MB
+    sources: SourcesConfig = field(default_factory=SourcesConfig)   # several fine-tunes of `model` (issue 16)
     # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
 
 

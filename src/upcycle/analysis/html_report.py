@@ -35,6 +35,8 @@ GLOSSARY = (
     ("RC", "relative compactness Tr(Σ_W Σ_B⁺) of the outputs each expert produces; lower = separated"),
     ("NMI", "I(source; top-1 expert) / H(source): 0 = routing ignores the source, 1 = every expert serves one "
             "source; a value at or below the shuffled-source maximum is chance"),
+    ("source agreement", "a model merged from several fine-tunes, on their own held-out text: the share of a "
+                         "source's tokens whose top-1 expert was made from that source, averaged over the sources"),
     ("KL", "token-level KL(dense ‖ model) of the next-token distributions on the sources, nats per token"),
 )
 
@@ -76,12 +78,18 @@ def layer_rows(snapshot: dict) -> list[list]:
                      sim["all"]["mean"], m["diversity"], m["output_similarity"]["mean"], m["routing_entropy"],
                      m["routing_entropy"] / math.log(m["num_experts"]) if m["num_experts"] > 1 else None,
                      m["load_cov"], m["relative_compactness"], spec["nmi"] if spec else None,
-                     spec["nmi_baseline"]["max"] if spec else None])
+                     spec["nmi_baseline"]["max"] if spec else None, _mean_agreement(spec)])
     return rows
 
 
 LAYER_HEADER = ["layer", "E", "k", "sim gate", "sim up", "sim down", "sim all", "diversity", "output sim",
-                "entropy", "entropy / log E", "load CoV", "RC", "NMI", "NMI shuffled max"]
+                "entropy", "entropy / log E", "load CoV", "RC", "NMI", "NMI shuffled max", "source agreement"]
+
+
+def _mean_agreement(spec: dict | None) -> float | None:
+    """A merged model's router-source agreement, averaged over its sources (None for other models)."""
+    values = [v for v in ((spec or {}).get("source_agreement") or {}).values() if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _inputs(analysis: dict) -> str:

@@ -10,7 +10,8 @@
   routing_entropy, router_load, load_cov, expert_routing_probability, probability_histograms   (`routing.py`)
   relative_compactness         Tr(Σ_W Σ_B^†) of the outputs each expert produces on its routed tokens
   simplex                      for E = 3, the router probabilities of up to `simplex_points` tokens
-  specialization               with sources: the share matrices, I(S; top-1)/H(S) and its shuffled baseline
+  specialization               with sources: the share matrices, I(S; top-1)/H(S) and its shuffled baseline;
+                               for a merged model, router-source agreement per source
 
 The routing is the layer's own (its selection bias included, capacity as in eval mode); the router
 probabilities are the softmax (or the normalized sigmoid affinities) that the losses read. Shared experts are
@@ -32,9 +33,12 @@ from .specialization import source_metrics
 @torch.no_grad()
 def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources_T: torch.Tensor | None = None,
                   source_names: list[str] | None = None, *, output_tokens: int = 512, bins: int = 40,
-                  simplex_points: int = 2000, shuffles: int = 20, seed: int = 0) -> dict:
+                  simplex_points: int = 2000, shuffles: int = 20, seed: int = 0,
+                  expert_source: list[int] | None = None) -> dict:
     """The metrics of the module docstring for `layer` on the tokens `x_TD` (with `sources_T`, each token's
-    source index into `source_names`). Expert outputs are computed on a seeded sample of `output_tokens`."""
+    source index into `source_names`). Expert outputs are computed on a seeded sample of `output_tokens`.
+    `expert_source`: for a model merged from several sources, the source each expert came from (the analysis's
+    sources being the merge's, in its order): adds router-source agreement to the specialization."""
     if sources_T is not None and (source_names is None or len(sources_T) != len(x_TD)):
         raise ValueError("sources_T needs one source per token and the sources' names")
     x_TD = x_TD.to(layer.router.weight.device)
@@ -62,5 +66,5 @@ def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources_T: torch.Tensor |
         out["simplex"] = probs_TE[pick[:simplex_points]].double().tolist()
     if sources_T is not None:
         out["specialization"] = source_metrics(sources_T.to(ids_TK.device), ids_TK, list(source_names), E,
-                                               shuffles=shuffles, seed=seed)
+                                               shuffles=shuffles, seed=seed, expert_source=expert_source)
     return out

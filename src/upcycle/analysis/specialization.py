@@ -13,6 +13,10 @@
                     what a router that ignores the source scores on this many tokens (plug-in mutual information
                     is biased upwards, by about (E-1)(S-1) / (2T) nats), so a score is signal only when it
                     clearly exceeds the baseline's maximum
+  source_agreement  for a model merged from several fine-tunes (one source per fine-tune, `expert_source[e]` the
+                    source expert e was made from): per source, the share of its tokens whose top-1 expert is one
+                    of its own (Branch-Train-MiX's question: does the router send code to the code expert?);
+                    about the source's share of the experts for a router blind to the source
 
 Shape suffixes: T tokens, K experts per token. Sources and experts are small integer labels.
 """
@@ -59,11 +63,29 @@ def source_shares(sources_T: torch.Tensor, ids_TK: torch.Tensor, num_sources: in
     return {"expert_source_share": per_expert.tolist(), "source_expert_share": per_source.tolist()}
 
 
+def source_agreement(sources_T: torch.Tensor, top1_T: torch.Tensor, expert_source: list[int],
+                     num_sources: int) -> list[float | None]:
+    """Per source s: the share of its tokens whose top-1 expert e has expert_source[e] == s (None: no tokens)."""
+    origin_T = torch.as_tensor(expert_source, device=top1_T.device)[top1_T.long()]
+    out = []
+    for s in range(num_sources):
+        mine = sources_T == s
+        out.append(float((origin_T[mine] == s).double().mean()) if bool(mine.any()) else None)
+    return out
+
+
 def source_metrics(sources_T: torch.Tensor, ids_TK: torch.Tensor, names: list[str], num_experts: int, *,
-                   shuffles: int = 20, seed: int = 0) -> dict:
-    """Everything of this module for one layer: the share matrices, the score on the top-1 expert, its baseline."""
+                   shuffles: int = 20, seed: int = 0, expert_source: list[int] | None = None) -> dict:
+    """Everything of this module for one layer: the share matrices, the score on the top-1 expert, its baseline,
+    and with `expert_source` the router-source agreement per source."""
     S = len(names)
     top1_T = ids_TK[:, 0]
-    return {"sources": list(names), **source_shares(sources_T, ids_TK, S, num_experts),
-            "nmi": specialization(sources_T, top1_T, S, num_experts),
-            "nmi_baseline": shuffled_baseline(sources_T, top1_T, S, num_experts, shuffles=shuffles, seed=seed)}
+    out = {"sources": list(names), **source_shares(sources_T, ids_TK, S, num_experts),
+           "nmi": specialization(sources_T, top1_T, S, num_experts),
+           "nmi_baseline": shuffled_baseline(sources_T, top1_T, S, num_experts, shuffles=shuffles, seed=seed)}
+    if expert_source is not None:
+        if len(expert_source) != num_experts or max(expert_source) >= S:
+            raise ValueError(f"expert_source {expert_source} does not fit {num_experts} experts and {S} sources")
+        out["source_agreement"] = dict(zip(names, source_agreement(sources_T, top1_T, expert_source, S),
+                                           strict=True))
+    return out

@@ -105,7 +105,8 @@ def _ratio(pairs: dict[str, list[float]]) -> dict:
 
 
 def snapshot_metrics(model: nn.Module, cap: Capture, source_names: list[str], *, output_tokens: int,
-                     bins: int, shuffles: int, seed: int, progress=None) -> dict:
+                     bins: int, shuffles: int, seed: int, progress=None, expert_source: list[int] | None = None
+                     ) -> dict:
     """{'layers': {name: layer_metrics}, 'nll': ..., 'kl_to_dense': ... or None} of one captured forward."""
     sources_T = torch.cat(cap.sources)
     activation = getattr(model.config, "hidden_act", None)
@@ -114,7 +115,7 @@ def snapshot_metrics(model: nn.Module, cap: Capture, source_names: list[str], *,
         layer = module if isinstance(module, MoELayer) else as_moe_layer(module, activation)
         x_TD = torch.cat(cap.inputs[name])
         layers[name] = layer_metrics(layer, x_TD, sources_T, source_names, output_tokens=output_tokens, bins=bins,
-                                     shuffles=shuffles, seed=seed)
+                                     shuffles=shuffles, seed=seed, expert_source=expert_source)
         cap.inputs[name] = []                  # the layer's inputs are no longer needed
         if progress is not None:
             progress.update(1)

@@ -22,6 +22,7 @@ import torch
 from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
 from ..conversion.loading import dense_config, load_dense
+from ..conversion.sources import held_out_split
 from ..data.sources import (
     DEFAULT_SOURCES,
     SourceRows,
@@ -34,7 +35,7 @@ from ..errors import UpcycleError
 from ..files import atomic_directory, check_output_location
 from ..version import __version__
 from .collect import capture, moe_modules, snapshot_metrics
-from .target import resolve_target, snapshot_models
+from .target import RecordedSources, resolve_target, snapshot_models
 
 FORMAT = "upcycle-analysis"
 VERSION = 1
@@ -61,17 +62,30 @@ def machine() -> dict:
             "torch": torch.__version__, "upcycle": __version__}
 
 
-def _source_specs(options: AnalyzeOptions) -> list[tuple[str, str | None]]:
-    """(name, file or None for a default source), names unique."""
-    specs = [parse_source(s) for s in options.sources] + [parse_source(f) for f in options.data]
-    specs = specs or [(name, None) for name in DEFAULT_SOURCES]
-    names = [name for name, _ in specs]
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    file: str | None                # None: one of DEFAULT_SOURCES
+    split: dict | None = None       # a merge's held-out rule for the file's documents (`held_out_split`)
+
+
+def _source_specs(options: AnalyzeOptions, recorded: RecordedSources | None = None) -> tuple[list[SourceSpec], str]:
+    """(the data sources, names unique; where they come from): --source/--data when given, else the held-out
+    text of each source a merged model records, else DEFAULT_SOURCES."""
+    specs = [SourceSpec(*parse_source(s)) for s in options.sources] + [SourceSpec(*parse_source(f))
+                                                                        for f in options.data]
+    origin = "--source/--data"
+    if not specs and recorded is not None:
+        specs, origin = [SourceSpec(r.name, r.file, r.split) for r in recorded.sources], "the merge's sources"
+    if not specs:
+        specs, origin = [SourceSpec(name, None) for name in DEFAULT_SOURCES], "defaults"
+    names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise UpcycleError(f"source names must differ: {names}")
-    for _, file in specs:
-        if file is not None and not Path(file).is_file():
-            raise UpcycleError(f"source file {file} does not exist")
-    return specs
+    for spec in specs:
+        if spec.file is not None and not Path(spec.file).is_file():
+            raise UpcycleError(f"source file {spec.file} does not exist")
+    return specs, origin
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -96,11 +110,23 @@ def _dense_source(options: AnalyzeOptions, recorded: str | None, notes: list[str
     return name
 
 
-def _sources(specs: list[tuple[str, str | None]], tokenizer, options: AnalyzeOptions) -> list[SourceRows]:
+def _texts(spec: SourceSpec) -> tuple[list[str], str]:
+    if spec.file is None:
+        return default_source_texts(spec.name)
+    texts, origin = user_source_texts(spec.file)
+    if spec.split:
+        _, held = held_out_split(texts, spec.split["share"], spec.split["seed"])
+        if held:            # the merge's held-out documents; a file too short to split is read whole
+            texts = held
+            origin = f"{origin} (the merge's held-out share {spec.split['share']:g}, seed {spec.split['seed']})"
+    return texts, origin
+
+
+def _sources(specs: list[SourceSpec], tokenizer, options: AnalyzeOptions) -> list[SourceRows]:
     rows = []
-    for name, file in specs:
-        texts, origin = default_source_texts(name) if file is None else user_source_texts(file)
-        rows.append(source_rows(name, texts, origin, tokenizer, tokens=options.tokens,
+    for spec in specs:
+        texts, origin = _texts(spec)
+        rows.append(source_rows(spec.name, texts, origin, tokenizer, tokens=options.tokens,
                                 sequence_length=options.sequence_length, seed=options.seed))
     return rows
 
@@ -111,9 +137,12 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     started = time.perf_counter()
     if options.tokens < 16 or options.sequence_length < 2:
         raise UpcycleError("--tokens must be at least 16 and --sequence-length at least 2")
-    specs = _source_specs(options)
     resolved = resolve_target(target, options.checkpoints)
-    check_output_location(out, inputs=(target, *(f for _, f in specs)), overwrite=overwrite)
+    specs, sources_from = _source_specs(options, resolved.sources)
+    # router-source agreement needs the analysis's source s to be the merge's source s
+    expert_source = (list(resolved.sources.expert_source)
+                     if resolved.sources is not None and sources_from == "the merge's sources" else None)
+    check_output_location(out, inputs=(target, *(spec.file for spec in specs)), overwrite=overwrite)
     dense_name = _dense_source(options, resolved.dense, resolved.notes)
 
     def say(message: str) -> None:
@@ -147,7 +176,8 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
         t = time.perf_counter()
         with _progress(len(moe_modules(model)), f"{snapshot.label}: metrics", progress) as bar:
             metrics = snapshot_metrics(model, cap, names, output_tokens=options.output_tokens, bins=options.bins,
-                                       shuffles=options.shuffles, seed=options.seed, progress=bar)
+                                       shuffles=options.shuffles, seed=options.seed, progress=bar,
+                                       expert_source=expert_source)
         timings["metrics"] += time.perf_counter() - t
         snapshots.append({"label": snapshot.label, "step": snapshot.step, "path": snapshot.path, **metrics})
         say(f"{snapshot.label}: {len(metrics['layers'])} MoE layers analyzed")
@@ -156,7 +186,8 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
               "target": {"path": str(target), "kind": resolved.kind, "dense": dense_name,
                          "dense_from": "--dense" if options.dense else ("recorded" if dense_name else None),
                          "notes": resolved.notes},
-              "inputs": {"sources": [r.describe() for r in rows], "tokens_per_source": options.tokens,
+              "inputs": {"sources": [r.describe() for r in rows], "sources_from": sources_from,
+                         "expert_source": expert_source, "tokens_per_source": options.tokens,
                          "sequence_length": options.sequence_length, "checkpoints": options.checkpoints,
                          "output_tokens": options.output_tokens, "histogram_bins": options.bins,
                          "shuffles": options.shuffles, "seed": options.seed, "command": command},
@@ -181,7 +212,8 @@ def add_arguments(parser, whole_number=int) -> None:
     parser.add_argument("out", help="output folder: analysis.json, *.png, report.html (written atomically)")
     parser.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
                         help="a named data source (.txt: blank-line separated documents; .jsonl: 'text' fields); "
-                             "repeatable. Default: " + ", ".join(DEFAULT_SOURCES))
+                             "repeatable. Default: a merged model's own sources (their held-out text, as its "
+                             "report records), else " + ", ".join(DEFAULT_SOURCES))
     parser.add_argument("--data", action="append", default=[], metavar="FILE",
                         help="a data source named after its file name (same as --source STEM=FILE)")
     parser.add_argument("--dense", help="the dense model for KL(dense || model) (default: the dense source the "

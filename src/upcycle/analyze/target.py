@@ -9,6 +9,10 @@
                                               steps divisible by N, the last one always kept), loaded one after the
                                               other into the same model; dense source: the input model's
 
+A model merged from several sources (`upcycle convert` with `sources.experts`) records in its report each
+source's held-out text and which source each expert came from (`recorded_sources`): the analysis then reads
+those texts by default, one data source per merged source, and reports router-source agreement.
+
 A run folder's input model is named in its run_config.yaml as the user typed it, relative to where training
 ran: it is looked up as written, then next to the run folder.
 """
@@ -49,6 +53,20 @@ class Target:
     dense: str | None                 # the dense model the target was upcycled from, when recorded
     skeleton: str                     # the folder whose model the checkpoints are loaded into
     notes: list[str] = field(default_factory=list)
+    sources: RecordedSources | None = None      # a merge's sources, when the target (or a run's input) is one
+
+
+@dataclass(frozen=True)
+class RecordedSource:
+    name: str
+    file: str                         # its held-out text, or the text the held-out documents are drawn from
+    split: dict | None                # {'share', 'seed'}: `conversion.sources.held_out_split` of the file's documents
+
+
+@dataclass(frozen=True)
+class RecordedSources:
+    sources: tuple[RecordedSource, ...]
+    expert_source: tuple[int, ...]    # expert e was made from source expert_source[e]
 
 
 def _yaml(path: Path) -> dict:
@@ -72,6 +90,30 @@ def recorded_dense(folder: Path) -> str | None:
             return str(source)
     model = _yaml(folder / RUN_CONFIG).get("model") if (folder / MOE_CONFIG).is_file() else None
     return str(model) if model else None
+
+
+def recorded_sources(folder: Path, notes: list[str]) -> RecordedSources | None:
+    """The sources a merged model's report records, when every one of them has held-out text that is still
+    there; otherwise None (with a note saying why, when the folder is a merge)."""
+    try:
+        sources = json.loads((folder / REPORT).read_text()).get("sources")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(sources, dict) or not sources.get("experts"):
+        return None
+    found = []
+    for entry in sources["experts"]:
+        held = entry.get("held_out")
+        if not held:
+            notes.append(f"source {entry.get('name') or entry.get('model')} of the merge recorded no text: the "
+                         f"default data sources are used")
+            return None
+        if not Path(held["file"]).is_file():
+            notes.append(f"the text {held['file']} of merged source {entry['name']} is gone: the default data "
+                         f"sources are used")
+            return None
+        found.append(RecordedSource(entry["name"], held["file"], held.get("split")))
+    return RecordedSources(tuple(found), tuple(sources["expert_source"]))
 
 
 def _step(folder: Path) -> int:
@@ -110,7 +152,9 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
     if (path / RUN_CONFIG).is_file() and ((path / CHECKPOINTS).is_dir() or (path / "model").is_dir()):
         return _run_target(path, checkpoint_rule)
     if (path / MOE_CONFIG).is_file():
-        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path), str(path))
+        notes: list[str] = []
+        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path), str(path), notes,
+                      recorded_sources(path, notes))
     config = path / "config.json"
     model_type = None
     if config.is_file():
@@ -119,7 +163,9 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
         except (OSError, ValueError):
             pass
     if model_type in STOCK_MOE_TYPES:
-        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path), str(path))
+        notes = []
+        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path), str(path), notes,
+                      recorded_sources(path, notes))
     raise UpcycleError(f"TARGET {target} is neither an upcycle folder ({MOE_CONFIG}), a stock MoE folder "
                        f"({', '.join(STOCK_MOE_TYPES)}) nor a training run folder ({RUN_CONFIG} with "
                        f"{CHECKPOINTS}/ or model/); a dense model has no experts to analyze")
@@ -145,7 +191,8 @@ def _run_target(run: Path, rule: str) -> Target:
         raise UpcycleError(f"run {run}: neither its input model nor its model/ folder is there to load the "
                            f"checkpoints into")
     dense = recorded_dense(source) if source is not None else None
-    return Target(run, "run", snapshots, dense, skeleton, notes)
+    merged = recorded_sources(source, notes) if source is not None else None
+    return Target(run, "run", snapshots, dense, skeleton, notes, merged)
 
 
 def snapshot_models(target: Target) -> Iterator[tuple[Snapshot, nn.Module, object]]:

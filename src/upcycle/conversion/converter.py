@@ -18,7 +18,7 @@ import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import EXPORTS, ConvertConfig, to_dict
+from ..config import EXPORTS, NON_FFN, ROUTER_INITS, ConvertConfig, to_dict
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..core.moe import MoELayer
 from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
@@ -55,7 +55,7 @@ class Conversion:
 
     _model: nn.Module | None
     tokenizer: object | None
-    report: ConversionReport
+    report: ConversionReport | dict     # a dict for a merge of several sources (`merge.merge_sources`)
     out: Path | None = None
 
     @property
@@ -78,6 +78,10 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
         raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
     if cfg.export not in EXPORTS:
         raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
+    for key, value, allowed in (("sources.router", cfg.sources.router, ROUTER_INITS),
+                                ("sources.non_ffn", cfg.sources.non_ffn, NON_FFN)):
+        if value not in allowed:        # the rest of a merge recipe is checked by merge.validate_sources
+            raise UpcycleError(f"{key} must be one of {allowed}, got {value!r}")
     for key, value in (("streaming", cfg.streaming), ("check.end_to_end", cfg.check.end_to_end)):
         if value not in (True, False, "auto"):
             raise UpcycleError(f"{key} must be auto, true or false, got {value!r}")
@@ -178,6 +182,8 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     `calibration`: model-input batches (e.g. from `text_batches`) whose FFN inputs data-aware methods use;
     required by methods that need calibration data, and when given the report adds each layer's routing of
     those tokens at init."""
+    if cfg.sources.experts:
+        raise UpcycleError("a merge of several source models reads them from disk: use convert(cfg, out)")
     method, args = validate(cfg)
     if cfg.dtype == "auto":          # a model given in memory: it is in the dtype it computes in
         cfg = dataclasses.replace(cfg, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -256,6 +262,13 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
             progress: bool = True) -> Conversion:
     """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically; `overwrite`
     lets it replace an existing `out` (never an input, a folder holding one, or the current directory)."""
+    if cfg.sources.experts:             # several fine-tunes of cfg.model (issue 16): a streamed merge
+        from .merge import merge_sources
+
+        if out is None:
+            raise UpcycleError("a merge of several source models is streamed to a folder: give OUT")
+        report = merge_sources(cfg, out, overwrite=overwrite, progress=progress)
+        return Conversion(None, None, report, Path(out))
     validate(cfg)
     if out is not None:
         check_output_location(out, inputs=(cfg.model, cfg.check.text, cfg.calibration.data), overwrite=overwrite)

@@ -91,7 +91,10 @@ def materialize(module: nn.Module, prefix: str, reader: CheckpointReader, names:
         key = names.get(prefix + name)
         if key is None:
             raise UpcycleError(f"the checkpoint has no tensor for {prefix + name}")
-        loaded[name] = _cast(reader.get(key), dtype, round_to, device)
+        value = _cast(reader.get(key), dtype, round_to, device)
+        # a buffer outlives `release` (a router's selection bias): as a view of the checkpoint's memory map it
+        # would keep the whole file mapped, and every page read since in the process; buffers are small
+        loaded[name] = value if isinstance(tensor, nn.Parameter) else value.clone()
     if loaded:
         module.load_state_dict(loaded, strict=False, assign=True)
 
@@ -137,7 +140,7 @@ def materialize_trunk(model: nn.Module, reader: CheckpointReader, names: dict[st
             if name in module._parameters:
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
             else:
-                module._buffers[name] = value
+                module._buffers[name] = value.clone()       # owns its memory: see `materialize`
     if hasattr(model, "tie_weights"):
         model.tie_weights()
 
