@@ -41,6 +41,7 @@ from ..core.modes import eval_mode
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from .io import save_tokenizer
+from .preservation import input_device
 
 EXPORT_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM"}
@@ -274,7 +275,7 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     """Load the written folder with plain AutoModelForCausalLM and return max |logit difference| vs `model`."""
     from transformers import AutoModelForCausalLM
 
-    device = model.get_input_embeddings().weight.device      # the GPU with --device cuda: both run there
+    device = input_device(model)          # the GPU with --device cuda: both run there
     stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).to(device).eval()
     input_ids = input_ids.to(device)
     with eval_mode(model):

@@ -100,7 +100,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
     return Probe(inputs, source)
 
 
-def _input_device(model: nn.Module) -> torch.device:
+def input_device(model: nn.Module) -> torch.device:
     """Where the model's inputs go: its input embedding's device (with --device cuda, the GPU), else its first
     parameter that holds data (a lazily read model keeps blocks not yet read on the meta device)."""
     try:
@@ -116,7 +116,7 @@ def _input_device(model: nn.Module) -> torch.device:
 def probe_output(model: nn.Module, probe: Probe, outputs: tuple | None = None) -> ProbeOutput:
     """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens;
     `outputs` for a model outside the table (a stock MoE export compared with its dense source)."""
-    device = _input_device(model)
+    device = input_device(model)
     with eval_mode(model):
         out = model(**{k: v.to(device) for k, v in probe.inputs.items()})
     outputs = outputs or family_of(model.config).outputs

@@ -92,7 +92,7 @@ def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, ac
     energy = {name.removeprefix("w_"): [] for name in names}
     dampings = []
     # W^T W in float64 once per matrix: every cluster's truncation of that matrix reads it
-    wtw = {name: getattr(ffn, name).double().T @ getattr(ffn, name).double() for name in names}
+    wtw = {name: (w := getattr(ffn, name).double()).T @ w for name in names}
     for i in range(E):
         X_i = X_ND[clusters_N == i].double()
         S_DD, lam = whitening_factor(X_i.T @ X_i, damping=damping)
