@@ -1,0 +1,84 @@
+"""The LM method study through `upcycle compare` (issue 15 item 2): the embedded SmolLM2-135M on the embedded
+Wikipedia, 8 experts, top-2, every other block, each method trained with the budget of
+`configs/train/smollm2-copy.yaml` (40 steps x 8 x 256 tokens), against the dense model continued the same way.
+
+    .venv/bin/python benchmarks/method_study.py                  # every part in turn, then --collect
+    .venv/bin/python benchmarks/method_study.py --part seed-0    # one part (see below for which may run at once)
+    .venv/bin/python benchmarks/method_study.py --collect        # the table and figures from the finished cells
+
+The parts are these `upcycle compare` commands into one WORK/study (rerunning one resumes it: finished cells are
+skipped, an interrupted one resumes from its checkpoint):
+
+    seed-0, seed-1:  upcycle compare default WORK/study --methods copy,cluster --eesd none,1.0 --seeds S
+                       --config configs/train/smollm2-copy.yaml --num-experts 8 --top-k 2 --every 2 --quiet
+    others-a:        upcycle compare default WORK/study --methods noise,drop,drop_svd --eesd none --seeds 0
+                       --config ... (as above) --keep results
+    others-b:        upcycle compare default WORK/study --methods spri,granular --eesd none --seeds 0
+                       --method-config spri=configs/train/smollm2-spri.yaml --config ... (as above) --keep results
+
+so copy and cluster run with and without EESD (coefficient 1.0) on two seeds, the dense baseline on both, and
+the other methods once (seed 0, the dense baseline's first seed, so they see the same batches as its seed 0).
+Parts may run at the same time when they share no unfinished cell: the others-* parts list the dense seed-0
+cell too, so they start after seed-0 has finished it (the committed results ran seed-0 then others-a in one
+process, seed-1 then others-b in another, each with one thread).
+SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Cluster is calibrated on the
+converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
+
+`--collect` runs the seed-0 command once more (every cell finished: it only writes the table), then copies
+comparison.json (machine, wall time of every invocation, every cell), comparison.md and the two figures into
+benchmarks/results/method_study/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from upcycle.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "method_study"
+COMMON = ["--config", "configs/train/smollm2-copy.yaml", "--num-experts", "8", "--top-k", "2", "--every", "2",
+          "--quiet"]
+
+
+def parts(study: Path) -> dict[str, list[str]]:
+    return {
+        "seed-0": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none,1.0", "--seeds", "0",
+                   *COMMON],
+        "seed-1": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none,1.0", "--seeds", "1",
+                   *COMMON],
+        "others-a": ["compare", "default", str(study), "--methods", "noise,drop,drop_svd", "--eesd", "none",
+                     "--seeds", "0", *COMMON, "--keep", "results"],
+        "others-b": ["compare", "default", str(study), "--methods", "spri,granular", "--eesd", "none", "--seeds", "0",
+                     "--method-config", "spri=configs/train/smollm2-spri.yaml", *COMMON, "--keep", "results"],
+    }
+
+
+def collect(study: Path) -> None:
+    result = json.loads((study / "comparison.json").read_text())
+    result["run"] = {"commands": {name: " ".join(["upcycle", *c]) for name, c in parts(study).items()}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "comparison.json").write_text(json.dumps(result, indent=1) + "\n")
+    for name in ("comparison.md", "metric_over_steps.png", "init_diagnostics.png"):
+        shutil.copyfile(study / name, RESULTS / name)
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-method-study"))
+    parser.add_argument("--part", choices=["seed-0", "seed-1", "others-a", "others-b"])
+    parser.add_argument("--collect", action="store_true")
+    args = parser.parse_args()
+    os.chdir(ROOT)                      # the recipes are named relative to the repository, as in the README
+    study = args.work / "study"
+    commands = parts(study)
+    for name in [args.part] if args.part else [] if args.collect else list(commands):
+        assert main(commands[name]) == 0, name
+    if args.collect or not args.part:
+        assert main(commands["seed-0"]) == 0
+        collect(study)
