@@ -14,15 +14,19 @@ skipped, an interrupted one resumes from its checkpoint):
     others-a:        upcycle compare default WORK/study --methods noise,drop,drop_svd --eesd none --seeds 0
                        --config ... (as above) --keep results
     others-b:        upcycle compare default WORK/study --methods spri,granular --eesd none --seeds 0
-                       --method-config spri=configs/train/smollm2-spri.yaml --config ... (as above) --keep results
+                       --method-config spri=configs/train/smollm2-spri.yaml
+                       --method-set granular.method_args.granularity=2 --method-set granular.moe.num_experts=16
+                       --method-set granular.moe.top_k=4
+                       --config ... (as above) --keep results
 
 so copy and cluster run with and without EESD (coefficient 1.0) on two seeds, the dense baseline on both, and
 the other methods once (seed 0, the dense baseline's first seed, so they see the same batches as its seed 0).
 Parts may run at the same time when they share no unfinished cell: the others-* parts list the dense seed-0
 cell too, so they start after seed-0 has finished it (the committed results ran seed-0 then others-a in one
 process, seed-1 then others-b in another, each with one thread).
-SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Cluster is calibrated on the
-converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
+SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Granular splits each expert
+in two (granularity 2) and so has 16 half-width experts, top-4: the same total and active parameters. Cluster is
+calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
 
 `--collect` runs the seed-0 command once more (every cell finished: it only writes the table), then copies
 comparison.json (machine, wall time of every invocation, every cell), comparison.md and the two figures into
@@ -43,6 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "method_study"
 COMMON = ["--config", "configs/train/smollm2-copy.yaml", "--num-experts", "8", "--top-k", "2", "--every", "2",
           "--quiet"]
+# granular: 16 experts half as wide, top-4 (granularity 2): the same total and active parameters as 8 experts
+# top-2 of the other methods (its default granularity 4 needs E and k multiples of 4)
+GRANULAR = ["--method-set", "granular.method_args.granularity=2", "--method-set", "granular.moe.num_experts=16",
+            "--method-set", "granular.moe.top_k=4"]
 
 
 def parts(study: Path) -> dict[str, list[str]]:
@@ -54,7 +62,8 @@ def parts(study: Path) -> dict[str, list[str]]:
         "others-a": ["compare", "default", str(study), "--methods", "noise,drop,drop_svd", "--eesd", "none",
                      "--seeds", "0", *COMMON, "--keep", "results"],
         "others-b": ["compare", "default", str(study), "--methods", "spri,granular", "--eesd", "none", "--seeds", "0",
-                     "--method-config", "spri=configs/train/smollm2-spri.yaml", *COMMON, "--keep", "results"],
+                     "--method-config", "spri=configs/train/smollm2-spri.yaml", *GRANULAR, *COMMON,
+                     "--keep", "results"],
     }
 
 
