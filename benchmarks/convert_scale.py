@@ -173,17 +173,22 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for method, marker in (("copy", "o"), ("cluster", "s")):
-        rows = [r for r in results["runs"] if r["method"] == method and r.get("peak_rss_bytes")]
-        if rows:
-            x = [r["dense_bytes"] / GB for r in rows]
-            ax.plot(x, [r["peak_rss_bytes"] / GB for r in rows], marker=marker, label=f"upcycle {method}")
-            bx.plot(x, [r["wall_s"] for r in rows], marker=marker, label=f"upcycle {method}")
-    rows = [r for r in results["runs"] if r["method"] == "copy"]
-    if rows:
+    for method, marker, color in (("copy", "o", "C0"), ("cluster", "s", "C1")):
+        # the newest run of each size (a size measured again after a change keeps only its latest row)
+        latest = {r["size"]: r for r in results["runs"] if r["method"] == method and r.get("peak_rss_bytes")}
+        rows = sorted(latest.values(), key=lambda r: r["dense_bytes"])
+        if not rows:
+            continue
         x = [r["dense_bytes"] / GB for r in rows]
-        ax.plot(x, [r["target_peak_bytes"] / GB for r in rows], "k--", lw=1, label="copy target")
-        ax.plot(x, [r["output_bytes"] / GB for r in rows], ":", color="gray", label="output size (copy)")
+        ax.plot(x, [r["peak_rss_bytes"] / GB for r in rows], marker=marker, color=color, label=f"upcycle {method}")
+        ax.plot(x, [r["target_peak_bytes"] / GB for r in rows], "--", color=color, lw=1, label=f"{method} target")
+        bx.plot(x, [r["wall_s"] for r in rows], marker=marker, color=color, label=f"upcycle {method}")
+        for r in rows:              # wall times taken beside other jobs are inflated by them: say how much load
+            if r.get("load_average", 0) > 2.5:
+                bx.annotate(f"load {r['load_average']:.0f}", (r["dense_bytes"] / GB, r["wall_s"]), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+        if method == "copy":
+            ax.plot(x, [r["output_bytes"] / GB for r in rows], ":", color="gray", label="output size (copy)")
     for r in (r for r in results.get("mergekit", []) if r["exit_code"] == 0):
         style = "^" if r["tool"] == "mergekit-moe" else "v"
         ax.plot([r["dense_bytes"] / GB], [r["peak_rss_bytes"] / GB], style, ms=9,
