@@ -9,8 +9,10 @@ Wikipedia, 8 experts, top-2, every other block, each method trained with the bud
 The parts are these `upcycle compare` commands into one WORK/study (rerunning one resumes it: finished cells are
 skipped, an interrupted one resumes from its checkpoint):
 
-    seed-0, seed-1:  upcycle compare default WORK/study --methods copy,cluster --eesd none,1.0 --seeds S
+    seed-0:          upcycle compare default WORK/study --methods copy,cluster --eesd none,1.0 --seeds 0
                        --config configs/train/smollm2-copy.yaml --num-experts 8 --top-k 2 --every 2 --quiet
+    seed-1:          the same with --eesd none --seeds 1
+    seed-1-eesd:     the same with --eesd 1.0 --seeds 1
     others-a:        upcycle compare default WORK/study --methods noise,drop,drop_svd --eesd none --seeds 0
                        --config ... (as above) --keep results
     others-b:        upcycle compare default WORK/study --methods spri,granular --eesd none --seeds 0
@@ -21,9 +23,9 @@ skipped, an interrupted one resumes from its checkpoint):
 
 so copy and cluster run with and without EESD (coefficient 1.0) on two seeds, the dense baseline on both, and
 the other methods once (seed 0, the dense baseline's first seed, so they see the same batches as its seed 0).
-Parts may run at the same time when they share no unfinished cell: the others-* parts list the dense seed-0
-cell too, so they start after seed-0 has finished it (the committed results ran seed-0 then others-a in one
-process, seed-1 then others-b in another, each with one thread).
+Parts may run at the same time when they share no unfinished cell (the others-* parts list the dense seed-0
+cell too); but a training cell holds 9-11 GB here (fp32 weights, gradients and AdamW state of 0.4B parameters,
+plus the EESD teacher), so on a 24 GB machine run them one after the other, in the order listed.
 SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Granular splits each expert
 in two (granularity 2) and so has 16 half-width experts, top-4: the same total and active parameters. Cluster is
 calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
@@ -57,8 +59,10 @@ def parts(study: Path) -> dict[str, list[str]]:
     return {
         "seed-0": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none,1.0", "--seeds", "0",
                    *COMMON],
-        "seed-1": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none,1.0", "--seeds", "1",
+        "seed-1": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none", "--seeds", "1",
                    *COMMON],
+        "seed-1-eesd": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "1.0", "--seeds", "1",
+                        *COMMON],
         "others-a": ["compare", "default", str(study), "--methods", "noise,drop,drop_svd", "--eesd", "none",
                      "--seeds", "0", *COMMON, "--keep", "results"],
         "others-b": ["compare", "default", str(study), "--methods", "spri,granular", "--eesd", "none", "--seeds", "0",
@@ -80,7 +84,7 @@ def collect(study: Path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-method-study"))
-    parser.add_argument("--part", choices=["seed-0", "seed-1", "others-a", "others-b"])
+    parser.add_argument("--part", choices=list(parts(Path())))
     parser.add_argument("--collect", action="store_true")
     args = parser.parse_args()
     os.chdir(ROOT)                      # the recipes are named relative to the repository, as in the README
