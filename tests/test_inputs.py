@@ -116,6 +116,20 @@ def test_strings_and_bools_are_not_numbers(tmp_path, capsys):
         validate(convert_cfg("--method", "noise", "--set", "method_args.relative_std=0"))
 
 
+def test_a_yaml_boolean_word_for_a_string_key_says_to_quote_it(tmp_path):
+    """`mixed_precision: no` (Accelerate's spelling) is YAML 1.1's false: the refusal says why and how to write it,
+    and the quoted word is the string."""
+    with pytest.raises(UpcycleError, match=r"mixed_precision must be a string, got False: YAML reads .* quote the "
+                                           r"word \(mixed_precision: 'no'\)"):
+        build(TrainConfig, {"mixed_precision": yaml.safe_load("no")})
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("mixed_precision: 'no'\n")
+    assert build(TrainConfig, load_recipe(recipe)).mixed_precision == "no"
+    data = {}
+    set_override(data, "mixed_precision='no'")
+    assert build(TrainConfig, data).mixed_precision == "no"
+
+
 def test_inf_and_nan_are_floats_that_range_checks_refuse():
     """`inf` and `nan` (any case, signed) read as on the command line (`--lr inf`) and as YAML's `.inf`/`.nan`:
     non-finite floats, refused by the key's range check where a finite number is needed, with that message."""

@@ -304,6 +304,10 @@ def coerce(value, hint, where: str):
         return _number(value, hint, where)
     if hint is bool and not isinstance(value, bool):
         raise UpcycleError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+    if hint is str and isinstance(value, bool):
+        # YAML 1.1 reads yes/no/on/off as booleans: `mixed_precision: no` arrives as False
+        raise UpcycleError(f"{where} must be a string, got {value!r}: YAML reads the words yes, no, on, off, true "
+                           f"and false as booleans; quote the word ({where.rsplit('.', 1)[-1]}: 'no')")
     if not isinstance(value, hint):
         raise UpcycleError(f"{where} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
