@@ -68,7 +68,8 @@ def image_features(model: nn.Module, images: list, batch_size: int = 256) -> tor
 def recall_at(scores_QC: torch.Tensor, relevant_QC: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
     """Fraction of queries with at least one relevant candidate among their top-k scores."""
     top = scores_QC.topk(min(max(ks), scores_QC.shape[1]), dim=1).indices
-    hits = relevant_QC.gather(1, top)
+    # the scores come from the model's device (a GPU), the relevance table is built on the CPU
+    hits = relevant_QC.gather(1, top.to(relevant_QC.device))
     return {f"R@{k}": float(hits[:, :k].any(dim=1).double().mean()) for k in ks}
 
 
