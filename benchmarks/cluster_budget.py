@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import shutil
 import time
 from pathlib import Path
@@ -35,12 +34,12 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
+from upcycle.analyze.command import machine
 from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe
 from upcycle.conversion.converter import convert
 from upcycle.conversion.loading import load_model
 from upcycle.core.moe import moe_layers
 from upcycle.core.router import router_logits
-from upcycle.train.run_folder import LOG, read_log
 from upcycle.train.tasks import make_task
 from upcycle.train.trainer import train
 
@@ -61,9 +60,8 @@ def train_config(model: str, seed: int) -> TrainConfig:
 
 
 @torch.no_grad()
-def dense_ffn_inputs(names: list[str], task) -> dict[str, torch.Tensor]:
-    """The dense model's FFN inputs at the named blocks on the held-out rows' real tokens: [T, D] per layer."""
-    dense, _ = load_model("default")
+def dense_ffn_inputs(dense: torch.nn.Module, names: list[str], task) -> dict[str, torch.Tensor]:
+    """The dense model's FFN inputs at the named modules on the held-out rows' real tokens: [T, D] per layer."""
     modules = dict(dense.named_modules())
     ids, mask = task.eval_rows
     keep = mask.reshape(-1).bool()
@@ -106,14 +104,12 @@ def stability(top1: dict[int, dict[str, torch.Tensor]], experts: int) -> dict:
 def trained_perplexity(work: Path, tokens: int, seed: int) -> dict:
     """Convert to a folder, train with the method study's recipe, return the evaluations before and after."""
     folder = work / f"cluster-{tokens}-seed-{seed}"
-    if not (folder / "run" / "model").is_dir():
-        convert(convert_config(tokens, seed), folder / "moe", overwrite=True, progress=False)
-        train(train_config(str(folder / "moe"), seed), folder / "run", overwrite=True, progress=False)
-    rows = [json.loads(line) for line in read_log(folder / "run" / LOG, 1 << 62)]
-    evals = [{"step": r["step"], **r["eval"]} for r in rows if r.get("eval")]
-    steps = [r for r in rows if "loss" in r]
-    return {"perplexity_before": evals[0]["perplexity"], "perplexity_after": evals[-1]["perplexity"],
-            "train_seconds": round(sum(r["seconds"] for r in steps), 1)}
+    convert(convert_config(tokens, seed), folder / "moe", overwrite=True, progress=False)
+    started = time.perf_counter()
+    summary = train(train_config(str(folder / "moe"), seed), folder / "run", overwrite=True, progress=False)
+    return {"perplexity_before": summary["eval_before"]["perplexity"],
+            "perplexity_after": summary["eval_after"]["perplexity"],
+            "train_seconds": round(time.perf_counter() - started, 1)}
 
 
 def save(result: dict, path: Path) -> None:
@@ -174,12 +170,9 @@ def main() -> None:
     if before.get("budgets") == budgets and before.get("seeds") == seeds:
         result = before
     else:
-        result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                              "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
-                  "budgets": budgets, "seeds": seeds, "held_out_tokens": int(task.eval_rows[1].sum()),
-                  "dense_perplexity": task.evaluate(dense)["perplexity"], "runs": {}, "stability": {},
-                  "trained": {}}
-    del dense
+        result = {"machine": machine(), "budgets": budgets, "seeds": seeds,
+                  "held_out_tokens": int(task.eval_rows[1].sum()),
+                  "dense_perplexity": task.evaluate(dense)["perplexity"], "runs": {}, "stability": {}, "trained": {}}
     inputs = None
     for tokens in [b for b in budgets if str(b) not in result["stability"]]:
         top1 = {}
@@ -190,7 +183,7 @@ def main() -> None:
             model, report = conversion.model, conversion.report.to_dict()
             layers = moe_layers(model)
             if inputs is None:
-                inputs = dense_ffn_inputs(list(layers), task)
+                inputs = dense_ffn_inputs(dense, list(layers), task)
             with torch.no_grad():
                 top1[seed] = {n: router_logits(layer.router, inputs[n]).argmax(1) for n, layer in layers.items()}
             damped = {layer["name"]: layer["damped_clusters"] for layer in report["layers"]}

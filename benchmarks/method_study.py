@@ -3,7 +3,7 @@ Wikipedia, 8 experts, top-2, every other block, each method trained with the bud
 `configs/train/smollm2-copy.yaml` (40 steps x 8 x 256 tokens), against the dense model continued the same way.
 
     .venv/bin/python benchmarks/method_study.py                  # every part in turn, then --collect
-    .venv/bin/python benchmarks/method_study.py --part seed-0    # one part (see below for which may run at once)
+    .venv/bin/python benchmarks/method_study.py --part seed-0    # one part
     .venv/bin/python benchmarks/method_study.py --collect        # the table and figures from the finished cells
 
 The parts are these `upcycle compare` commands into one WORK/study (rerunning one resumes it: finished cells are
@@ -56,18 +56,17 @@ GRANULAR = ["--method-set", "granular.method_args.granularity=2", "--method-set"
 
 
 def parts(study: Path) -> dict[str, list[str]]:
+    def compare(methods: str, eesd: str, seed: str, *extra: str) -> list[str]:
+        return ["compare", "default", str(study), "--methods", methods, "--eesd", eesd, "--seeds", seed, *extra,
+                *COMMON]
+
     return {
-        "seed-0": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none,1.0", "--seeds", "0",
-                   *COMMON],
-        "seed-1": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "none", "--seeds", "1",
-                   *COMMON],
-        "seed-1-eesd": ["compare", "default", str(study), "--methods", "copy,cluster", "--eesd", "1.0", "--seeds", "1",
-                        *COMMON],
-        "others-a": ["compare", "default", str(study), "--methods", "noise,drop,drop_svd", "--eesd", "none",
-                     "--seeds", "0", *COMMON, "--keep", "results"],
-        "others-b": ["compare", "default", str(study), "--methods", "spri,granular", "--eesd", "none", "--seeds", "0",
-                     "--method-config", "spri=configs/train/smollm2-spri.yaml", *GRANULAR, *COMMON,
-                     "--keep", "results"],
+        "seed-0": compare("copy,cluster", "none,1.0", "0"),
+        "seed-1": compare("copy,cluster", "none", "1"),
+        "seed-1-eesd": compare("copy,cluster", "1.0", "1"),
+        "others-a": compare("noise,drop,drop_svd", "none", "0", "--keep", "results"),
+        "others-b": compare("spri,granular", "none", "0", "--method-config", "spri=configs/train/smollm2-spri.yaml",
+                            *GRANULAR, "--keep", "results"),
     }
 
 
