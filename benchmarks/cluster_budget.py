@@ -17,7 +17,10 @@ that layer, so both routers see identical inputs):
     .venv/bin/python benchmarks/cluster_budget.py --train 4096,16384        # + training at those budgets (seed 0)
 
 writes benchmarks/results/cluster_budget.json (and .png). The 65,536-token runs after training are the method
-study's `cluster-eesd-none-seed-S` cells (the same conversion settings, recipe and seeds).
+study's `cluster-eesd-none-seed-S` cells (the same conversion settings, recipe and seeds). Where the method study
+has already converted a budget and seed (its `conversions/cluster-seed-S/moe`, recorded with the same conversion
+config), that model and its report are read instead of converting again (`--study`; the same weights: the
+conversion is deterministic on one machine).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
 from upcycle.analyze.command import machine
-from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe
+from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, to_dict
 from upcycle.conversion.converter import convert
 from upcycle.conversion.loading import load_model
 from upcycle.core.moe import moe_layers
@@ -53,6 +57,22 @@ def convert_config(tokens: int, seed: int) -> ConvertConfig:
     return build(ConvertConfig, {"model": "default", "method": "cluster", "seed": seed,
                                  "moe": {"num_experts": 8, "top_k": 2}, "placement": {"every": 2},
                                  "calibration": {"tokens": tokens}})
+
+
+def study_conversion(study: Path, tokens: int, seed: int) -> tuple[torch.nn.Module, dict, float] | None:
+    """The method study's conversion of this budget and seed, if it ran with the same config: (model, report,
+    conversion seconds)."""
+    folder = study / "conversions" / f"cluster-seed-{seed}"
+    if not (folder / "conversion.json").is_file():      # written last: the conversion finished
+        return None
+    recorded = yaml.safe_load((folder / "moe" / "run_config.yaml").read_text())
+    wanted = to_dict(convert_config(tokens, seed))
+    if any(recorded.get(key) != wanted[key] for key in ("model", "method", "method_args", "moe", "placement",
+                                                         "calibration", "seed", "sources")):
+        return None
+    model, _ = load_model(str(folder / "moe"))
+    report = json.loads((folder / "moe" / "upcycle_report.json").read_text())
+    return model, report, json.loads((folder / "conversion.json").read_text())["seconds"]
 
 
 def train_config(model: str, seed: int) -> TrainConfig:
@@ -158,6 +178,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--train", default="", help="budgets to train at seed 0 (comma-separated)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-cluster-budget"))
+    parser.add_argument("--study", type=Path, default=Path("/tmp/upcycle-method-study/study"),
+                        help="the method study's folder, whose finished cluster conversions are reused")
     parser.add_argument("--out", type=Path, default=RESULTS / "cluster_budget.json")
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -177,10 +199,15 @@ def main() -> None:
     for tokens in [b for b in budgets if str(b) not in result["stability"]]:
         top1 = {}
         for seed in seeds:
-            t = time.perf_counter()
-            conversion = convert(convert_config(tokens, seed), None, progress=False)
-            seconds = time.perf_counter() - t
-            model, report = conversion.model, conversion.report.to_dict()
+            reused = study_conversion(args.study, tokens, seed)
+            if reused is not None:
+                model, report, seconds = reused
+            else:
+                t = time.perf_counter()
+                conversion = convert(convert_config(tokens, seed), None, progress=False)
+                seconds = time.perf_counter() - t
+                model, report = conversion.model, conversion.report.to_dict()
+                del conversion
             layers = moe_layers(model)
             if inputs is None:
                 inputs = dense_ffn_inputs(dense, list(layers), task)
@@ -190,10 +217,11 @@ def main() -> None:
             result["runs"][f"{tokens}-seed-{seed}"] = {
                 "perplexity": task.evaluate(model)["perplexity"], "kl_to_dense": report["kl_to_dense"],
                 "damped_clusters": sum(damped.values()), "damped_clusters_per_layer": damped,
-                "clusters": 8 * len(layers), "conversion_seconds": round(seconds, 1)}
+                "clusters": 8 * len(layers), "conversion_seconds": round(seconds, 1),
+                "from_method_study": reused is not None}
             print(tokens, seed, result["runs"][f"{tokens}-seed-{seed}"]["perplexity"],
                   result["runs"][f"{tokens}-seed-{seed}"]["damped_clusters"], flush=True)
-            del model, conversion
+            del model
         result["stability"][str(tokens)] = stability(top1, 8)
         save(result, args.out)          # each budget is kept if a later one is interrupted
         print(tokens, {k: v["mean"] for k, v in result["stability"][str(tokens)].items()}, flush=True)
