@@ -31,8 +31,8 @@ in two (granularity 2) and so has 16 half-width experts, top-4: the same total a
 calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
 
 `--collect` runs the seed-0 command once more (every cell finished: it only writes the table), then copies
-comparison.json (machine, wall time of every invocation, every cell), comparison.md and the two figures into
-benchmarks/results/method_study/.
+comparison.json (machine, wall time of every invocation, every cell; plus each cell's median tokens/s over its
+training steps, read from its log), comparison.md and the two figures into benchmarks/results/method_study/.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 from pathlib import Path
 
 from upcycle.cli import main
@@ -70,9 +71,22 @@ def parts(study: Path) -> dict[str, list[str]]:
     }
 
 
+def median_step_throughput(study: Path) -> dict[str, float]:
+    """Each finished cell's median training tokens/s over its steps (from its run log). The table's tokens/s is
+    the run's tokens over its wall time, which a process beside it, a pause or a resume inflates; the median
+    step is what the cell runs at undisturbed."""
+    medians = {}
+    for log in sorted(study.glob("cells/*/run/log.jsonl")):
+        rates = [row["tokens_per_s"] for row in map(json.loads, log.read_text().splitlines()) if "tokens_per_s" in row]
+        if rates and (log.parents[1] / "cell.json").is_file():
+            medians[log.parents[1].name] = round(statistics.median(rates), 1)
+    return medians
+
+
 def collect(study: Path) -> None:
     result = json.loads((study / "comparison.json").read_text())
     result["run"] = {"commands": {name: " ".join(["upcycle", *c]) for name, c in parts(study).items()}}
+    result["median_step_tokens_per_s"] = median_step_throughput(study)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "comparison.json").write_text(json.dumps(result, indent=1) + "\n")
     for name in ("comparison.md", "metric_over_steps.png", "init_diagnostics.png"):
