@@ -16,11 +16,11 @@ that layer, so both routers see identical inputs):
     .venv/bin/python benchmarks/cluster_budget.py                          # conversions only
     .venv/bin/python benchmarks/cluster_budget.py --train 4096,16384        # + training at those budgets (seed 0)
 
-writes benchmarks/results/cluster_budget.json (and .png). The 65,536-token runs after training are the method
-study's `cluster-eesd-none-seed-S` cells (the same conversion settings, recipe and seeds). Where the method study
-has already converted a budget and seed (its `conversions/cluster-seed-S/moe`, recorded with the same conversion
-config), that model and its report are read instead of converting again (`--study`; the same weights: the
-conversion is deterministic on one machine).
+writes benchmarks/results/cluster_budget.json (and .png). Where the method study (`--study`) has already run a
+budget and seed with the same recorded conversion config, its results are read instead of run again: its
+`conversions/cluster-seed-S/moe` model and report (the same weights: the conversion is deterministic on one
+machine), and its finished `cluster-eesd-none-seed-S` cell, trained with this script's recipe, for the
+perplexity after training (marked `from_method_study`).
 """
 
 from __future__ import annotations
@@ -59,20 +59,39 @@ def convert_config(tokens: int, seed: int) -> ConvertConfig:
                                  "calibration": {"tokens": tokens}})
 
 
+def same_conversion(recorded: dict, tokens: int, seed: int) -> bool:
+    """Whether a recorded convert config is this script's conversion of `tokens` per layer at `seed`."""
+    wanted = to_dict(convert_config(tokens, seed))
+    return all(recorded.get(key) == wanted[key] for key in ("model", "method", "method_args", "moe", "placement",
+                                                             "calibration", "seed", "sources"))
+
+
 def study_conversion(study: Path, tokens: int, seed: int) -> tuple[torch.nn.Module, dict, float] | None:
     """The method study's conversion of this budget and seed, if it ran with the same config: (model, report,
     conversion seconds)."""
     folder = study / "conversions" / f"cluster-seed-{seed}"
     if not (folder / "conversion.json").is_file():      # written last: the conversion finished
         return None
-    recorded = yaml.safe_load((folder / "moe" / "run_config.yaml").read_text())
-    wanted = to_dict(convert_config(tokens, seed))
-    if any(recorded.get(key) != wanted[key] for key in ("model", "method", "method_args", "moe", "placement",
-                                                         "calibration", "seed", "sources")):
+    if not same_conversion(yaml.safe_load((folder / "moe" / "run_config.yaml").read_text()), tokens, seed):
         return None
     model, _ = load_model(str(folder / "moe"))
     report = json.loads((folder / "moe" / "upcycle_report.json").read_text())
     return model, report, json.loads((folder / "conversion.json").read_text())["seconds"]
+
+
+def study_trained(study: Path, tokens: int, seed: int) -> dict | None:
+    """The method study's finished cell `cluster-eesd-none-seed-S` of this budget and seed, if it converted the same
+    way and trained with this script's recipe: its evaluations before and after training."""
+    cell = study / "cells" / f"cluster-eesd-none-seed-{seed}"
+    if not (cell / "cell.json").is_file():
+        return None
+    plan, done = json.loads((cell / "plan.json").read_text()), json.loads((cell / "cell.json").read_text())
+    recipe = to_dict(train_config(plan["train"]["model"], seed))
+    recipe["regularizers"]["eesd"] = 0.0                # the cell's EESD setting `none`
+    if not same_conversion(plan["convert"], tokens, seed) or plan["train"] != recipe:
+        return None
+    return {"perplexity_before": done["evals"][0]["perplexity"], "perplexity_after": done["evals"][-1]["perplexity"],
+            "train_seconds": done["train"]["seconds"], "from_method_study": True}
 
 
 def train_config(model: str, seed: int) -> TrainConfig:
@@ -149,9 +168,12 @@ def plot(result: dict, path: Path) -> None:
     for seed in result["seeds"]:
         axes[0].plot(budgets, [result["runs"][f"{b}-seed-{seed}"]["perplexity"] for b in budgets], "o-",
                      label=f"seed {seed}")
-    trained = sorted((int(k.split("-")[0]), v["perplexity_after"]) for k, v in result["trained"].items())
-    if trained:
-        axes[0].plot(*zip(*trained, strict=True), "x", ms=9, color="C3", label="after training (seed 0)")
+    for seed in result["seeds"]:
+        trained = sorted((int(k.split("-")[0]), v["perplexity_after"]) for k, v in result["trained"].items()
+                         if k.endswith(f"-seed-{seed}"))
+        if trained:
+            axes[0].plot(*zip(*trained, strict=True), "x", ms=9, color=f"C{seed}",
+                         label=f"seed {seed} after training")
     axes[0].axhline(result["dense_perplexity"], color="k", ls="--", label="dense")
     axes[0].set(xscale="log", xlabel="calibration tokens per layer", ylabel="held-out perplexity",
                 title="held-out perplexity")
@@ -168,6 +190,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set(xscale="log", xlabel="calibration tokens per layer", ylabel=label, ylim=(-0.05, 1.05),
                title=f"assignment stability: {label}")
         ax.legend()
+    for ax in axes:
+        ax.set_xticks(budgets, [f"{b:,}" for b in budgets])
+        ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -225,6 +250,10 @@ def main() -> None:
         result["stability"][str(tokens)] = stability(top1, 8)
         save(result, args.out)          # each budget is kept if a later one is interrupted
         print(tokens, {k: v["mean"] for k, v in result["stability"][str(tokens)].items()}, flush=True)
+    for tokens, seed in itertools.product(budgets, seeds):       # the method study's cells of the same runs
+        if f"{tokens}-seed-{seed}" not in result["trained"]:
+            if (done := study_trained(args.study, tokens, seed)) is not None:
+                result["trained"][f"{tokens}-seed-{seed}"] = done
     for tokens in [int(b) for b in args.train.split(",") if b and f"{b}-seed-0" not in result["trained"]]:
         result["trained"][f"{tokens}-seed-0"] = trained_perplexity(args.work, tokens, 0)
         save(result, args.out)
