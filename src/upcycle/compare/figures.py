@@ -50,6 +50,11 @@ def write_figures(cells: list[dict], table: list[dict], task: str, out: Path) ->
                             lw=0)
         ax.set_xlabel("training step (0 = right after conversion)")
         ax.set_ylabel(f"held-out {label}")
+        plotted = [v for line in ax.get_lines() for v in line.get_ydata()]
+        if METRICS[task][0][0] == "perplexity" and plotted and max(plotted) > 10 * min(plotted):
+            # a perplexity of 700 beside 25 would flatten every other line
+            ax.set_yscale("log")
+            ax.set_ylabel(f"held-out {label} (log scale)")
         ax.set_title(f"Held-out {label} over training (line: mean over seeds; band: range)")
         ax.legend(loc="best", ncol=2)
         fig.tight_layout()
