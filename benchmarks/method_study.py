@@ -45,6 +45,7 @@ import statistics
 from pathlib import Path
 
 from upcycle.cli import main
+from upcycle.train.run_folder import LOG, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "method_study"
@@ -76,8 +77,9 @@ def median_step_throughput(study: Path) -> dict[str, float]:
     the run's tokens over its wall time, which a process beside it, a pause or a resume inflates; the median
     step is what the cell runs at undisturbed."""
     medians = {}
-    for log in sorted(study.glob("cells/*/run/log.jsonl")):
-        rates = [row["tokens_per_s"] for row in map(json.loads, log.read_text().splitlines()) if "tokens_per_s" in row]
+    for log in sorted(study.glob(f"cells/*/run/{LOG}")):
+        rows = map(json.loads, read_log(log, 1 << 62))        # the trainer's reader: a torn last line is dropped
+        rates = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
         if rates and (log.parents[1] / "cell.json").is_file():
             medians[log.parents[1].name] = round(statistics.median(rates), 1)
     return medians
