@@ -20,14 +20,18 @@ skipped, an interrupted one resumes from its checkpoint):
                        --method-set granular.method_args.granularity=2 --method-set granular.moe.num_experts=16
                        --method-set granular.moe.top_k=4
                        --config ... (as above) --keep results
+    eesd-small:      upcycle compare default WORK/study --methods cluster --eesd 0.0001 --seeds 0
+                       --config ... (as above) --keep results
 
 so copy and cluster run with and without EESD (coefficient 1.0) on two seeds, the dense baseline on both, and
 the other methods once (seed 0, the dense baseline's first seed, so they see the same batches as its seed 0).
+eesd-small reruns cluster + EESD with the coefficient at 1e-4: at 1.0 EESD's gradient norm at the first step was
+about 10^4 times the task's (26,511 against 2.55), so 1e-4 puts the two about level.
 Parts may run at the same time when they share no unfinished cell (the others-* parts list the dense seed-0
 cell too); but a training cell holds 9-11 GB here (fp32 weights, gradients and AdamW state of 0.4B parameters,
 plus the EESD teacher), so on a 24 GB machine run them one after the other, in the order listed.
 SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Granular splits each expert
-in two (granularity 2) and so has 16 half-width experts, top-4: the same total and active parameters. Cluster is
+in two (granularity 2) and so has 16 half-width experts, top-4: the same expert parameters, total and active. Cluster is
 calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
 
 `--collect` runs the seed-0 command once more (every cell finished: it only writes the table), then copies
@@ -69,6 +73,7 @@ def parts(study: Path) -> dict[str, list[str]]:
         "others-a": compare("noise,drop,drop_svd", "none", "0", "--keep", "results"),
         "others-b": compare("spri,granular", "none", "0", "--method-config", "spri=configs/train/smollm2-spri.yaml",
                             *GRANULAR, "--keep", "results"),
+        "eesd-small": compare("cluster", "0.0001", "0", "--keep", "results"),
     }
 
 
