@@ -31,8 +31,9 @@ Parts may run at the same time when they share no unfinished cell (the others-* 
 cell too); but a training cell holds 9-11 GB here (fp32 weights, gradients and AdamW state of 0.4B parameters,
 plus the EESD teacher), so on a 24 GB machine run them one after the other, in the order listed.
 SPRI trains with its two-stage recipe (the same steps, batch and sequence length). Granular splits each expert
-in two (granularity 2) and so has 16 half-width experts, top-4: the same expert parameters, total and active. Cluster is
-calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia train split.
+in two (granularity 2) and so has 16 half-width experts, top-4: the same expert parameters, total and active.
+Cluster is calibrated on the converter's default: 65,536 FFN-input tokens per layer of the embedded Wikipedia
+train split.
 
 `--collect` runs the seed-0 command once more (every cell finished: it only writes the table), then copies
 comparison.json (machine, wall time of every invocation, every cell; plus each cell's median tokens/s over its
