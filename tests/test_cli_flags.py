@@ -23,6 +23,7 @@ from upcycle.cli import (
     _whole_number,
     config_field,
     convert_config,
+    flag_choices,
     main,
     train_config,
 )
@@ -32,6 +33,7 @@ from upcycle.config import (
     NON_FFN,
     ROUTER_INITS,
     SCHEDULES,
+    STORAGE_DTYPES,
     ConvertConfig,
     TrainConfig,
     build,
@@ -50,7 +52,7 @@ COMMANDS = {"convert": (ConvertConfig, CONVERT_FLAGS, convert_config),
 # and refuse others, checked below)
 ALLOWED = {"export": EXPORTS, "export_class": ("auto", *EXPORT_CLASSES), "schedule": SCHEDULES,
            "mixed_precision": MIXED_PRECISIONS, "task": TASKS, "sources.router": ROUTER_INITS,
-           "sources.non_ffn": NON_FFN}
+           "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES)}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -109,7 +111,7 @@ def test_a_flag_for_a_key_the_config_lacks_fails_when_the_parser_is_built():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_choices_are_the_values_the_config_allows(command):
     cls, flags, _ = COMMANDS[command]
-    with_choices = {f.key: f.choices for f in flags if f.choices is not None}
+    with_choices = {f.key: flag_choices(cls, f.key) for f in flags if flag_choices(cls, f.key) is not None}
     assert with_choices == {k: v for k, v in ALLOWED.items() if k in with_choices}
     for key, choices in with_choices.items():
         default = leaf_default(cls, key)
@@ -141,8 +143,8 @@ def test_help_shows_the_config_default(command):
 def sample(cls: type, f: ConfigFlag) -> str:
     """A value for the flag that differs from the key's default and builds."""
     default, hint = leaf_default(cls, f.key), key_hint(cls, f.key)
-    if f.choices:
-        return next(c for c in reversed(f.choices) if c != default)
+    if flag_choices(cls, f.key):
+        return next(c for c in reversed(flag_choices(cls, f.key)) if c != default)
     if f.split:
         return {"placement.layers": "1,-1", "placement.towers": "vision", "train": "router,experts"}[f.key]
     if hint is int:

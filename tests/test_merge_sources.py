@@ -316,8 +316,6 @@ def test_recipes_and_flags_of_several_sources(family_of_models, tmp_path):
     ({"sources": SourcesConfig(experts=(ExpertSource(model="x"),) * 3, router="prompts")},
      "needs each source's prompts"),
     ({"sources": SourcesConfig(experts=(ExpertSource(model="x", data="no-such-file"),) * 3)}, "no file no-such-file"),
-    ({"sources": SourcesConfig(experts=(ExpertSource(model="x"),) * 3, router="learned")},
-     "sources.router must be one of"),
     ({"streaming": False}, "always streams"),
 ])
 def test_a_recipe_that_cannot_merge_is_refused_first(family_of_models, tmp_path, change, match):
@@ -325,6 +323,11 @@ def test_a_recipe_that_cannot_merge_is_refused_first(family_of_models, tmp_path,
     cfg = ConvertConfig(**{**_cfg(dense, sources, held).__dict__, **change})
     with pytest.raises(UpcycleError, match=match):
         convert(cfg, tmp_path / "out", progress=False)
+
+
+def test_an_unknown_router_is_refused_when_the_config_is_made():
+    with pytest.raises(UpcycleError, match="sources.router must be one of random, prompts, data, got 'learned'"):
+        SourcesConfig(experts=(ExpertSource(model="x"),) * 3, router="learned")
 
 
 def _alive() -> list[torch.Tensor]:

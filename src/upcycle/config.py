@@ -17,8 +17,10 @@ Booleans are YAML's (`true`, `no`...). The command-line flags of a config key go
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,6 +37,96 @@ SCHEDULES = ("linear", "cosine", "constant")           # TrainConfig.schedule
 MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")      # TrainConfig.mixed_precision
 ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
 NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")     # ConvertConfig.dtype (besides auto)
+EXPORT_CLASS_NAMES = ("qwen2_moe", "qwen3_moe", "mixtral")   # ConvertConfig.export_class (besides auto)
+TASKS = ("causal_lm", "clip")                          # TrainConfig.task
+
+
+# Every bounded key declares its range (or choices) beside its default, and each config checks its own keys when
+# it is made (`check_fields`), from YAML, --set, flags or Python alike. Upper bounds are far beyond any real run; they
+# exist so that a typo or a hostile recipe (1e23 tokens) is refused before anything is allocated.
+SEED_MAX = 2**32 - 1            # what every RNG the run seeds takes (NumPy's is the narrowest)
+BIG = 10**9                     # a count no real run reaches (steps, tokens of one evaluation...)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed interval of a number key (ints: whole numbers; floats: finite unless the interval says)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def check(self, value, where: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return                  # a type error is the type check's to report (`coerce`)
+        if isinstance(value, int):
+            if value < self.low or (self.low_open and value == self.low):
+                raise UpcycleError(f"{where} must be {'>' if self.low_open else '>='} {self.low:g}, got {value}")
+            if value > self.high:
+                raise UpcycleError(f"{where} must be at most {self.high:,}, got {value:,}")
+            return
+        ok = math.isfinite(value) and (value > self.low if self.low_open else value >= self.low) and \
+            (value < self.high if self.high_open else value <= self.high)
+        if not ok:
+            interval = (f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}")
+            raise UpcycleError(f"{where} must be a finite number in {interval}, got {_short(value)}")
+
+
+def ranged(default, low: float, high: float, *, low_open: bool = False, high_open: bool = False, **kwargs):
+    """A dataclass field with its allowed range."""
+    return field(default=default, metadata={"range": Range(low, high, low_open, high_open)}, **kwargs)
+
+
+def choice(default, choices: tuple, **kwargs):
+    """A dataclass field that takes one of `choices`."""
+    return field(default=default, metadata={"choices": choices}, **kwargs)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 6, 60, 60
+
+
+def _short(value) -> str:
+    """A value as an error message quotes it: its repr, shortened (a hostile recipe's value can be huge)."""
+    return _REPR.repr(value)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    """Text the user typed, as a message quotes it (shortened when long)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _numbers(value):
+    """The numbers in a value that may be a number, a list of numbers or a list of lists (DPSL's alpha table)."""
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _numbers(item)
+    elif value is not None:
+        yield value
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(cfg, section: str = "") -> None:
+    """Refuse any field of `cfg` outside its declared range or choices, or a non-boolean for a boolean key
+    (configs made in Python skip `coerce`); `section` prefixes the key names."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        where = section + f.name
+        if hints[f.name] is bool and not isinstance(value, bool):
+            raise UpcycleError(f"{where} must be true or false, got {_short(value)}")
+        if "range" in f.metadata:
+            for number in _numbers(value):
+                f.metadata["range"].check(number, where)
+        if "choices" in f.metadata and value is not None and value not in f.metadata["choices"]:
+            raise UpcycleError(f"{where} must be one of {', '.join(map(str, f.metadata['choices']))}, "
+                               f"got {_short(value)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,66 +135,61 @@ class MoEConfig:
     its saved spec (upcycle_config.json), the converter and the exporter. It refuses an impossible combination
     when it is made, so no layer is built from one."""
 
-    num_experts: int = 8
-    top_k: int = 2
+    num_experts: int = ranged(8, 1, 2**16)
+    top_k: int = ranged(2, 1, 2**16)
     normalize_topk: bool = True            # renormalize the top-k weights to sum to 1 (exact copy preservation)
-    capacity_factor_train: float | None = None   # None = dropless
-    capacity_factor_eval: float | None = None
+    capacity_factor_train: float | None = ranged(None, 0, math.inf, low_open=True, high_open=True)  # None: dropless
+    capacity_factor_eval: float | None = ranged(None, 0, math.inf, low_open=True, high_open=True)
     renormalize_after_drop: bool = False
-    score: str = "softmax"                 # router score function: softmax, or sigmoid (DeepSeek-V3; normalized top-k)
-    route_scale: float = 1.0               # multiplies the combine weights (DeepSeek-V3's routed scaling factor)
+    score: str = choice("softmax", SCORES)   # router score function: softmax, or sigmoid (DeepSeek-V3; normalized)
+    route_scale: float = ranged(1.0, 0, math.inf, low_open=True, high_open=True)   # DeepSeek-V3's routed scaling
 
     def __post_init__(self) -> None:
-        if self.num_experts < 1:
-            raise UpcycleError(f"moe.num_experts must be >= 1, got {self.num_experts}")
+        check_fields(self, "moe.")
         if not 1 <= self.top_k <= self.num_experts:
             raise UpcycleError(f"moe.top_k must be between 1 and num_experts ({self.num_experts}), got {self.top_k}")
-        for name in ("capacity_factor_train", "capacity_factor_eval"):
-            factor = getattr(self, name)
-            if factor is not None and not 0 < factor < float("inf"):
-                raise UpcycleError(f"moe.{name} must be a positive number or null (dropless), got {factor}")
-        if self.score not in SCORES:
-            raise UpcycleError(f"moe.score must be one of {SCORES}, got {self.score!r}")
         if self.score == "sigmoid" and not self.normalize_topk:
             raise UpcycleError("moe.score sigmoid normalizes the selected scores (DeepSeek-V3): moe.normalize_topk "
                                "must be true")
-        if not 0 < self.route_scale < float("inf"):
-            raise UpcycleError(f"moe.route_scale must be a positive finite number, got {self.route_scale}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    every: int = 1                         # block i (0-based) becomes MoE when (i + 1) % every == 0
-    layers: tuple[int, ...] | None = None  # explicit block indices (negative counts from the end); beats `every`
+    every: int = ranged(1, 1, 4096)        # block i (0-based) becomes MoE when (i + 1) % every == 0
+    # explicit block indices (negative counts from the end); beats `every`
+    layers: tuple[int, ...] | None = ranged(None, -4096, 4095)
     towers: tuple[str, ...] | None = None  # two-tower models (CLIP): "text", "vision"; None = every tower
+
+    def __post_init__(self) -> None:
+        check_fields(self, "placement.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckConfig:
     # A method that promises preservation passes when max |logit difference| <= noise_factor x the rounding
-    # noise measured on the same probe (the dense model run with its converted FFNs summed in another order, in
-    # the conversion dtype, so it follows depth, converted layers, logit scale, dtype and CPU), or a few units
-    # in the last place of max |dense logit| when that noise is smaller (upcycle.conversion.preservation).
-    # 16: the conversions measured differ from the dense model by 0.4-1.5x that noise in float32 and up to 6.4x
-    # in bfloat16 (SmolLM2 with every block MoE), so 16 passes them with room for other CPUs' kernels.
-    noise_factor: float = 16.0
+    # noise measured on the same probe, or a few units in the last place of max |dense logit| when that noise is
+    # smaller (upcycle.conversion.preservation; the factor's measurements are in docs).
+    noise_factor: float = ranged(16.0, 0, math.inf, low_open=True, high_open=True)
     # Allowances a user may add on top (0 = none): pass anyway when max |logit difference| <= tolerance or
     # <= relative_tolerance x max |dense logit|.
-    tolerance: float = 0.0
-    relative_tolerance: float = 0.0
-    sequences: int = 4          # held-out probe batch: sequences x tokens
-    tokens: int = 128
+    tolerance: float = ranged(0.0, 0, math.inf, high_open=True)
+    relative_tolerance: float = ranged(0.0, 0, math.inf, high_open=True)
+    sequences: int = ranged(4, 1, 4096)      # held-out probe batch: sequences x tokens
+    tokens: int = ranged(128, 2, 2**20)
     text: str | None = None     # probe text file (.txt or .jsonl with "text"); default: held-out Wikipedia
-    export_tolerance: float = 1e-5   # max |logit difference| between an exported stock model and ours
+    export_tolerance: float = ranged(1e-5, 0, math.inf, high_open=True)   # max |logit diff| of an export vs ours
     # The whole-model logit check next to the per-layer one: auto runs it in memory always and, when streaming,
     # when the output fits in the memory available (it then reads the dense checkpoint and the output once more,
     # a block at a time); true always, false never (the per-layer check still runs).
-    end_to_end: bool | str = "auto"
+    end_to_end: bool | str = choice("auto", (True, False, "auto"))
     # Each MoE layer against the dense FFN on the probe's hidden states at its depth (the per-layer check, which
     # replays the probe through every block up to the last MoE layer). false skips it: a copy conversion then
     # only reads and writes (mergekit-moe's work); with end_to_end false too, nothing is checked and the report
     # says so (preservation passed: null).
     per_layer: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "check.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,34 +197,45 @@ class CalibrationConfig:
     # Text for data-aware methods (cluster): a .txt (documents separated by blank lines) or .jsonl ("text")
     # file; None on the default model means the embedded Wikipedia train split (the probe uses held-out text).
     data: str | None = None
-    tokens: int = 65536          # FFN-input tokens kept per layer (reservoir-sampled, padding excluded)
-    sequence_length: int = 512   # documents are cut into rows of at most this many tokens
-    batch_size: int = 8          # rows per forward while capturing
+    tokens: int = ranged(65536, 1, 2**31)        # FFN-input tokens kept per layer (reservoir-sampled, no padding)
+    sequence_length: int = ranged(512, 1, 2**20)  # documents are cut into rows of at most this many tokens
+    batch_size: int = ranged(8, 1, 2**16)         # rows per forward while capturing
+
+    def __post_init__(self) -> None:
+        check_fields(self, "calibration.")
+
+
+def _coefficient(default: float = 0.0):
+    return ranged(default, 0, math.inf, high_open=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RegularizerConfig:
     # Coefficients of the router losses (METHODS §4); 0 switches a term off. Each term is the mean over MoE
     # layers of the per-layer loss (per token group when groups are given, then averaged).
-    load_balance: float = 0.0
-    z_loss: float = 0.0
-    limoe_local: float = 0.0
-    limoe_global: float = 0.0
-    limoe_m: float = 6.0                     # limoe_global threshold log m
-    dpsl: float = 0.0
-    dpsl_alpha: float | list[float] | list[list[float]] = 1.0   # a float, a length-E list, or a [groups][E] table
-    eesd: float = 0.0                        # Expert-Ensemble Self-Distillation (needs an EMA teacher)
-    eesd_beta: float = 0.999
-    eesd_uncertain_fraction: float = 1.0     # < 1: teacher only on the most uncertain tokens
-    aux_free_rate: float = 0.0               # > 0: aux-loss-free selection bias, updated after each step
+    load_balance: float = _coefficient()
+    z_loss: float = _coefficient()
+    limoe_local: float = _coefficient()
+    limoe_global: float = _coefficient()
+    limoe_m: float = ranged(6.0, 1, math.inf, high_open=True)            # limoe_global threshold log m
+    dpsl: float = _coefficient()
+    # a float, a length-E list, or a [groups][E] table
+    dpsl_alpha: float | list[float] | list[list[float]] = ranged(1.0, 0, math.inf, low_open=True, high_open=True)
+    eesd: float = _coefficient()             # Expert-Ensemble Self-Distillation (needs an EMA teacher)
+    eesd_beta: float = ranged(0.999, 0, 1, high_open=True)
+    eesd_uncertain_fraction: float = ranged(1.0, 0, 1, low_open=True)   # < 1: teacher on the most uncertain tokens
+    aux_free_rate: float = _coefficient()    # > 0: aux-loss-free selection bias, updated after each step
     # Router losses apply for the first `router_until` fraction of training steps (DPSL's recipe: router
     # regularizers only in the MoE warm-up phase); EESD and the aux-free bias are not affected.
-    router_until: float = 1.0
+    router_until: float = ranged(1.0, 0, 1)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "regularizers.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertSource:
-    """One fine-tuned model of the base whose FFNs become routed experts (issue 16; Branch-Train-MiX)."""
+    """One fine-tuned model of the base whose FFNs become routed experts (Branch-Train-MiX)."""
 
     model: str                  # a local folder of safetensors with the base's architecture and shapes
     # Text of this source (.txt documents separated by blank lines, or .jsonl "text"): its FFN-input centroid is
@@ -146,7 +244,10 @@ class ExpertSource:
     eval_data: str | None = None     # held-out text for the agreement; None: the last `held_out` of `data`
     prompts: tuple[str, ...] = ()    # the `prompts` router (mergekit-moe's positive_prompts)
     negative_prompts: tuple[str, ...] = ()
-    count: int = 1              # experts made from this source (the conversion's `method` makes them: copy, drop...)
+    count: int = ranged(1, 1, 2**16)    # experts made from this source (by the conversion's `method`)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "sources.experts[].")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,11 +256,15 @@ class SourcesConfig:
     single-model conversion. The base is the conversion's `model`."""
 
     experts: tuple[ExpertSource, ...] = ()
-    router: str = "data"        # random | prompts | data (ROUTER_INITS)
-    non_ffn: str = "base"       # attention, embeddings, norms and dense blocks: the base's, or the experts' average
+    router: str = choice("data", ROUTER_INITS)
+    # attention, embeddings, norms and dense blocks: the base's, or the experts' average
+    non_ffn: str = choice("base", NON_FFN)
     shared_expert: bool = False     # the base's FFN as an always-on shared expert in every MoE layer
-    held_out: float = 0.1       # share of each source's `data` documents kept out of the router, for agreement
-    router_std: float = 0.02    # the `random` router's N(0, std^2) rows
+    held_out: float = ranged(0.1, 0, 1, high_open=True)   # share of each source's documents kept for agreement
+    router_std: float = ranged(0.02, 0, math.inf, high_open=True)    # the `random` router's N(0, std^2) rows
+
+    def __post_init__(self) -> None:
+        check_fields(self, "sources.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,21 +276,25 @@ class ConvertConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    seed: int = 0
+    seed: int = ranged(0, 0, SEED_MAX)
     # dtype the written weights are stored in (and the in-memory conversion computes in): auto = the checkpoint's
     # own (config.json's torch_dtype / dtype), float32 when it states none
-    dtype: str = "auto"
+    dtype: str = choice("auto", ("auto", *STORAGE_DTYPES))
     # where calibration, the methods' linear algebra and the checks run: auto = the GPU when torch sees one
     device: str = "auto"
-    export: str = "upcycle"     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
-    export_class: str = "auto"  # with export=hf: auto, qwen2_moe, qwen3_moe or mixtral
-    # Streaming (issue 13): read the dense checkpoint tensor by tensor and write the output shard by shard, one
-    # block in memory. auto: when the model is a local folder of safetensors and an output folder is given;
-    # false: load the whole model; true: refuse a checkpoint that cannot stream.
-    streaming: bool | str = "auto"
+    # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
+    export: str = choice("upcycle", EXPORTS)
+    export_class: str = choice("auto", ("auto", *EXPORT_CLASS_NAMES))   # with export=hf
+    # Streaming: read the dense checkpoint tensor by tensor and write the output shard by shard, one block in
+    # memory. auto: when the model is a local folder of safetensors and an output folder is given; false: load
+    # the whole model; true: refuse a checkpoint that cannot stream.
+    streaming: bool | str = choice("auto", (True, False, "auto"))
     shard_size: str = "50GB"    # largest output shard (transformers' save_pretrained default); e.g. 5GB, 500MB
-    sources: SourcesConfig = field(default_factory=SourcesConfig)   # several fine-tunes of `model` (issue 16)
+    sources: SourcesConfig = field(default_factory=SourcesConfig)   # several fine-tunes of `model`
     # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,43 +302,51 @@ class FreezeRule:
     # Parameter groups (see upcycle.train.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
     # step < until x steps (until = 1.0: the whole run).
     params: tuple[str, ...]
-    until: float = 1.0
+    until: float = ranged(1.0, 0, 1)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "freeze[].")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: str = "default"      # an upcycle folder, a dense Hugging Face folder or id, or "default"
-    task: str | None = None     # causal_lm | clip; None: from the model (CLIP models: clip)
+    task: str | None = choice(None, TASKS)    # causal_lm | clip; None: from the model (CLIP models: clip)
     # causal_lm: .txt / .jsonl ("text") file; None on the embedded model = the Wikipedia train split.
     # clip: "digits" (scikit-learn's 8x8 digits with templated captions), a JSONL file of
     # {"image", "caption"[, "label"]}, or a folder of images with same-name .txt captions.
     data: str | None = None
     eval_data: str | None = None   # None: the held-out Wikipedia split / the digits test split, when they apply
-    steps: int = 100                # optimizer steps
-    batch_size: int = 8             # global rows (sequences or image-caption pairs) per optimizer step
-    grad_accum: int = 1             # micro-batches per optimizer step on each process
-    sequence_length: int = 256      # causal_lm: packed row length
-    lr: float = 5e-5
-    min_lr_ratio: float = 0.0       # the schedule decays to lr x this
-    warmup: float = 0.02            # fraction of steps with linear warmup
-    schedule: str = "linear"        # linear | cosine | constant (after warmup)
-    weight_decay: float = 0.0       # AdamW decay on matrices (biases and norms are never decayed)
-    betas: tuple[float, ...] = (0.9, 0.95)
-    clip_grad: float | None = 1.0   # max global gradient norm; None = no clipping
-    mixed_precision: str = "auto"   # auto (bf16 where the GPU has it, else no) | no | bf16 | fp16
+    steps: int = ranged(100, 1, BIG)                # optimizer steps
+    batch_size: int = ranged(8, 1, 2**20)           # global rows (sequences or image-caption pairs) per step
+    grad_accum: int = ranged(1, 1, 2**16)           # micro-batches per optimizer step on each process
+    sequence_length: int = ranged(256, 1, 2**20)    # causal_lm: packed row length
+    lr: float = ranged(5e-5, 0, math.inf, low_open=True, high_open=True)
+    min_lr_ratio: float = ranged(0.0, 0, 1)         # the schedule decays to lr x this
+    warmup: float = ranged(0.02, 0, 1, high_open=True)   # fraction of steps with linear warmup
+    schedule: str = choice("linear", SCHEDULES)     # after warmup
+    weight_decay: float = ranged(0.0, 0, math.inf, high_open=True)   # AdamW decay on matrices (not biases, norms)
+    betas: tuple[float, ...] = ranged((0.9, 0.95), 0, 1, high_open=True)
+    clip_grad: float | None = ranged(1.0, 0, math.inf, low_open=True, high_open=True)  # None = no clipping
+    mixed_precision: str = choice("auto", MIXED_PRECISIONS)   # auto: bf16 where the GPU has it, else no
     train: tuple[str, ...] = ("all",)   # what trains at all: groups or globs (all, moe, routed, router, ...)
     freeze: tuple[FreezeRule, ...] = ()  # frozen for the first fraction of steps, e.g. SPRI's two stages
     regularizers: RegularizerConfig = field(default_factory=RegularizerConfig)
-    checkpoint_every: int = 0       # steps between checkpoints (0: only at the end and on Ctrl-C)
-    keep_checkpoints: int = 2
-    eval_every: int = 0             # steps between evaluations (0: only before and after training)
-    eval_tokens: int = 32768        # causal_lm: held-out tokens per evaluation
+    checkpoint_every: int = ranged(0, 0, BIG)       # steps between checkpoints (0: only at the end and on Ctrl-C)
+    keep_checkpoints: int = ranged(2, 1, 10**6)
+    eval_every: int = ranged(0, 0, BIG)             # steps between evaluations (0: only before and after training)
+    eval_tokens: int = ranged(32768, 1, 2**31)      # causal_lm: held-out tokens per evaluation
     # A step whose loss or gradient norm is NaN/inf: "stop" the run (OUT keeps its last good checkpoint), or
     # "skip" it (no update; the schedule moves on) and stop only once more than max_skipped_steps were skipped.
-    on_nonfinite: str = "stop"
-    max_skipped_steps: int = 10
-    seed: int = 0
+    on_nonfinite: str = choice("stop", ("stop", "skip"))
+    max_skipped_steps: int = ranged(10, 0, BIG)
+    seed: int = ranged(0, 0, SEED_MAX)
     # No `overwrite` key: replacing an existing folder is a command-line decision (--overwrite), never a recipe's.
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if len(self.betas) != 2:
+            raise UpcycleError(f"betas must be a pair, got {list(self.betas)}")
 
 
 # A decimal number as people write it: sign, digits with an optional point (or a point and digits), exponent.
@@ -240,7 +357,7 @@ _NON_FINITE = re.compile(r"[+-]?(inf|infinity|nan)", re.IGNORECASE)
 
 def _number(value, kind: type, where: str):
     """`value` as `kind` (int or float): a YAML number, or a string YAML left unread such as '1e-3'."""
-    wrong = UpcycleError(f"{where} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    wrong = UpcycleError(f"{where} must be {kind.__name__}, got {_short(value)} ({type(value).__name__})")
     if isinstance(value, bool):          # bool is an int subclass; true is not 1 here
         raise wrong
     if isinstance(value, str):
@@ -259,7 +376,7 @@ def _number(value, kind: type, where: str):
         # a whole number written as a float (`1e5` tokens, `8.0` experts) is that int; 2.5 is not an int
         if math.isfinite(value) and value.is_integer():
             return int(value)
-        raise UpcycleError(f"{where} must be a whole number (int), got {value!r}")
+        raise UpcycleError(f"{where} must be a whole number (int), got {_short(value)}")
     raise wrong
 
 
@@ -294,22 +411,22 @@ def coerce(value, hint, where: str):
         return build(hint, value, where + ".")
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise UpcycleError(f"{where} must be a list, got {value!r}")
+            raise UpcycleError(f"{where} must be a list, got {_short(value)}")
         return origin(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
-            raise UpcycleError(f"{where} must be a mapping, got {value!r}")
+            raise UpcycleError(f"{where} must be a mapping, got {_short(value)}")
         return dict(value)
     if hint in (int, float):
         return _number(value, hint, where)
     if hint is bool and not isinstance(value, bool):
-        raise UpcycleError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+        raise UpcycleError(f"{where} must be true or false, got {_short(value)} ({type(value).__name__})")
     if hint is str and isinstance(value, bool):
         # YAML 1.1 reads yes/no/on/off as booleans: `mixed_precision: no` arrives as False
-        raise UpcycleError(f"{where} must be a string, got {value!r}: YAML reads the words yes, no, on, off, true "
-                           f"and false as booleans; quote the word ({where.rsplit('.', 1)[-1]}: 'no')")
+        raise UpcycleError(f"{where} must be a string, got {_short(value)}: YAML reads the words yes, no, on, off, "
+                           f"true and false as booleans; quote the word ({where.rsplit('.', 1)[-1]}: 'no')")
     if not isinstance(value, hint):
-        raise UpcycleError(f"{where} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+        raise UpcycleError(f"{where} must be {hint.__name__}, got {_short(value)} ({type(value).__name__})")
     return value
 
 
@@ -317,7 +434,7 @@ def build(cls, data: dict | None, where: str = ""):
     """Build dataclass `cls` from a nested mapping, refusing unknown keys and wrong types."""
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise UpcycleError(f"{where or 'config'} must be a mapping, got {data!r}")
+        raise UpcycleError(f"{where or 'config'} must be a mapping, got {_short(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = set(data) - set(names)
@@ -334,19 +451,72 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
+# A recipe is a few hundred bytes; these bounds only stop hostile YAML: a megabyte of text, and 100,000 values once
+# aliases are expanded (nested aliases expand exponentially: 351 bytes can stand for billions of values).
+MAX_RECIPE_BYTES = 2**20
+MAX_YAML_VALUES = 100_000
+
+
+def safe_yaml(text: str):
+    """YAML's safe subset (no Python tags), refused when it expands to more than MAX_YAML_VALUES values, refers
+    to itself or nests too deeply. Raises yaml.YAMLError or UpcycleError."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise UpcycleError("the YAML nests too deeply") from None
+        if node is None:
+            return None
+        _count_values(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _count_values(root) -> int:
+    """The number of values `root` stands for with its aliases expanded (each alias is the same node object, so
+    a memo keeps this linear in the text); refused past the limit or for a value that contains itself."""
+    sizes: dict[int, int] = {}
+    stack = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = [] if isinstance(node, yaml.ScalarNode) else \
+            [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else list(node.value)
+        if done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[key] > MAX_YAML_VALUES:
+                raise UpcycleError(f"the YAML expands to more than {MAX_YAML_VALUES:,} values (through its "
+                                   f"aliases); a recipe is far smaller")
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise UpcycleError("the YAML refers to itself (a recursive alias)")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(root)]
+
+
 def set_override(data: dict, assignment: str) -> None:
     """Apply one `a.b.c=value` to a nested mapping in place (the value is YAML; numbers see `coerce`)."""
     if "=" not in assignment:
-        raise UpcycleError(f"--set expects key=value, got {assignment!r}")
+        raise UpcycleError(f"--set expects key=value, got {_short(assignment)}")
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise UpcycleError(f"--set {assignment}: the key must be dotted names such as moe.top_k, got {key!r}")
+        raise UpcycleError(f"--set {assignment}: the key must be dotted names such as moe.top_k, got {_short(key)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise UpcycleError(f"--set {assignment}: the value is not valid YAML: {_yaml_problem(e)} "
+        raise UpcycleError(f"--set {_clip(assignment)}: the value is not valid YAML: {_yaml_problem(e)} "
                            f"(quote a string, close a [list])") from None
+    except UpcycleError as e:
+        raise UpcycleError(f"--set {_clip(assignment)}: {e}") from None
     node = data
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -360,8 +530,16 @@ def load_recipe(path: str | Path | None) -> dict:
     not YAML or not a mapping is refused with its name."""
     if path is None:
         return {}
+    file = Path(path).expanduser()
+    if file.exists() and not file.is_dir() and not file.is_file():
+        raise UpcycleError(f"recipe {path} is not a regular file (a pipe or a device); --config takes a YAML file")
+    if file.is_file() and file.stat().st_size > MAX_RECIPE_BYTES:
+        raise UpcycleError(f"recipe {path} is {file.stat().st_size:,} bytes; a recipe is at most "
+                           f"{MAX_RECIPE_BYTES:,} bytes of YAML")
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = safe_yaml(file.read_text(encoding="utf-8"))
+    except UpcycleError as e:
+        raise UpcycleError(f"recipe {path}: {e}") from None
     except FileNotFoundError:
         raise UpcycleError(f"recipe {path} does not exist") from None
     except IsADirectoryError:

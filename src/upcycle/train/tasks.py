@@ -14,15 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import TASKS, TrainConfig  # noqa: F401  (TASKS: upcycle.train.tasks.TASKS)
 from ..conversion.loading import check_sequence_length, task_of
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import PackedBatches, SeededBatches, pack_documents
 from ..errors import UpcycleError
 from .evaluate import clip_metrics, perplexity
 from .objective import causal_lm_loss
-
-TASKS = ("causal_lm", "clip")
 
 
 class CausalLMTask:
