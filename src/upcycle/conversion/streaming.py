@@ -22,6 +22,7 @@ is possible at any size; it costs another read of the dense checkpoint and of th
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,24 @@ class NotStreamable(UpcycleError):
     """The checkpoint cannot be read tensor by tensor (no safetensors, or names the model does not have)."""
 
 
+def check_shapes(model: nn.Module, reader: CheckpointReader, names: dict[str, str], path) -> None:
+    """Refuse a checkpoint whose tensors do not fit the model its config.json describes (a wrong intermediate
+    size, a hidden size that does not match), or that holds tensors the model has no place for (more blocks than
+    the config says), before any tensor is read."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    wrong = [f"{key} is {list(reader.shape(key))} in the checkpoint, {list(shapes[name])} in the model"
+             for name, key in names.items() if reader.shape(key) != shapes[name]]
+    if wrong:
+        raise UpcycleError(f"{path}: the checkpoint does not fit its config.json ({len(wrong)} tensor(s): "
+                           f"{'; '.join(wrong[:3])})")
+    # what transformers itself drops on load (rotary buffers older checkpoints stored) is not extra
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    extra = sorted(n for n in set(reader.names()) - set(names.values()) if not any(p.search(n) for p in ignored))
+    if extra:
+        raise UpcycleError(f"{path}: the checkpoint holds {len(extra)} tensor(s) its config.json has no place for "
+                           f"(e.g. {', '.join(extra[:3])}); the weights and config.json must describe one model")
+
+
 @dataclass
 class StreamSource:
     """A dense checkpoint opened for streaming: its reader, the weightless model and the name map."""
@@ -92,11 +111,18 @@ class StreamSource:
             reader = CheckpointReader(path)
         except UpcycleError as e:
             raise NotStreamable(str(e)) from None
-        model = model if model is not None else empty_model(config, dtype)
+        try:
+            model = model if model is not None else empty_model(config, dtype)
+        except UpcycleError:
+            raise
+        except Exception as e:      # a config that builds no model (an unknown activation, a bad size)
+            raise UpcycleError(f"{path}: config.json does not build a {config.model_type} model "
+                               f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
         names, missing = checkpoint_names(model, reader)
         if missing:
             raise NotStreamable(f"{path}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                 f"({len(missing)} not found, e.g. {missing[:3]})")
+        check_shapes(model, reader, names, path)
         return cls(reader, model, names, dtype, storage, device)
 
     def first_inputs(self, towers: dict, batches: list[dict]) -> dict:
@@ -311,5 +337,5 @@ def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype, output
     the output fits in memory: check.end_to_end)."""
     from transformers import AutoModelForCausalLM
 
-    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=False).eval()
     return probe_output(stock, probe, outputs)

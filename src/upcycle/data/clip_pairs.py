@@ -77,6 +77,8 @@ def digits_pairs() -> tuple[Pairs, Pairs]:
 def _image(path: Path) -> torch.Tensor:
     from PIL import Image
 
+    if not path.is_file():          # a pipe or a device would block the read, or never end
+        raise UpcycleError(f"image {path}: no such regular file")
     try:
         with Image.open(path) as img:
             rgb = img.convert("RGB")
@@ -118,11 +120,13 @@ def read_pairs(source: str | Path) -> Pairs:
         images, captions, names = [], [], []
         for file in files:
             caption = file.with_suffix(".txt")
-            if not caption.exists():
-                raise UpcycleError(f"image {file} has no caption file {caption.name}")
+            if not caption.is_file():
+                raise UpcycleError(f"image {file} has no caption file {caption.name} (a regular file)")
             images.append(_image(file))
             captions.append(caption.read_text(encoding="utf-8").strip())
             names.append(file.parent.name if file.parent != path else None)
+    elif path.exists():
+        raise UpcycleError(f"image-caption data {source!r} is not a regular file or a folder (a pipe or a device)")
     else:
         raise UpcycleError(f"image-caption data {source!r}: no such file or folder (or use 'digits')")
     if not captions:

@@ -247,9 +247,12 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: a malformed JSONL line, undecodable bytes, or no text.
+        ValueError: not a regular file, a malformed JSONL line, undecodable bytes, or no text.
     """
     file = pathlib.Path(path)
+    if file.exists() and not file.is_file():
+        # a folder is a mistake; a pipe or a device (/dev/zero) would block or never end
+        raise ValueError(f"{file} is not a regular file (a folder, a pipe or a device); give a .txt or .jsonl file")
     try:
         # utf-8-sig: editors on Windows often prepend a BOM to UTF-8 files.
         content = file.read_text(encoding="utf-8-sig")

@@ -8,9 +8,29 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UpcycleError
+
+HEADS = 4
+
+
+def check_sizes(*, image_size: int, patch_size: int, hidden_size: int, layers: int, max_length: int,
+                seed: int) -> None:
+    """Refuse sizes that build no model (a zero, a patch that does not tile the image, a width the heads do not
+    divide) or one far beyond a tiny model (so a typo cannot start allocating terabytes)."""
+    bounds = {"image_size": (image_size, 1, 1024), "patch_size": (patch_size, 1, 1024),
+              "hidden_size": (hidden_size, HEADS, 8192), "layers": (layers, 1, 64),
+              "max_length": (max_length, 3, 4096), "seed": (seed, 0, 2**32 - 1)}
+    for name, (value, low, high) in bounds.items():
+        if not low <= value <= high:
+            raise UpcycleError(f"--{name.replace('_', '-')} must be from {low} to {high:,}, got {value}")
+    if image_size % patch_size:
+        raise UpcycleError(f"--patch-size {patch_size} must divide --image-size {image_size}")
+    if hidden_size % HEADS:
+        raise UpcycleError(f"--hidden-size must be a multiple of the {HEADS} attention heads, got {hidden_size}")
+
 
 def tiny_clip(tokenizer, *, image_size: int = 16, patch_size: int = 4, hidden_size: int = 64, layers: int = 4,
-              heads: int = 4, projection_dim: int = 64, max_length: int = 16, seed: int = 0):
+              heads: int = HEADS, projection_dim: int = 64, max_length: int = 16, seed: int = 0):
     """A small random dense CLIPModel whose text tower reads `tokenizer`'s ids (EOS pooling)."""
     import transformers
 
