@@ -161,7 +161,7 @@ def test_a_recorded_dense_source_that_is_gone_skips_the_kl_with_a_note(tiny_lm, 
     moved = tmp_path / "moe"
     shutil.copytree(moe, moved)
     report = json.loads((moved / "upcycle_report.json").read_text())
-    report["source_model"] = str(tmp_path / "gone")
+    report["source_model"] = report["source_path"] = str(tmp_path / "gone")
     (moved / "upcycle_report.json").write_text(json.dumps(report))
     result = analyze(str(moved), str(tmp_path / "a"), _options(train_txt, held), progress=False)
     assert result["target"]["dense"] is None and result["snapshots"][0]["kl_to_dense"] is None

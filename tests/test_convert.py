@@ -164,10 +164,15 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UpcycleError, match="already exists"):
         convert(cfg(model_dir), out, progress=False)
+    # --overwrite replaces only what upcycle wrote: a folder of the user's is never deleted
+    with pytest.raises(UpcycleError, match="only upcycle's own outputs"):
+        convert(cfg(model_dir), out, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    convert(cfg(model_dir), out, progress=False)              # an empty folder made for the output is taken
     convert(cfg(model_dir), out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
-    assert sorted(os.listdir(tmp_path)) == ["m", "out"]        # no temporary folders left
+    assert (out / "model.safetensors").exists()
+    assert sorted(os.listdir(tmp_path)) == ["m", "out"]        # no temporary folders or locks left
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])

@@ -86,7 +86,7 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 LAYERS = {
     "upcycle.errors": 0,
     "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
-    "upcycle.core": 2, "upcycle.data": 2,
+    "upcycle.core": 2, "upcycle.data": 2, "upcycle.outputs": 2,
     "upcycle.methods": 3, "upcycle.analysis": 3,
     "upcycle.conversion": 4,
     "upcycle.train": 5,

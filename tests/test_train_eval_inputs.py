@@ -110,7 +110,7 @@ def test_eval_of_a_corrupt_upcycle_folder_says_so(tiny_lm, tmp_path, capsys):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert main(["eval", str(broken), "--data", str(tiny_lm[3])]) == 2
-    assert "could not load the upcycle folder" in capsys.readouterr().err
+    assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
 
 
 def test_train_refuses_bad_inputs_before_writing(tiny_lm, tmp_path, capsys):
@@ -119,8 +119,12 @@ def test_train_refuses_bad_inputs_before_writing(tiny_lm, tmp_path, capsys):
     a_file.write_text("not a folder")
     assert main(["train", str(moe), str(a_file), "--data", str(train_txt), *RUN]) == 2
     assert "not a folder" in capsys.readouterr().err and a_file.read_text() == "not a folder"
-    assert main(["train", str(moe), str(tmp_path / "run"), "--data", str(tmp_path), *RUN]) == 2
+    (tmp_path / "texts").mkdir()
+    assert main(["train", str(moe), str(tmp_path / "run"), "--data", str(tmp_path / "texts"), *RUN]) == 2
     assert "is a folder" in capsys.readouterr().err
+    # data that holds OUT: the output check names it first
+    assert main(["train", str(moe), str(tmp_path / "run"), "--data", str(tmp_path), *RUN]) == 2
+    assert "lies inside the training data" in capsys.readouterr().err
     binary = tmp_path / "data.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     assert main(["train", str(moe), str(tmp_path / "run"), "--data", str(binary), *RUN]) == 2

@@ -5,26 +5,36 @@
     model = upcycle.load("out/smollm2-moe")
     from upcycle.train.trainer import train
     train(upcycle.TrainConfig(model="out/smollm2-moe", steps=40), "out/train-copy")
+
+The names below load on first use, so that `import upcycle` (and the `upcycle` command's start) does not import
+torch and transformers before they are needed.
 """
 
-import sys as _sys
+from importlib import import_module
 
-from .config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig  # noqa: E402
-from .conversion.converter import convert, upcycle_model  # noqa: E402
-from .conversion.io import load  # noqa: E402
-from .core.moe import MoELayer, RoutingRecord  # noqa: E402
-from .errors import UpcycleError  # noqa: E402
-from .methods import METHODS  # noqa: E402
-from .train import balance, losses, teacher  # noqa: E402  (short names: upcycle.losses.*)
-from .version import __version__  # noqa: E402
+from .version import __version__
 
-# The short names are also importable (`import upcycle.losses`, `from upcycle.losses import dpsl`), not only
-# attributes: registered as aliases of the modules, so both spellings give the same module objects.
-for _name, _module in (("balance", balance), ("losses", losses), ("teacher", teacher)):
-    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
-del _name, _module
+_NAMES = {
+    "ConvertConfig": "config", "MoEConfig": "config", "PlacementConfig": "config", "RegularizerConfig": "config",
+    "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.converter",
+    "upcycle_model": "conversion.converter", "load": "conversion.io", "MoELayer": "core.moe",
+    "RoutingRecord": "core.moe", "METHODS": "methods",
+}
+_MODULES = {"balance": "train.balance", "losses": "train.losses", "teacher": "train.teacher"}
 
-__all__ = ["ConvertConfig", "MoEConfig", "PlacementConfig", "RegularizerConfig", "TrainConfig", "convert",
-           "upcycle_model",
-           "UpcycleError", "load", "METHODS", "MoELayer", "RoutingRecord", "balance", "losses", "teacher",
-           "__version__"]
+__all__ = [*_NAMES, *_MODULES, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(import_module(f".{_NAMES[name]}", __name__), name)
+    elif name in _MODULES:
+        value = import_module(f".{name}", __name__)       # the alias module (upcycle/losses.py ...)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -15,17 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import (
-    EXPORTS,
-    MIXED_PRECISIONS,
-    NON_FFN,
-    ROUTER_INITS,
-    SCHEDULES,
+    EXPORT_CLASS_NAMES,
+    STORAGE_DTYPES,
     ConvertConfig,
     TrainConfig,
     build,
@@ -34,10 +33,10 @@ from .config import (
     refuse_overwrite_key,
     set_override,
 )
-from .conversion.export import EXPORT_CLASSES
-from .conversion.loading import DTYPES
 from .errors import UpcycleError
-from .train.tasks import TASKS
+
+# Only the standard library, YAML and the config are imported above: torch and transformers load inside `main`,
+# where an interrupt while they load is a one-line message, not a traceback.
 
 
 def _whole_number(text: str) -> int:
@@ -62,7 +61,6 @@ class ConfigFlag:
     key: str
     help: str
     split: bool = False                 # a comma-separated list (--layers 1,3,5) for a list-typed key
-    choices: tuple[str, ...] | None = None
 
 
 def config_field(cls: type, key: str) -> dataclasses.Field:
@@ -80,6 +78,12 @@ def config_field(cls: type, key: str) -> dataclasses.Field:
     return fields[leaf]
 
 
+def flag_choices(cls: type, key: str) -> tuple[str, ...] | None:
+    """The values a key's flag offers: the choices the config field declares (`upcycle.config.choice`)."""
+    choices = config_field(cls, key).metadata.get("choices")
+    return tuple(c for c in choices if isinstance(c, str)) if choices else None
+
+
 def default_text(value) -> str:
     """A config default as the help shows it (as one would write it on the command line)."""
     if isinstance(value, bool):
@@ -94,11 +98,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, flags: tuple[C
         field = config_field(cls, f.key)
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         shown = "" if default is None else f" (default {default_text(default)})"
+        choices = flag_choices(cls, f.key)
         # no argparse default: a flag left out must not override the recipe (precedence); no argparse type:
         # the text is read by the key's type when the config is built
-        parser.add_argument(f.flag, dest=f.key, help=f.help + shown, choices=f.choices,
+        parser.add_argument(f.flag, dest=f.key, help=f.help + shown, choices=choices,
                             type=_comma_list if f.split else None,
-                            metavar=None if f.choices else f.flag.lstrip("-").replace("-", "_").upper())
+                            metavar=None if choices else f.flag.lstrip("-").replace("-", "_").upper())
 
 
 CONVERT_FLAGS = (
@@ -111,7 +116,7 @@ CONVERT_FLAGS = (
     ConfigFlag("--towers", "placement.towers", "for CLIP: text, vision, or text,vision", split=True),
     ConfigFlag("--seed", "seed", "seed of every random draw: same seed, same bytes"),
     ConfigFlag("--dtype", "dtype", f"dtype of the written weights (the in-memory conversion computes in it): auto "
-                                   f"(the checkpoint's own), {', '.join(DTYPES)}"),
+                                   f"(the checkpoint's own), {', '.join(STORAGE_DTYPES)}"),
     ConfigFlag("--device", "device", "where calibration, the methods' linear algebra and the checks run: auto (the "
                                      "GPU when torch sees one), cpu, cuda, cuda:N"),
     ConfigFlag("--probe-text", "check.text",
@@ -120,18 +125,18 @@ CONVERT_FLAGS = (
                "data-aware methods (cluster); default on the embedded model: the Wikipedia train split"),
     ConfigFlag("--calibration-tokens", "calibration.tokens", "FFN-input tokens kept per layer (reservoir-sampled)"),
     ConfigFlag("--export", "export", "upcycle (any architecture) or hf: a stock transformers MoE class where one "
-               "fits", choices=EXPORTS),
+               "fits"),
     ConfigFlag("--shard-size", "shard_size", "largest output shard (safetensors), e.g. 5GB, 500MB"),
     ConfigFlag("--export-class", "export_class", "with --export hf: auto (qwen2_moe, or qwen3_moe for Qwen3), "
-               "or a class by name", choices=("auto", *EXPORT_CLASSES)),
+               "or a class by name"),
     ConfigFlag("--router", "sources.router", "with --expert: the router's rows from random draws, the sources' "
-               "prompts, or the centroid of each source's data", choices=ROUTER_INITS),
+               "prompts, or the centroid of each source's data"),
     ConfigFlag("--non-ffn", "sources.non_ffn", "with --expert: attention, embeddings and norms from the base, or "
-               "the sources' average", choices=NON_FFN),
+               "the sources' average"),
 )
 
 TRAIN_FLAGS = (
-    ConfigFlag("--task", "task", "default: from the model (CLIP models: clip)", choices=TASKS),
+    ConfigFlag("--task", "task", "default: from the model (CLIP models: clip)"),
     ConfigFlag("--data", "data", "causal_lm: .txt/.jsonl text (default on the embedded model: Wikipedia train "
                "split); clip: 'digits' (default), a JSONL of image/caption, or an image folder"),
     ConfigFlag("--eval-data", "eval_data", "held-out data of the same kind (default: the held-out Wikipedia "
@@ -141,15 +146,14 @@ TRAIN_FLAGS = (
     ConfigFlag("--grad-accum", "grad_accum", "micro-batches per step and process"),
     ConfigFlag("--sequence-length", "sequence_length", "packed row length"),
     ConfigFlag("--lr", "lr", "peak learning rate"),
-    ConfigFlag("--schedule", "schedule", "decay after warmup", choices=SCHEDULES),
+    ConfigFlag("--schedule", "schedule", "decay after warmup"),
     ConfigFlag("--warmup", "warmup", "fraction of the steps with linear warmup"),
     ConfigFlag("--weight-decay", "weight_decay", "AdamW weight decay"),
     ConfigFlag("--train", "train", "what trains: comma-separated groups or globs (all, moe, routed, router, "
                "experts, dense, ...)", split=True),
     ConfigFlag("--checkpoint-every", "checkpoint_every", "steps between checkpoints (0: only at the end)"),
     ConfigFlag("--eval-every", "eval_every", "steps between evaluations (0: only before and after training)"),
-    ConfigFlag("--mixed-precision", "mixed_precision", "auto: bf16 where the GPU has it, else no",
-               choices=MIXED_PRECISIONS),
+    ConfigFlag("--mixed-precision", "mixed_precision", "auto: bf16 where the GPU has it, else no"),
     ConfigFlag("--seed", "seed", "seed of the run"),
 )
 
@@ -182,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="write an upcycle-format folder as a stock transformers checkpoint")
     x.add_argument("src", help="folder written by `upcycle convert`")
     x.add_argument("out", help="output folder (written atomically)")
-    x.add_argument("--export-class", dest="export_class", default="auto", choices=("auto", *EXPORT_CLASSES))
+    x.add_argument("--export-class", dest="export_class", default="auto", choices=("auto", *EXPORT_CLASS_NAMES))
     x.add_argument("--overwrite", action="store_true")
 
     t = sub.add_parser("train", help="train a model (upcycled or dense) and write the run to OUT")
@@ -205,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--data", help="held-out data (default: held-out Wikipedia / the digits test split)")
     e.add_argument("--tokens", type=_whole_number, default=32768, help="causal LMs: held-out tokens (default 32768)")
     e.add_argument("--sequence-length", type=_whole_number, default=256, dest="sequence_length")
-    e.add_argument("--out", help="also write the JSON to this file")
+    e.add_argument("--out", help="also write the JSON to this file (written atomically; never an input)")
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it is an earlier `upcycle eval` result")
 
     k = sub.add_parser("tiny-clip", help="write a small random dense CLIP (and caption tokenizer) to pretrain")
     k.add_argument("out", help="output folder (written atomically)")
@@ -287,9 +292,7 @@ def _apply_sets(data: dict, assignments: list[str]) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.resume and args.config is None:   # the run's own config, with any flags on top (which must agree)
-        from pathlib import Path
-
-        from .train.trainer import saved_config
+        from .train.run_folder import saved_config
 
         data = saved_config(Path(args.out))
     else:
@@ -306,54 +309,81 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = train_config(args)
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
-                    progress=not args.quiet)
+                    progress=not args.quiet, recipe=args.config)
     if summary["interrupted"]:
         print(f"upcycle: interrupted at step {summary['step']}; checkpoint {summary['checkpoint']} "
               f"(continue with --resume)", file=sys.stderr)
         return 130
-    print(json.dumps(summary, indent=2))
+    print(dumps(summary))
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def dumps(result: dict) -> str:
+    """JSON as the commands print and write it: valid JSON, so a NaN or infinite number is an error (a model or
+    a run that produced one is reported, not written as the invalid token NaN)."""
+    try:
+        return json.dumps(result, indent=2, allow_nan=False)
+    except ValueError:
+        bad = [key for key, value in _leaves(result) if isinstance(value, float) and not math.isfinite(value)]
+        raise NonFiniteResult(f"the result holds non-finite numbers ({', '.join(bad[:5])}): the model's outputs "
+                              f"are not finite (NaN or infinite weights or activations)") from None
 
+
+class NonFiniteResult(UpcycleError):
+    """A computed result that is NaN or infinite."""
+
+
+def _leaves(value, prefix: str = ""):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{prefix}{key}.")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{prefix}{i}.")
+    else:
+        yield prefix.rstrip("."), value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .data.assets import model_inputs
+    from .outputs import Input, claim_output, inputs
     from .train.evaluate import evaluate_model
 
-    path = Path(args.model)
-    if (path / "model").is_dir():      # a training run folder
+    path = Path(args.model).expanduser()
+    if (path / "model").is_dir() and not (path / "config.json").exists():      # a training run folder
         path = path / "model"
-    if args.out:                       # found before the evaluation runs, not after
-        target = Path(args.out)
-        if target.is_dir():
-            raise UpcycleError(f"--out {args.out} is a folder; give a file name for the JSON")
-        if not target.parent.is_dir():
-            raise UpcycleError(f"--out {args.out}: the folder {target.parent} does not exist")
-    result = evaluate_model(str(path) if path.exists() else args.model, data=args.data, tokens=args.tokens,
-                            sequence_length=args.sequence_length)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        tmp = Path(args.out).with_name(f".{Path(args.out).name}.tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
+    name = str(path) if path.exists() else args.model
+    def evaluate() -> str:
+        result = evaluate_model(name, data=args.data, tokens=args.tokens, sequence_length=args.sequence_length)
+        return dumps({"format": "upcycle-eval", **result})
+
+    if not args.out:
+        print(evaluate())
+        return 0
+    given = [*(Input(what, p) for what, p in model_inputs(args.model)), *inputs(("held-out data", args.data))]
+    with claim_output(args.out, kind="eval", given=given, overwrite=bool(args.overwrite), file=True) as claim:
+        text = evaluate()
+        claim.write_text(text + "\n")
     print(text)
     return 0
 
 
 def _tiny_clip(args: argparse.Namespace) -> int:
     from .data.clip_pairs import caption_tokenizer, load_pairs
-    from .data.tiny_clip import tiny_clip
-    from .files import atomic_directory, check_output_location
+    from .data.tiny_clip import check_sizes, tiny_clip
+    from .outputs import claim_output, inputs
 
-    check_output_location(args.out, overwrite=args.overwrite)
-
-    pairs = load_pairs(args.data, split="train")
-    tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
-    model = tiny_clip(tokenizer, image_size=args.image_size, patch_size=args.patch_size,
-                      hidden_size=args.hidden_size, layers=args.layers, max_length=args.max_length, seed=args.seed)
-    with atomic_directory(args.out, overwrite=args.overwrite) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    sizes = dict(image_size=args.image_size, patch_size=args.patch_size, hidden_size=args.hidden_size,
+                 layers=args.layers, max_length=args.max_length, seed=args.seed)
+    check_sizes(**sizes)
+    with claim_output(args.out, kind="tiny-clip", given=inputs(("caption data", args.data)),
+                      overwrite=args.overwrite) as claim:
+        pairs = load_pairs(args.data, split="train")
+        tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
+        model = tiny_clip(tokenizer, **sizes)
+        with claim.directory() as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.out}: dense CLIP, {params:,} parameters, {len(tokenizer)} caption tokens")
     return 0
@@ -371,65 +401,80 @@ def _methods() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """The `upcycle` command: 0 on success, 2 for bad input (one line on stderr, no traceback), 130 when
+    interrupted (Ctrl-C at any point after start-up, loading torch included)."""
     # SIGTERM becomes SystemExit so the atomic writer removes its temporary folder on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        if args.command == "methods":
-            _methods()
-            return 0
-        if args.command == "train":
-            return _train(args)
-        if args.command == "eval":
-            return _eval(args)
-        if args.command == "tiny-clip":
-            return _tiny_clip(args)
-        if args.command == "compare":
-            from .compare.command import run_command as run_compare
-
-            return run_compare(args, argv)
-        if args.command == "analyze":
-            from .analyze.command import run_command
-
-            return run_command(args, argv)
-        if args.command == "export":
-            from .conversion.export import export_folder
-
-            info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite)
-            print(json.dumps(info, indent=2))
-            print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
-            return 0
-        from .conversion.converter import convert
-
-        if args.quiet:
-            from transformers.utils import logging as hf_logging
-            hf_logging.disable_progress_bar()
-        cfg = convert_config(args)
-        if args.dry_run and cfg.sources.experts:
-            raise UpcycleError("--dry-run does not plan a merge of several sources yet")
-        if args.dry_run:
-            from .conversion.plan import describe, dry_run
-
-            report = dry_run(cfg)
-            print(describe(report))
-            print(json.dumps(report, indent=2))
-            return 0
-        if args.out is None:
-            raise UpcycleError("convert needs an output folder OUT (or --dry-run)")
-        result = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet)
+        return _run(_parser().parse_args(argv), argv)
     except UpcycleError as e:
-        print(f"upcycle: error: {e}", file=sys.stderr)
+        print(f"upcycle: error: {_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:     # train says what OUT holds; elsewhere outputs are written atomically
         print(f"upcycle: interrupted; {e or 'nothing was written'}", file=sys.stderr)
         return 130
+
+
+def _message(error: Exception) -> str:
+    """An error as one line of bounded length (a message quoting a huge value stays readable)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= 2000 else text[:2000] + f" ... ({len(text):,} characters)"
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if args.command == "methods":
+        _methods()
+        return 0
+    if args.command == "train":
+        return _train(args)
+    if args.command == "eval":
+        return _eval(args)
+    if args.command == "tiny-clip":
+        return _tiny_clip(args)
+    if args.command == "compare":
+        from .compare.command import run_command as run_compare
+
+        return run_compare(args, argv)
+    if args.command == "analyze":
+        from .analyze.command import run_command
+
+        return run_command(args, argv)
+    if args.command == "export":
+        from .conversion.export import export_folder
+
+        info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite)
+        print(dumps(info))
+        print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
+        return 0
+    return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .conversion.converter import convert
+
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    cfg = convert_config(args)
+    if args.dry_run and cfg.sources.experts:
+        raise UpcycleError("--dry-run does not plan a merge of several sources yet")
+    if args.dry_run:
+        from .conversion.plan import describe, dry_run
+
+        report = dry_run(cfg)
+        print(describe(report))
+        print(dumps(report))
+        return 0
+    if args.out is None:
+        raise UpcycleError("convert needs an output folder OUT (or --dry-run)")
+    result = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet, recipe=args.config)
     r = result.report
     summary = {k: r[k] for k in ("method", "num_moe_layers", "num_experts", "top_k", "max_abs_logit_diff",
                                  "kl_to_dense")}
     summary["parameters"] = r["parameters"]
     summary["preservation_passed"] = r["preservation"]["passed"]
     summary["export"] = r["export"]
-    print(json.dumps(summary, indent=2))
+    print(dumps(summary))
     print(f"wrote {args.out} (report: {args.out}/upcycle_report.json)")
     return 0
 

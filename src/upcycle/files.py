@@ -1,9 +1,9 @@
-"""Output folders that are safe to write: checks before anything is written, atomic replacement at the end.
+"""Writing outputs whole or not at all: a temporary sibling renamed into place when the work succeeded.
 
-Every command that writes (convert, export, train, tiny-clip) asks `check_output_location` before it loads a
-model, and writes into a temporary sibling that `atomic_directory` renames into place only when the work
-succeeded (DESIGN principle 4). Temporaries carry their owner's host and process id, so a later run can remove
-the ones a killed process left and leave alone those still being written. Nothing here ever deletes an input.
+`atomic_directory` (a folder) and `atomic_write_text` (one file) write next to the output and rename at the end,
+so a failed or killed run leaves no partial output (DESIGN principle 4). Temporaries carry their owner's host and
+process id, so a later run can remove the ones a killed process left and leave alone those still being written.
+Which outputs a command may write at all is `upcycle.outputs`' job; nothing here ever deletes an input.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
     for path in sorted(p for stem in stems for p in out.parent.glob(stem)):
         alive = _owner_alive(path.name, out)
         if alive is False:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             said.append(f"removed {path}, left by a process that no longer runs")
         elif alive is None:
             said.append(f"left {path} in place: a temporary of {out} from another host or an older upcycle; "
@@ -67,37 +67,9 @@ def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
     return said
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def refuse_existing(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
-
-
-def check_output_location(out: str | os.PathLike, *, inputs: tuple[str | os.PathLike | None, ...] = (),
-                          overwrite: bool = False) -> Path:
-    """Refuse an OUT that replacing could destroy what the user gave us: an input (model folder, data file,
-    recipe) or a folder holding one, the current directory or a folder above it, an existing file where a
-    folder goes; and an existing OUT without `overwrite`. Nothing is touched here."""
-    out = Path(out).expanduser()
-    resolved = out.resolve()
-    cwd = Path.cwd().resolve()
-    if _inside(cwd, resolved):
-        raise UpcycleError(f"output {out} is the current directory or holds it; choose a new folder for OUT")
-    for given in inputs:
-        if given is None or not Path(given).expanduser().exists():
-            continue
-        src = Path(given).expanduser().resolve()
-        if _inside(src, resolved):
-            raise UpcycleError(f"output {out} is, or holds, the input {given}; replacing it would delete the input."
-                               " Choose another folder for OUT")
-    if out.exists() and not out.is_dir():
-        raise UpcycleError(f"output {out} exists and is not a folder")
-    refuse_existing(out, overwrite)
-    check_writable_output(out)          # a read-only or impossible OUT is found now, not after the work
-    return out
 
 
 @contextlib.contextmanager
@@ -162,3 +134,19 @@ def check_writable_output(out: str | os.PathLike) -> None:
         raise UpcycleError(f"cannot write output {out}: a folder cannot be created in {base} "
                            f"({e.strerror or e})") from None
     os.rmdir(probe)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write one file through a temporary sibling renamed over it: readers see the old file or the new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

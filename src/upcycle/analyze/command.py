@@ -23,6 +23,7 @@ from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
 from ..conversion.loading import dense_config, load_dense
 from ..conversion.sources import held_out_split
+from ..data.assets import model_inputs
 from ..data.sources import (
     DEFAULT_SOURCES,
     SourceRows,
@@ -32,7 +33,7 @@ from ..data.sources import (
     user_source_texts,
 )
 from ..errors import UpcycleError
-from ..files import atomic_directory, check_output_location
+from ..outputs import Input, claim_output, inputs
 from ..version import __version__
 from .collect import capture, moe_modules, snapshot_metrics
 from .target import RecordedSources, resolve_target, snapshot_models
@@ -54,6 +55,20 @@ class AnalyzeOptions:
     bins: int = 40
     shuffles: int = 20
     seed: int = 0
+
+
+# (flag, low, high) of each number option: beyond these a typo would allocate for minutes, not analyze more
+OPTION_RANGES = {"tokens": ("--tokens", 16, 2**26), "sequence_length": ("--sequence-length", 2, 2**20),
+                 "output_tokens": ("--output-tokens", 1, 2**20), "seed": ("--seed", 0, 2**32 - 1),
+                 "batch_size": ("batch size", 1, 2**16), "bins": ("histogram bins", 1, 10**4),
+                 "shuffles": ("shuffles", 0, 10**4)}
+
+
+def check_options(options: AnalyzeOptions) -> None:
+    for name, (flag, low, high) in OPTION_RANGES.items():
+        value = getattr(options, name)
+        if not low <= value <= high:
+            raise UpcycleError(f"{flag} must be from {low} to {high:,}, got {value:,}")
 
 
 def machine() -> dict:
@@ -135,15 +150,25 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
             progress: bool = True, command: str | None = None) -> dict:
     """Analyze TARGET into the new folder OUT; returns the analysis (what analysis.json holds)."""
     started = time.perf_counter()
-    if options.tokens < 16 or options.sequence_length < 2:
-        raise UpcycleError("--tokens must be at least 16 and --sequence-length at least 2")
+    check_options(options)
     resolved = resolve_target(target, options.checkpoints)
     specs, sources_from = _source_specs(options, resolved.sources)
     # router-source agreement needs the analysis's source s to be the merge's source s
     expert_source = (list(resolved.sources.expert_source)
                      if resolved.sources is not None and sources_from == "the merge's sources" else None)
-    check_output_location(out, inputs=(target, *(spec.file for spec in specs)), overwrite=overwrite)
     dense_name = _dense_source(options, resolved.dense, resolved.notes)
+    given = [*inputs(("target", target), ("run's input model", resolved.skeleton)),
+             *inputs(*((f"source {spec.name}", spec.file) for spec in specs)),
+             *(Input(f"dense model's {what}" if what != "model" else "dense model", path)
+               for name in {options.dense, resolved.dense, dense_name} - {None} for what, path in model_inputs(name))]
+    with claim_output(out, kind="analyze", given=given, overwrite=overwrite) as claim:
+        return _analyze(target, claim, options, resolved, specs, sources_from, expert_source, dense_name, started,
+                        progress, command)
+
+
+def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sources_from, expert_source,
+             dense_name, started: float, progress: bool, command: str | None) -> dict:
+    out = claim.out
 
     def say(message: str) -> None:
         if progress:
@@ -193,7 +218,7 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
                          "shuffles": options.shuffles, "seed": options.seed, "command": command},
               "machine": machine(), "snapshots": snapshots}
     t = time.perf_counter()
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with claim.directory() as tmp:
         figures = write_figures(result, tmp)
         timings["figures"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - started

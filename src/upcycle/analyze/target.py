@@ -13,8 +13,11 @@ A model merged from several sources (`upcycle convert` with `sources.experts`) r
 source's held-out text and which source each expert came from (`recorded_sources`): the analysis then reads
 those texts by default, one data source per merged source, and reports router-source agreement.
 
-A run folder's input model is named in its run_config.yaml as the user typed it, relative to where training
-ran: it is looked up as written, then next to the run folder.
+Recorded models mean the same from any directory: a run records its input model's absolute path in
+`inputs.json`, a conversion its dense model's in the report's `source_path`. A folder written before those records
+named its models as the user typed them, relative to wherever that command ran: such a relative name is not
+guessed at (neither the current directory's folder of that name nor the hub is tried); the analysis says so and
+goes on without it (`--dense` names the dense model explicitly).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from torch import nn
 from ..conversion.io import MOE_CONFIG
 from ..conversion.loading import load_model
 from ..core.stock_moe import STOCK_MOE_TYPES
+from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
-from ..train.checkpoint import MANIFEST
-from ..train.run_folder import CHECKPOINTS, RUN_CONFIG, checkpoints
+from ..train.checkpoint import MANIFEST, step_of
+from ..train.run_folder import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
 
 REPORT = "upcycle_report.json"
 
@@ -77,19 +81,39 @@ def _yaml(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def recorded_dense(folder: Path) -> str | None:
-    """The dense source an upcycle or exported folder records (its report's source_model, else its run config's
-    model), or None."""
-    report = folder / REPORT
-    if report.is_file():
-        try:
-            source = json.loads(report.read_text()).get("source_model")
-        except (OSError, ValueError):
-            source = None
-        if source:
-            return str(source)
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def usable_record(name, notes: list[str], what: str) -> str | None:
+    """A recorded model name that means the same from here: an embedded model's name, an absolute path or a hub
+    id (no '/'-free relative folder guesses); else None with a note."""
+    if not isinstance(name, str) or not name:
+        if name is not None:
+            notes.append(f"the recorded {what} {name!r} is not a model name: left out")
+        return None
+    if name in (*DEFAULT_MODEL_NAMES, "minilm") or Path(name).expanduser().is_absolute():
+        return name
+    notes.append(f"the {what} is recorded as {name!r}, relative to the folder that command ran in, which is not "
+                 f"known: left out (give it explicitly{' with --dense' if what == 'dense model' else ''})")
+    return None
+
+
+def recorded_dense(folder: Path, notes: list[str] | None = None) -> str | None:
+    """The dense source an upcycle or exported folder records (its report's source_path, else for older folders
+    its source_model or its run config's model when they are absolute or embedded names), or None."""
+    notes = [] if notes is None else notes
+    report = _json(folder / REPORT)
+    if isinstance(report.get("source_path"), str) and report["source_path"]:
+        return report["source_path"]        # recorded to mean the same anywhere (`recorded_location`)
+    if report.get("source_model"):
+        return usable_record(report["source_model"], notes, "dense model")
     model = _yaml(folder / RUN_CONFIG).get("model") if (folder / MOE_CONFIG).is_file() else None
-    return str(model) if model else None
+    return usable_record(model, notes, "dense model") if model is not None else None
 
 
 def recorded_sources(folder: Path, notes: list[str]) -> RecordedSources | None:
@@ -116,10 +140,6 @@ def recorded_sources(folder: Path, notes: list[str]) -> RecordedSources | None:
     return RecordedSources(tuple(found), tuple(sources["expert_source"]))
 
 
-def _step(folder: Path) -> int:
-    return int(folder.name.split("-", 1)[1])
-
-
 def select_checkpoints(found: list[Path], rule: str) -> list[Path]:
     """`all`, `last`, or `every:N` (steps divisible by N, and the last checkpoint)."""
     if rule == "all" or not found:
@@ -130,18 +150,26 @@ def select_checkpoints(found: list[Path], rule: str) -> list[Path]:
     if kind != "every" or not number.isdigit() or int(number) < 1:
         raise UpcycleError(f"--checkpoints {rule!r}: give all, last or every:N (N >= 1)")
     n = int(number)
-    return [f for f in found if _step(f) % n == 0 or f == found[-1]]
+    return [f for f in found if step_of(f) % n == 0 or f == found[-1]]
 
 
-def _run_input(run: Path) -> Path | None:
-    """The run's input model folder, as written in its config or next to the run folder."""
-    model = _yaml(run / RUN_CONFIG).get("model")
-    if not model:
+def _run_input(run: Path, notes: list[str]) -> Path | None:
+    """The run's input model folder: the absolute path its inputs.json records (older runs: their config's model
+    when that is absolute), when that folder is still there."""
+    if (run / INPUTS).is_file():         # recorded to mean the same anywhere (`recorded_location`)
+        model = _json(run / INPUTS).get("model")
+        model = model if isinstance(model, str) and model else None
+    else:
+        model = usable_record(_yaml(run / RUN_CONFIG).get("model"), notes, "run's input model")
+    if model is None:
         return None
-    for candidate in (Path(model).expanduser(), run.parent / model):
-        if candidate.is_dir():
-            return candidate
-    return None
+    if model in (*DEFAULT_MODEL_NAMES, "minilm"):
+        return None         # a dense model: the run's own checkpoints and model/ carry the experts
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        notes.append(f"the run's input model {model} is gone: no step 0")
+        return None
+    return folder
 
 
 def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
@@ -153,8 +181,8 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
         return _run_target(path, checkpoint_rule)
     if (path / MOE_CONFIG).is_file():
         notes: list[str] = []
-        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path), str(path), notes,
-                      recorded_sources(path, notes))
+        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path, notes), str(path),
+                      notes, recorded_sources(path, notes))
     config = path / "config.json"
     model_type = None
     if config.is_file():
@@ -164,8 +192,8 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
             pass
     if model_type in STOCK_MOE_TYPES:
         notes = []
-        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path), str(path), notes,
-                      recorded_sources(path, notes))
+        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path, notes), str(path),
+                      notes, recorded_sources(path, notes))
     raise UpcycleError(f"TARGET {target} is neither an upcycle folder ({MOE_CONFIG}), a stock MoE folder "
                        f"({', '.join(STOCK_MOE_TYPES)}) nor a training run folder ({RUN_CONFIG} with "
                        f"{CHECKPOINTS}/ or model/); a dense model has no experts to analyze")
@@ -174,14 +202,12 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
 def _run_target(run: Path, rule: str) -> Target:
     complete = [f for f in checkpoints(run) if (f / MANIFEST).is_file()]
     chosen = select_checkpoints(complete, rule)
-    source = _run_input(run)
-    notes = []
+    notes: list[str] = []
+    source = _run_input(run, notes)
     snapshots = []
     if source is not None and rule != "last":
         snapshots.append(Snapshot("step 0 (init)", 0, str(source)))
-    elif source is None:
-        notes.append(f"the run's input model ({_yaml(run / RUN_CONFIG).get('model')}) was not found: no step 0")
-    snapshots += [Snapshot(f"step {_step(f)}", _step(f), str(f)) for f in chosen]
+    snapshots += [Snapshot(f"step {step_of(f)}", step_of(f), str(f)) for f in chosen]
     if not chosen and (run / "model").is_dir():
         snapshots.append(Snapshot("model", None, str(run / "model")))
     if not snapshots:
@@ -190,7 +216,7 @@ def _run_target(run: Path, rule: str) -> Target:
     if source is None and not (run / "model").is_dir():
         raise UpcycleError(f"run {run}: neither its input model nor its model/ folder is there to load the "
                            f"checkpoints into")
-    dense = recorded_dense(source) if source is not None else None
+    dense = recorded_dense(source, notes) if source is not None else None
     merged = recorded_sources(source, notes) if source is not None else None
     return Target(run, "run", snapshots, dense, skeleton, notes, merged)
 

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ..analyze.command import machine
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..errors import UpcycleError
+from ..files import atomic_write_text, clean_stale_temporaries, temp_prefix
+from ..outputs import GROWING, MARKER, claim_output, write_marker
 from ..version import __version__
 from .cell import finished, run_cell, write_json
 from .figures import write_figures
-from .plan import FORMAT, KEEP, STUDY, CompareRequest, Plan, make_plan
+from .plan import FORMAT, KEEP, STUDY, CompareRequest, Plan, compare_inputs, make_plan
 from .table import markdown, rows
 
 VERSION = 1
@@ -45,8 +49,17 @@ def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, 
     'out'}. `progress`: the conversion's and the trainer's progress bars. `stop_after`: each cell's training
     stops at that step with a checkpoint (as an interruption would; run again to resume)."""
     plan = make_plan(request, out)
+    # no lock on OUT itself: invocations on disjoint cells may share it; each cell's conversion and run lock theirs
+    with claim_output(plan.out, kind="compare", given=compare_inputs(plan, request), existing="continue",
+                      lock=False):
+        return _compare(plan, progress=progress, stop_after=stop_after, command=command)
+
+
+def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str | None) -> dict:
     started = time.time()
     plan.out.mkdir(parents=True, exist_ok=True)
+    if not (plan.out / MARKER).is_file():
+        write_marker(plan.out, "compare", GROWING["compare"])
     record = _record_start(plan, command, started)
 
     def say(message: str) -> None:     # the cell lines are printed with or without progress bars
@@ -125,9 +138,13 @@ def finished_cells(out: Path) -> list[dict]:
 
 
 def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str | None = None) -> list[str]:
-    """comparison.json, comparison.md and the figures from every finished cell; the figures' names."""
+    """comparison.json, comparison.md and the figures from every finished cell; the figures' names. Until every
+    cell of the plan has finished they say so: `complete` false and the `unfinished` cells in the JSON, a line
+    at the top of the table."""
     cells = finished_cells(plan.out)
     table = rows(cells, plan.task, plan.methods)
+    done = {cell.get("name") for cell in cells}
+    unfinished = [cell.name for cell in plan.cells if cell.name not in done]
     mine = json.loads(record.read_text())
     write_json(record, {**mine, "seconds": round(time.time() - started, 1)})
     invocations = sorted((json.loads(p.read_text()) for p in (plan.out / "invocations").glob("*.json")),
@@ -135,20 +152,24 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     # summed: invocations that ran at the same time each count their own wall time
     result = {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task, "machine": machine(),
               "seconds_all_invocations": round(sum(i["seconds"] for i in invocations), 1),
-              "invocations": invocations, "unfinished": interrupted, "table": table, "cells": cells}
+              "invocations": invocations, "complete": not unfinished, "unfinished": unfinished,
+              "interrupted": interrupted, "table": table, "cells": cells}
     write_json(plan.out / "comparison.json", result)
-    text = f"# upcycle compare: {plan.model}\n\n" + (markdown(table, plan.task) if table else "No finished cell yet.\n")
-    tmp = plan.out / f".comparison.md.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, plan.out / "comparison.md")
+    partial = (f"**Partial**: {len(plan.cells) - len(unfinished)} of {len(plan.cells)} cells finished; not yet: "
+               f"{', '.join(unfinished)}. Run the same command again to finish them.\n\n" if unfinished else "")
+    text = f"# upcycle compare: {plan.model}\n\n{partial}" + (markdown(table, plan.task) if table else
+                                                             "No finished cell yet.\n")
+    atomic_write_text(plan.out / "comparison.md", text)
     if not table:
         return []
-    figures = plan.out / f".figures.tmp-{os.getpid()}"
-    figures.mkdir(exist_ok=True)
-    names = write_figures(cells, table, plan.task, figures)
-    for name in names:
-        os.replace(figures / name, plan.out / name)
-    figures.rmdir()
+    clean_stale_temporaries(plan.out / "figures")
+    figures = Path(tempfile.mkdtemp(prefix=temp_prefix(plan.out / "figures"), dir=plan.out))
+    try:
+        names = write_figures(cells, table, plan.task, figures)
+        for name in names:
+            os.replace(figures / name, plan.out / name)
+    finally:
+        shutil.rmtree(figures, ignore_errors=True)
     return names
 
 

@@ -33,10 +33,10 @@ from ..config import ConvertConfig, TrainConfig, build, coerce, load_recipe, ref
 from ..conversion.converter import validate as validate_convert
 from ..conversion.loading import dense_config
 from ..core.architectures import family_of
-from ..data.assets import DEFAULT_MODEL_NAMES
+from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
 from ..errors import UpcycleError
-from ..files import check_output_location
 from ..methods import get_method
+from ..outputs import Input, inputs
 from ..train.trainer import validate as validate_train
 
 DENSE = "dense"                # the dense-continued baseline's method name
@@ -259,13 +259,18 @@ def _default_calibration(model: str, task: str, train: TrainConfig, root: Path,
                        f"--convert-set calibration.data=FILE (model {model!r} has no embedded default)")
 
 
-def _check_out(plan: Plan, request: CompareRequest) -> None:
-    """OUT may be new, or a compare folder whose existing cells have the plans this run would give them."""
+def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
+    """Every path the comparison reads, for the output checks (`upcycle.outputs`)."""
     train = plan.cells[-1].train
-    check_output_location(plan.out, inputs=(request.model, request.train_recipe, request.convert_recipe,
-                                            train.data, train.eval_data,
-                                            *(r.partition("=")[2] for r in request.method_recipes)),
-                          overwrite=True)
+    return [*(Input(what, path) for what, path in model_inputs(request.model)),
+            *inputs(("training recipe", request.train_recipe), ("conversion recipe", request.convert_recipe),
+                    ("training data", train.data), ("held-out data", train.eval_data),
+                    *((f"{r.partition('=')[0]}'s recipe", r.partition("=")[2]) for r in request.method_recipes))]
+
+
+def _check_out(plan: Plan, request: CompareRequest) -> None:
+    """OUT may be new, or a compare folder whose existing cells have the plans this run would give them (where
+    OUT may be at all is `compare_inputs` and `upcycle.outputs.claim_output`'s to say)."""
     if plan.out.is_dir() and any(plan.out.iterdir()) and not (plan.out / STUDY).is_file():
         raise UpcycleError(f"output {plan.out} exists and is not an `upcycle compare` folder (no {STUDY}); "
                            f"choose a new folder")

@@ -18,18 +18,18 @@ import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import EXPORTS, NON_FFN, ROUTER_INITS, ConvertConfig, to_dict
+from ..config import ConvertConfig, to_dict
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..core.moe import MoELayer
 from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
-from ..data.assets import DEFAULT_MODEL_NAMES
+from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
 from ..errors import UpcycleError
-from ..files import atomic_directory, check_output_location
 from ..methods import Method, get_method
+from ..outputs import Claim, Input, claim_output, inputs
 from ..version import __version__
 from .blockwise import convert_blocks
 from .calibration import real_tokens, tensor_batches, text_batches
-from .export import EXPORT_CLASSES, export_hf, export_target
+from .export import export_hf, export_target
 from .io import save
 from .layer_check import layer_probe
 from .loading import DTYPES, dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -66,30 +66,12 @@ class Conversion:
 
 
 def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
-    """Checks that need no model: method, its arguments, dtype, export (the MoE options check themselves: MoEConfig)."""
+    """Checks that need no model and that the config cannot make itself (its keys' ranges and choices are checked
+    when it is built): the method and its arguments, the device, the shard size."""
     method = get_method(cfg.method)
     args = method.resolve_args(cfg.method_args)
-    if not cfg.check.noise_factor > 0 or not cfg.check.tolerance >= 0 or not cfg.check.relative_tolerance >= 0:
-        raise UpcycleError("check.noise_factor must be > 0, check.tolerance and check.relative_tolerance >= 0")
-    if cfg.dtype not in DTYPES and cfg.dtype != "auto":
-        raise UpcycleError(f"dtype must be auto or one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     resolve_device(cfg.device)
-    if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
-        raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
-    if cfg.export not in EXPORTS:
-        raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
-    for key, value, allowed in (("sources.router", cfg.sources.router, ROUTER_INITS),
-                                ("sources.non_ffn", cfg.sources.non_ffn, NON_FFN)):
-        if value not in allowed:        # the rest of a merge recipe is checked by merge.validate_sources
-            raise UpcycleError(f"{key} must be one of {allowed}, got {value!r}")
-    for key, value in (("streaming", cfg.streaming), ("check.end_to_end", cfg.check.end_to_end)):
-        if value not in (True, False, "auto"):
-            raise UpcycleError(f"{key} must be auto, true or false, got {value!r}")
-    if cfg.check.per_layer not in (True, False):
-        raise UpcycleError(f"check.per_layer must be true or false, got {cfg.check.per_layer!r}")
     parse_size(cfg.shard_size)
-    if cfg.export_class not in ("auto", *EXPORT_CLASSES):
-        raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
     return method, args
 
 
@@ -258,20 +240,39 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     return report
 
 
-def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: bool = False,
-            progress: bool = True) -> Conversion:
-    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically; `overwrite`
-    lets it replace an existing `out` (never an input, a folder holding one, or the current directory)."""
-    if cfg.sources.experts:             # several fine-tunes of cfg.model (issue 16): a streamed merge
-        from .merge import merge_sources
+def conversion_inputs(cfg: ConvertConfig, recipe: str | None = None) -> list[Input]:
+    """Every path a conversion reads, for the output checks: the model (the embedded model's cache and wheel
+    too), the recipe, the probe and calibration files, and a merge's sources and their text."""
+    found = [Input(what, path) for what, path in model_inputs(cfg.model)]
+    for i, source in enumerate(cfg.sources.experts):
+        found += [Input(f"source {i}'s {what}", path) for what, path in model_inputs(source.model)]
+        found += inputs((f"source {i}'s data", source.data), (f"source {i}'s held-out data", source.eval_data))
+    return found + inputs(("recipe", recipe), ("probe text", cfg.check.text),
+                          ("calibration data", cfg.calibration.data))
 
-        if out is None:
-            raise UpcycleError("a merge of several source models is streamed to a folder: give OUT")
-        report = merge_sources(cfg, out, overwrite=overwrite, progress=progress)
-        return Conversion(None, None, report, Path(out))
-    validate(cfg)
-    if out is not None:
-        check_output_location(out, inputs=(cfg.model, cfg.check.text, cfg.calibration.data), overwrite=overwrite)
+
+def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: bool = False,
+            progress: bool = True, recipe: str | None = None) -> Conversion:
+    """Load `cfg.model`, upcycle it, and (when `out` is given) write the upcycle folder atomically; `overwrite`
+    lets it replace an existing `out` that upcycle wrote (never an input, a folder holding one or inside one, the
+    current directory). `recipe`: the recipe file the config came from, an input like the others."""
+    if cfg.sources.experts and out is None:
+        raise UpcycleError("a merge of several source models is streamed to a folder: give OUT")
+    if not cfg.sources.experts:
+        validate(cfg)
+    if out is None:
+        return _convert(cfg, None, progress)
+    with claim_output(out, kind="convert", given=conversion_inputs(cfg, recipe), overwrite=overwrite) as claim:
+        if cfg.sources.experts:             # several fine-tunes of cfg.model: a streamed merge
+            from .merge import merge_sources
+
+            report = merge_sources(cfg, claim, progress=progress)
+            return Conversion(None, None, report, Path(out))
+        return _convert(cfg, claim, progress)
+
+
+def _convert(cfg: ConvertConfig, claim: Claim | None, progress: bool) -> Conversion:
+    out = claim.out if claim is not None else None
     if cfg.check.text is not None and not Path(cfg.check.text).is_file():
         raise UpcycleError(f"check.text: no file {cfg.check.text}")
     calibration_data, calibration_source = calibration_corpus(cfg)
@@ -295,7 +296,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
         from .streamed import convert_streamed
 
         load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
-        report = convert_streamed(stream, cfg, *validate(cfg), out, load_s=load_s, overwrite=overwrite,
+        report = convert_streamed(stream, cfg, *validate(cfg), claim, load_s=load_s,
                                   tokenizer=tokenizer, texts=texts, text_source=source, calibration=calibration,
                                   calibration_source=calibration_source, progress=progress, phases=phases)
         phases.close()
@@ -309,7 +310,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     report.timings.load = load_s
     if out is not None:
         t = time.perf_counter()
-        with atomic_directory(out, overwrite=overwrite) as tmp:
+        with claim.directory() as tmp:
             probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, source)
             report.export = write_output(model, tmp, cfg, tokenizer, probe.inputs)
             (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))

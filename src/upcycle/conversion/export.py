@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..config import EXPORT_CLASS_NAMES
 from ..core.architectures import family_of
 from ..core.modes import eval_mode
 from ..core.moe import moe_layers
@@ -45,6 +46,7 @@ from .preservation import input_device
 
 EXPORT_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM"}
+assert tuple(EXPORT_CLASSES) == EXPORT_CLASS_NAMES, "the config's export_class choices are these classes"
 CONFIG_CLASSES = {"qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
 # Written whatever their value: the shape of the model and the keys 4.x and 5.x read under different names, so
 # that neither major falls back to a default of its own (a default may change between versions).
@@ -276,7 +278,8 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     from transformers import AutoModelForCausalLM
 
     device = input_device(model)          # the GPU with --device cuda: both run there
-    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).to(device).eval()
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype, trust_remote_code=False)
+    stock = stock.to(device).eval()
     input_ids = input_ids.to(device)
     with eval_mode(model):
         ours = model(input_ids=input_ids).logits.float()
@@ -289,22 +292,29 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
     import json
 
     from ..config import CheckConfig
-    from ..files import atomic_directory, check_output_location
+    from ..outputs import claim_output, inputs
     from .io import load
     from .loading import load_tokenizer
     from .preservation import make_probe
 
     src, out = Path(src), Path(out)
-    check_output_location(out, inputs=(src,), overwrite=overwrite)
-    model = load(src)
-    export_target(model, export_class)          # refuse before writing anything
-    tokenizer = load_tokenizer(src)
-    probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
-    report_file = src / "upcycle_report.json"
-    report = json.loads(report_file.read_text()) if report_file.exists() else {}
-    with atomic_directory(out, overwrite=overwrite) as tmp:
-        info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
-                         tokenizer=tokenizer)
-        report["export"] = {**info, "source_folder": str(src)}
-        (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))
+    with claim_output(out, kind="export", given=inputs(("upcycle folder", src)), overwrite=overwrite) as claim:
+        if not src.is_dir():
+            raise UpcycleError(f"{src} is not a folder; export takes a folder written by `upcycle convert`")
+        model = load(src)
+        export_target(model, export_class)          # refuse before writing anything
+        tokenizer = load_tokenizer(src)
+        probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
+        report_file = src / "upcycle_report.json"
+        try:
+            report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise UpcycleError(f"{report_file} cannot be read ({type(e).__name__}: {e})") from None
+        if not isinstance(report, dict):
+            raise UpcycleError(f"{report_file} is not a conversion report (a JSON object)")
+        with claim.directory() as tmp:
+            info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
+                             tokenizer=tokenizer)
+            report["export"] = {**info, "source_folder": str(src.resolve())}
+            (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))
     return report["export"]

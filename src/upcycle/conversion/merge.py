@@ -47,11 +47,12 @@ from ..core.ffn import FFNWeights
 from ..core.modes import eval_mode
 from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg
+from ..data.assets import recorded_location
 from ..data.text import read_texts, wikipedia_split
 from ..errors import UpcycleError
-from ..files import atomic_directory, check_output_location
 from ..methods import LayerLayout, Method, get_method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
+from ..outputs import Claim
 from ..version import __version__
 from .blockwise import visits
 from .calibration import Reservoir, _first_block_inputs, _replay, text_batches
@@ -267,14 +268,12 @@ def _probe_texts(cfg: ConvertConfig) -> tuple[list[str] | None, str]:
         return None, "random token ids"
 
 
-def merge_sources(cfg: ConvertConfig, out: str | Path, *, overwrite: bool = False, progress: bool = True) -> dict:
-    """Merge `cfg.sources.experts` on the base `cfg.model` into `out` (module docstring); returns the report."""
+def merge_sources(cfg: ConvertConfig, claim: Claim, *, progress: bool = True) -> dict:
+    """Merge `cfg.sources.experts` on the base `cfg.model` into the claimed output (module docstring); returns
+    the report."""
     t_start = time.perf_counter()
     method, args = validate_sources(cfg)
     s = cfg.sources
-    inputs = (cfg.model, cfg.check.text, *(e.model for e in s.experts), *(e.data for e in s.experts),
-              *(e.eval_data for e in s.experts))
-    check_output_location(out, inputs=inputs, overwrite=overwrite)
     base, sources = open_sources(cfg)          # configs and headers only: a mismatch is refused here
     family = family_of(base.config)
     if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
@@ -317,7 +316,7 @@ def merge_sources(cfg: ConvertConfig, out: str | Path, *, overwrite: bool = Fals
         raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                            f"({len(missing)} not found, e.g. {missing[:3]})")
     timings = {"open": time.perf_counter() - t_start}
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with claim.directory() as tmp:
         folder = tmp / "upcycle-format" if stock is not None else tmp
         folder.mkdir(exist_ok=True)
         t = time.perf_counter()
@@ -456,6 +455,7 @@ def _report(cfg, base, sources, planned, targets, layers, export, timings) -> di
         agreement[name] = {"mean": sum(values) / len(values), "min": min(values)}
     return {
         "upcycle_version": __version__, "method": f"sources ({cfg.method})", "source_model": cfg.model,
+        "source_path": recorded_location(cfg.model),
         "model_type": planned.config.model_type, "model_class": type(planned).__name__,
         "num_moe_layers": len(targets), "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
         "moe_layers": [t.name for t in targets], "moe": dataclasses.asdict(cfg.moe),

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..config import MoEConfig, to_dict
+from ..data.assets import recorded_location
 from ..errors import UpcycleError
 
 
@@ -197,7 +198,8 @@ class ConversionReport(Mapping):
 
     def to_dict(self) -> dict:
         out = {"upcycle_version": self.upcycle_version, "method": self.method, "paper": self.paper,
-               "method_args": self.method_args, "source_model": self.source_model, "model_class": self.model_class,
+               "method_args": self.method_args, "source_model": self.source_model,
+               "source_path": recorded_location(self.source_model), "model_class": self.model_class,
                "model_type": self.model_type, "num_moe_layers": len(self.moe_layers),
                "moe_layers": list(self.moe_layers), "num_experts": self.moe.num_experts, "top_k": self.moe.top_k,
                "moe": to_dict(self.moe), "parameters": self.parameters.to_dict(),

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import yaml
 
 from ..config import ConvertConfig, to_dict
 from ..errors import UpcycleError
-from ..files import atomic_directory
+from ..outputs import Claim
 from ..version import __version__
 from .calibration import real_tokens
 from .preservation import make_probe, preservation_tolerance
@@ -33,8 +32,8 @@ from .report import (
 from .streaming import StreamSource, convert_streaming
 
 
-def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dict, out: str | Path, *,
-                     load_s: float, overwrite: bool, tokenizer, texts: list[str] | None, text_source: str,
+def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dict, claim: Claim, *,
+                     load_s: float, tokenizer, texts: list[str] | None, text_source: str,
                      calibration: list[dict] | None, calibration_source: str | None, progress: bool,
                      phases) -> ConversionReport:
     if method.needs_calibration and not calibration:
@@ -44,7 +43,7 @@ def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dic
     probe = make_probe(source.model, tokenizer, texts, cfg.check, cfg.seed, text_source)
     phases("checkpoint opened (streaming)")
     t = time.perf_counter()
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with claim.directory() as tmp:
         done = convert_streaming(source, cfg, method, args, tmp, tokenizer=tokenizer, probe=probe,
                                  calibration=calibration, promised=promised, progress=progress)
         phases(f"{len(done['targets'])} layers upcycled and written")
@@ -69,7 +68,7 @@ def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dic
         (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
         report.timings.write = time.perf_counter() - t - report.timings.upcycle - report.timings.check
         (tmp / "upcycle_report.json").write_text(json.dumps(report.to_dict(), indent=2))   # last file written
-    phases(f"written to {out}")
+    phases(f"written to {claim.out}")
     return report
 
 

@@ -161,6 +161,11 @@ def problem(folder: Path, *, processes: int) -> str | None:
     return None
 
 
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder `step-NNNNNNN`."""
+    return int(folder.name.split("-", 1)[1])
+
+
 def newest_complete(found: list[Path], *, processes: int) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of `found` (oldest first) that verifies, and a message for each newer one skipped."""
     skipped = []

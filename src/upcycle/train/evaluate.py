@@ -144,6 +144,11 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
     ids, mask = pack_documents(tokenizer, held, sequence_length)
     # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted)
     rows = -(-tokens // sequence_length)
+    if ids.shape[0] < rows:
+        import sys
+
+        print(f"[upcycle] the held-out data holds {int(mask.sum()):,} tokens, fewer than the {tokens:,} asked for "
+              f"(--tokens): all of it is evaluated", file=sys.stderr)
     result.update(perplexity(model, ids[:rows], mask[:rows]))
     result["sequence_length"] = sequence_length
     return result

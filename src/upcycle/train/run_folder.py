@@ -24,10 +24,12 @@ import yaml
 
 from ..config import TrainConfig, build, to_dict
 from ..errors import UpcycleError
-from ..files import check_output_location, clean_stale_temporaries, replace_directory, temp_prefix
+from ..files import clean_stale_temporaries, replace_directory, temp_prefix
+from ..outputs import GROWING, write_marker
 from . import checkpoint
 
 RUN_CONFIG = "run_config.yaml"
+INPUTS = "inputs.json"           # the run's model and data as absolute paths (the run config keeps them as typed)
 LOG = "log.jsonl"
 CHECKPOINTS = "checkpoints"
 # keys that may differ when resuming: they change what is written, not what is computed
@@ -75,11 +77,12 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
     return chosen
 
 
-def check_fresh_out(cfg: TrainConfig, out: Path, overwrite: bool) -> None:
+def check_fresh_out(out: Path, overwrite: bool) -> None:
+    """A new run into an existing, non-empty OUT needs --resume or --overwrite (the rest of the output checks are
+    `upcycle.outputs.claim_output`'s)."""
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
                            f"replace it)")
-    check_output_location(out, inputs=(cfg.model, cfg.data, cfg.eval_data), overwrite=True)
 
 
 class RunFolder:
@@ -109,6 +112,8 @@ class RunFolder:
                       file=sys.stderr)
             elif not resume:
                 out.mkdir(exist_ok=True)
+            if not resume:               # the folder is upcycle's: a later --overwrite may replace it
+                write_marker(Path(name), "train", GROWING["train"])
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 

@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -38,17 +39,20 @@ import yaml
 from torch import nn
 
 from ..analysis.routing import record_stats
-from ..config import MIXED_PRECISIONS, SCHEDULES, TrainConfig, to_dict
+from ..config import TrainConfig, to_dict
 from ..conversion.io import save
 from ..conversion.loading import load_model
 from ..core.moe import moe_layers
+from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import atomic_directory
+from ..outputs import Input, claim_output, inputs
 from . import checkpoint, sharding
 from .freezing import Freezer
 from .objective import Objective
 from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config: the trainer's public names)
     CHECKPOINTS,
+    INPUTS,
     LOG,
     RUN_CONFIG,
     RunFolder,
@@ -59,7 +63,7 @@ from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config:
     saved_config,
 )
 from .step import StepResult, any_process, train_step
-from .tasks import TASKS, make_task
+from .tasks import make_task
 
 
 class TrainingStopped(UpcycleError):
@@ -79,54 +83,10 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def _in_range(where: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False,
-              ) -> None:
-    """Refuse a non-finite or out-of-range number with the key's name and the allowed interval."""
-    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > low if low_open else value >= low) \
-        and (value < high if high_open else value <= high)
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise UpcycleError(f"{where} must be a finite number in {interval}, got {value!r}")
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Every setting in range before anything loads: a NaN or infinite learning rate, a negative coefficient or a
-    fraction outside [0, 1] would otherwise train silently into NaN weights."""
-    if cfg.task is not None and cfg.task not in TASKS:
-        raise UpcycleError(f"task must be one of {TASKS}, got {cfg.task!r}")
-    if cfg.schedule not in SCHEDULES:
-        raise UpcycleError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.mixed_precision not in MIXED_PRECISIONS:
-        raise UpcycleError(f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}, got "
-                           f"{cfg.mixed_precision!r}")
-    if cfg.on_nonfinite not in ("stop", "skip"):
-        raise UpcycleError(f"on_nonfinite must be stop or skip, got {cfg.on_nonfinite!r}")
-    for name in ("steps", "batch_size", "grad_accum", "sequence_length", "keep_checkpoints", "eval_tokens"):
-        if getattr(cfg, name) < 1:
-            raise UpcycleError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("checkpoint_every", "eval_every", "max_skipped_steps"):
-        if getattr(cfg, name) < 0:
-            raise UpcycleError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    _in_range("lr", cfg.lr, 0, math.inf, low_open=True, high_open=True)
-    _in_range("warmup", cfg.warmup, 0, 1, high_open=True)
-    _in_range("min_lr_ratio", cfg.min_lr_ratio, 0, 1)
-    _in_range("weight_decay", cfg.weight_decay, 0, math.inf, high_open=True)
-    if len(cfg.betas) != 2:
-        raise UpcycleError(f"betas must be a pair, got {list(cfg.betas)}")
-    for i, beta in enumerate(cfg.betas):
-        _in_range(f"betas[{i}]", beta, 0, 1, high_open=True)
-    if cfg.clip_grad is not None:
-        _in_range("clip_grad", cfg.clip_grad, 0, math.inf, low_open=True, high_open=True)
-    r = cfg.regularizers
-    for name in ("load_balance", "z_loss", "limoe_local", "limoe_global", "dpsl", "eesd", "aux_free_rate"):
-        _in_range(f"regularizers.{name}", getattr(r, name), 0, math.inf, high_open=True)
-    _in_range("regularizers.limoe_m", r.limoe_m, 1, math.inf, high_open=True)
-    _in_range("regularizers.eesd_beta", r.eesd_beta, 0, 1, high_open=True)
-    _in_range("regularizers.eesd_uncertain_fraction", r.eesd_uncertain_fraction, 0, 1, low_open=True)
-    _in_range("regularizers.router_until", r.router_until, 0, 1)
-    alphas = r.dpsl_alpha if isinstance(r.dpsl_alpha, list) else [r.dpsl_alpha]
-    for alpha in (a for row in alphas for a in (row if isinstance(row, list) else [row])):
-        _in_range("regularizers.dpsl_alpha", alpha, 0, math.inf, low_open=True, high_open=True)
+    """Checks a TrainConfig cannot make itself: every key's range and choices are checked when the config is
+    built (`upcycle.config.check_fields`), so a config that exists is in range. Kept as the trainer's one place
+    for checks that need more than the config."""
 
 
 class StopFlag:
@@ -151,22 +111,44 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
+def train_inputs(cfg: TrainConfig, recipe: str | None = None) -> list[Input]:
+    """Every path a run reads, for the output checks: the model (the embedded model's cache and wheel too), its
+    data and held-out data, the recipe."""
+    return [*(Input(what, path) for what, path in model_inputs(cfg.model)),
+            *inputs(("training data", cfg.data), ("held-out data", cfg.eval_data), ("recipe", recipe))]
+
+
 def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> dict:
+          stop_after: int | None = None, progress: bool = True, recipe: str | None = None) -> dict:
     """Run (or resume) the training run in `out`; returns a summary. `stop_after` ends the run early at that
     step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
-    new run replace an existing OUT, only once the new run holds a checkpoint."""
-    from accelerate.utils import set_seed
-
+    new run replace an existing OUT that upcycle wrote, only once the new run holds a checkpoint. `recipe`: the
+    recipe file the config came from, an input like the others."""
     validate(cfg)
     if resume and overwrite:
         raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
+    if stop_after is not None and stop_after < 1:
+        raise UpcycleError(f"stop_after must be a step from 1 to steps ({cfg.steps}), got {stop_after}")
     out = Path(out).expanduser()
+    if not resume:
+        check_fresh_out(out, overwrite)
     accelerator = _accelerator(cfg)
+    with claim_output(out, kind="train", given=train_inputs(cfg, recipe), overwrite=overwrite,
+                      existing="continue" if resume else "refuse", lock=accelerator.is_main_process):
+        return _train(cfg, out, accelerator, resume, stop_after, progress)
+
+
+def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: int | None, progress: bool) -> dict:
+    from accelerate.utils import set_seed
+
     # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
     resume_from = resume_point(cfg, out, accelerator.num_processes) if resume else None
-    if not resume:
-        check_fresh_out(cfg, out, overwrite)
+    if resume_from is not None and checkpoint.step_of(resume_from) >= cfg.steps and (out / "model").is_dir():
+        step = checkpoint.step_of(resume_from)
+        print(f"[upcycle] the run in {out} finished at step {step} of {cfg.steps}: nothing to resume, nothing "
+              f"written", file=sys.stderr)
+        return {"step": step, "steps": cfg.steps, "interrupted": False, "finished_before": True,
+                "checkpoint": str(resume_from), "model": str(out / "model")}
     set_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
     model.train()
@@ -241,6 +223,11 @@ class _Training:
         self.micro = cfg.batch_size // (self.world * cfg.grad_accum)
         if self.is_main and resume_from is None:
             (run.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            # what the run read, as paths that mean the same from any directory (`upcycle analyze RUN`)
+            (run.path / INPUTS).write_text(json.dumps({key: recorded_location(value) if key == "model" else
+                                                       _absolute(value) for key, value in
+                                                       (("model", cfg.model), ("data", cfg.data),
+                                                        ("eval_data", cfg.eval_data))}, indent=1) + "\n")
         self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
         self.sharding = _sharding(accelerator)
         self.sharded = self.sharding is not None
@@ -453,6 +440,11 @@ class _Training:
                 model.save_pretrained(tmp)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(tmp)
+
+
+def _absolute(path: str | None) -> str | None:
+    """A data path as an absolute path when it is a file here (names such as 'digits' stay as they are)."""
+    return str(Path(path).expanduser().resolve()) if path is not None and Path(path).expanduser().exists() else path
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -1,0 +1,302 @@
+"""Where a command may write: inputs are sacred, `--overwrite` replaces only upcycle's own outputs, one writer.
+
+Every command that writes (convert, export, train, eval --out, analyze, compare, tiny-clip) claims its output
+with `claim_output` before it reads a weight, and holds the claim until it is done:
+
+- **inputs**: every path the command reads (model folders, the embedded model's cache, data, calibration and
+  probe files, recipes, `--dense`, what a run or a conversion recorded) is given to the claim. An output that is
+  an input, holds one, lies inside one, or reaches one through symbolic links (both sides are resolved; a model
+  folder's linked files count too, as in a Hugging Face cache snapshot) is refused, whatever `--overwrite` says.
+- **own outputs only**: an existing output is replaced only with `--overwrite`, and only when upcycle wrote it:
+  a folder holding the marker file `MARKER` whose list covers every entry in it (or, for folders written before
+  the marker existed, the file that names their kind), or a JSON file whose `format` names upcycle. A folder
+  the user made, or one they put their own files into, is never deleted. An output that is a symbolic link is
+  refused (replacing it would replace the link or, worse, what it points to).
+- **one writer**: the claim holds an exclusive lock (`fcntl.flock`) on `.NAME.lock` beside the output, so a
+  second run into the same output is refused at once instead of mixing with the first.
+
+The claim writes through `Claim.directory()` (a temporary sibling renamed into place at the end, with the marker)
+or `Claim.write_text()` (a temporary file renamed into place), so an output is whole or absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UpcycleError
+from .files import atomic_directory, atomic_write_text, check_writable_output
+
+MARKER = ".upcycle-output.json"
+MARKER_FORMAT = "upcycle-output"
+# Folders written by upcycle before the marker existed, recognised by the file that names their kind.
+LEGACY_SIGNATURES = {"upcycle_config.json": "convert", "upcycle_report.json": "export", "run_config.yaml": "train",
+                     "study.json": "compare", "analysis.json": "analyze"}
+# The entries a folder that grows while a command runs (a training run, a comparison) may hold.
+GROWING = {"train": ("run_config.yaml", "log.jsonl", "checkpoints", "model", "inputs.json", "tensorboard", "wandb"),
+           "compare": ("study.json", "invocations", "calibration", "conversions", "cells", "comparison.json",
+                       "comparison.md", "metric_over_steps.png", "init_diagnostics.png")}
+
+
+@dataclass(frozen=True)
+class Input:
+    """A path the command reads, and what it is to the user (for the message)."""
+
+    what: str
+    path: Path
+
+
+def inputs(*pairs: tuple[str, str | os.PathLike | None]) -> list[Input]:
+    """[(what, path)] -> Inputs, leaving out the paths not given (None) and names that are not paths."""
+    return [Input(what, Path(path).expanduser()) for what, path in pairs if path not in (None, "")]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _reach(path: Path) -> list[Path]:
+    """Where reading `path` may lead: the path itself resolved, and for a folder the resolved targets of the
+    symbolic links directly in it (a Hugging Face cache snapshot links each file into its blob store)."""
+    found = [path.resolve()]
+    if path.is_dir():
+        try:
+            entries = list(path.iterdir())
+        except OSError:
+            entries = []
+        found += [entry.resolve() for entry in entries if entry.is_symlink()]
+    return found
+
+
+def check_inputs(out: Path, given: Iterable[Input]) -> None:
+    """Refuse an output that is, holds, lies inside, or reaches through links, any input; or holds the current
+    directory. Nothing is touched."""
+    resolved = out.resolve()
+    cwd = Path.cwd().resolve()
+    if _inside(cwd, resolved):
+        raise UpcycleError(f"output {out} is the current directory or holds it; choose a new folder for OUT")
+    for item in given:
+        if not item.path.exists() and not item.path.is_symlink():
+            continue
+        for reached in _reach(item.path):
+            if _inside(reached, resolved):
+                relation = "is" if reached == resolved else "holds"
+                raise UpcycleError(f"output {out} {relation} the {item.what} {item.path}; writing there would "
+                                   f"destroy an input. Choose another place for the output")
+            if _inside(resolved, reached):
+                raise UpcycleError(f"output {out} lies inside the {item.what} {item.path}; upcycle never writes "
+                                   f"into its inputs. Choose a place outside it")
+        if out.exists() and item.path.is_file() and out.is_file() and os.path.samefile(out, item.path):
+            raise UpcycleError(f"output {out} is the {item.what} {item.path} (the same file under another name)")
+
+
+def _temporary(name: str) -> bool:
+    """upcycle's own temporaries and locks beside the files they stand for (`upcycle.files.temp_prefix`)."""
+    return name.startswith(".") and (".tmp-" in name or ".old-" in name or name.endswith((".lock", ".tmp")))
+
+
+def own_output(path: Path) -> str | None:
+    """Why upcycle may replace the existing output `path` (its kind), or None when it may not: a folder with
+    the marker covering every entry, a legacy upcycle folder, an empty folder, or an upcycle JSON file."""
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        kind = data.get("format") if isinstance(data, dict) else None
+        return kind if isinstance(kind, str) and kind.startswith("upcycle") else None
+    if not path.is_dir():
+        return None
+    names = {p.name for p in path.iterdir() if not _temporary(p.name)}
+    if not names:
+        return "empty folder"
+    marker = path / MARKER
+    if marker.is_file():
+        try:
+            record = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
+            return None
+        allowed = set(record.get("entries") or ()) | set(GROWING.get(record.get("kind"), ())) | {MARKER}
+        return str(record.get("kind")) if names <= allowed else None
+    for signature, kind in LEGACY_SIGNATURES.items():
+        if signature in names:
+            return kind
+    return None
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of an upcycle output folder its marker does not list (files the user added)."""
+    try:
+        record = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return []
+    allowed = set(record.get("entries") or ()) | set(GROWING.get(record.get("kind"), ())) | {MARKER}
+    return sorted(p.name for p in path.iterdir() if p.name not in allowed and not _temporary(p.name))
+
+
+def check_replaceable(out: Path, *, overwrite: bool, file: bool = False) -> None:
+    """An existing output needs --overwrite, and may be replaced only when upcycle wrote it."""
+    if out.is_symlink():
+        raise UpcycleError(f"output {out} is a symbolic link; give the real location (upcycle never writes "
+                           f"through a link)")
+    if not out.exists():
+        return
+    if file and out.is_dir():
+        raise UpcycleError(f"output {out} is a folder; give a file name")
+    if not file and not out.is_dir():
+        raise UpcycleError(f"output {out} exists and is not a folder")
+    if not overwrite:
+        if not file and out.is_dir() and not any(out.iterdir()):
+            return                       # an empty folder made for the output: nothing to lose
+        raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
+    if own_output(out) is None:
+        extra = foreign_entries(out) if (out / MARKER).is_file() else []
+        why = (f"it holds entries upcycle did not write ({', '.join(extra[:5])})" if extra else
+               "upcycle did not write it" + ("" if file else f" (no {MARKER})"))
+        raise UpcycleError(f"--overwrite replaces only upcycle's own outputs, and {out} is not one: {why}. Move "
+                           f"it away or choose another output")
+
+
+class OutputLocked(UpcycleError):
+    """Another process is writing the same output."""
+
+
+@dataclass
+class _Lock:
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)        # unlinked while still locked: a newcomer opens a fresh file
+        os.close(self.fd)
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+def acquire_lock(out: Path) -> _Lock:
+    """An exclusive lock on `out`'s lock file, or OutputLocked naming the holder."""
+    import fcntl
+
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = ""
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                holder = os.pread(fd, 200, 0).decode().strip()
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise OutputLocked(f"output {out} is being written by another upcycle run"
+                                   f"{f' ({holder})' if holder else ''}; wait for it to finish or choose another "
+                                   f"output") from None
+            raise
+        # the file may have been unlinked by its last holder between our open and our lock: lock the new one
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            return _Lock(path, fd)
+        os.close(fd)
+
+
+@dataclass
+class Claim:
+    """A checked, locked output; write it with `directory()` (a folder) or `write_text()` (a file)."""
+
+    out: Path
+    kind: str
+    overwrite: bool
+    created: list[Path] = field(default_factory=list)    # parent folders the claim made (removed if unused)
+
+    @contextlib.contextmanager
+    def directory(self) -> Iterator[Path]:
+        """A temporary folder that becomes the output, with the marker listing what is in it, when the block
+        finishes; on an exception nothing is left."""
+        # an empty folder the user made for the output is replaced without --overwrite: it holds nothing to lose
+        empty = self.out.is_dir() and not any(self.out.iterdir())
+        with atomic_directory(self.out, overwrite=self.overwrite or empty) as tmp:
+            yield tmp
+            write_marker(tmp, self.kind)
+
+    def write_text(self, text: str) -> None:
+        atomic_write_text(self.out, text)
+
+
+def write_marker(folder: Path, kind: str, entries: Iterable[str] | None = None) -> None:
+    """The record that `folder` is upcycle's output of `kind`, listing its entries (default: what it holds)."""
+    from .version import __version__
+
+    names = sorted(entries) if entries is not None else sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+    record = {"format": MARKER_FORMAT, "kind": kind, "upcycle": __version__, "entries": names}
+    (folder / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _make_parents(out: Path) -> list[Path]:
+    """Create `out`'s missing parent folders (the lock file lives beside `out`); return those created."""
+    missing = []
+    parent = out.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for folder in reversed(missing):
+        folder.mkdir()
+    return missing
+
+
+@contextlib.contextmanager
+def claim_output(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = (), overwrite: bool = False,
+                 file: bool = False, existing: str = "refuse", lock: bool = True) -> Iterator[Claim]:
+    """Check `out` against the inputs and what exists there, lock it, and yield the claim; the lock is released
+    when the block ends. `existing`: "refuse" (the default: an existing output needs --overwrite and must be
+    upcycle's), or "continue" (a command that adds to its own output: resume, compare; it must be upcycle's own
+    output of this kind, or absent, or empty). `lock`: False on the other processes of a distributed run, whose
+    main process holds the lock."""
+    out = Path(out).expanduser()
+    given = list(given)
+    check_inputs(out, given)
+    if existing == "continue":
+        if out.is_symlink():
+            raise UpcycleError(f"output {out} is a symbolic link; give the real location")
+        if out.exists() and own_output(out) not in (kind, "empty folder"):
+            raise UpcycleError(f"output {out} exists and is not an upcycle {kind} folder; choose a new output")
+    else:
+        check_replaceable(out, overwrite=overwrite, file=file)
+    if file and not out.parent.is_dir():        # a file goes into a folder the user has; no folders are made
+        raise UpcycleError(f"output {out}: the folder {out.parent} does not exist")
+    check_writable_output(out)
+    created = _make_parents(out) if lock else []
+    try:
+        held = acquire_lock(out) if lock else None
+    except BaseException:
+        _remove_empty(created)
+        raise
+    claim = Claim(out, kind, overwrite, created)
+    try:
+        yield claim
+    finally:
+        if held is not None:
+            held.release()
+        if not out.exists():
+            _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:              # deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
