@@ -55,6 +55,20 @@ def tiny_path(tmp_path_factory, family):
     return path
 
 
+def digest(*paths) -> dict[str, str]:
+    """Every file under the given folders (or the files themselves) with its SHA-256: equal digests before and
+    after mean byte for byte unchanged (and nothing added or removed)."""
+    import hashlib
+    from pathlib import Path
+
+    found = {}
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for file in files:
+            found[str(file)] = hashlib.sha256(file.read_bytes()).hexdigest()
+    return found
+
+
 TOY_WORDS = "the a cat dog bird sat ran flew on under over mat tree roof red blue big small quickly slowly".split()
 
 

@@ -50,8 +50,16 @@ def test_compare_every_cell_skip_and_exact_resume(setup, capsys):
     stopped = a / "cells" / "copy-eesd-none-seed-0"
     assert (stopped / "run" / "checkpoints" / "step-0000002").is_dir() and not (stopped / "cell.json").exists()
     log_before = (stopped / "run" / "log.jsonl").read_text()      # steps 1-2 with the times they took
+    # the outputs of a stopped comparison say they are partial, and which cells are missing
+    partial = json.loads((a / "comparison.json").read_text())
+    assert partial["complete"] is False and partial["interrupted"] == "copy-eesd-none-seed-0"
+    assert len(partial["unfinished"]) == 6 and "copy-eesd-none-seed-0" in partial["unfinished"]
+    assert (a / "comparison.md").read_text().splitlines()[2].startswith("**Partial**: 0 of 6 cells finished")
     resumed = compare(_request(dense, recipe), a, progress=False)
     assert resumed == {"cells": 6, "skipped": 0, "ran": 6, "interrupted": None, "out": str(a)}
+    done = json.loads((a / "comparison.json").read_text())
+    assert done["complete"] is True and done["unfinished"] == [] and "Partial" not in (a / "comparison.md").read_text()
+    assert not [p.name for p in a.iterdir() if ".tmp" in p.name or p.name.endswith(".lock")]
     # resumed, not redone: the log's first steps are the lines written before the stop, timings and all
     assert (stopped / "run" / "log.jsonl").read_text().startswith(log_before)
     # B: the interrupted cell's (method, seed) uninterrupted, through the command line

@@ -116,6 +116,7 @@ def test_smollm2_bad_input(tmp_path):
             upcycle_model(model, build(ConvertConfig, data), progress=False)
     assert not moe_layers(model)
     (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "notes.txt").write_text("mine")       # (an empty folder is taken: nothing to lose)
     with pytest.raises(upcycle.UpcycleError, match="already exists"):
         convert(build(ConvertConfig, {}), tmp_path / "exists", progress=False)
 

@@ -77,7 +77,8 @@ def test_the_layer_config_refuses_what_no_router_computes():
     Python); the layer, the router, the saved spec and the converter all take that object."""
     for options, message in (({"score": "sigmoid", "normalize_topk": False}, "normalize_topk must be true"),
                              ({"score": "relu"}, "score must be one of"), ({"route_scale": 0.0}, "route_scale"),
-                             ({"top_k": 9}, "top_k must be between"), ({"capacity_factor_eval": -1.0}, r"capacity_factor_eval must be a finite number in \(0, inf\)"),
+                             ({"top_k": 9}, "top_k must be between"), ({"capacity_factor_eval": -1.0},
+                              r"capacity_factor_eval must be a finite number in \(0, inf\)"),
                              ({"num_experts": 0}, "num_experts must be >= 1")):
         with pytest.raises(UpcycleError, match=message):
             MoEConfig(**options)

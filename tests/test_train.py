@@ -60,6 +60,11 @@ def test_resume_continues_the_same_run(tiny_lm, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(k.endswith("selection_bias") and wa[k].abs().sum() > 0 for k in wa)   # aux-free biases moved
     assert straight["eval_after"]["perplexity"] < straight["eval_before"]["perplexity"]
+    # resuming a finished run: nothing to do and nothing written (no second evaluation line, no new checkpoint)
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "b").rglob("*")}
+    again = train(cfg, tmp_path / "b", resume=True, progress=False)
+    assert again["finished_before"] is True and again["step"] == 6
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "b").rglob("*")} == before
 
 
 def test_spri_two_stage_freezing(tiny_lm, tmp_path):

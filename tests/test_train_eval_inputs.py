@@ -97,11 +97,16 @@ def test_eval_refuses_bad_arguments_before_evaluating(tiny_lm, tmp_path, capsys)
         assert message in capsys.readouterr().err, extra
 
 
-def test_eval_tokens_counts_whole_rows_covering_what_was_asked(tiny_lm):
+def test_eval_tokens_counts_whole_rows_covering_what_was_asked(tiny_lm, tmp_path, capsys):
     _, moe, _, held = tiny_lm
     one = evaluate_model(str(moe), data=str(held), tokens=1, sequence_length=32)
     three = evaluate_model(str(moe), data=str(held), tokens=65, sequence_length=32)
     assert one["tokens"] == 31 and three["tokens"] == 3 * 31     # 32-token rows predict 31 tokens each
+    # more tokens than the data holds: all of it is evaluated, and the console says so
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat under the red tree.")
+    small = evaluate_model(str(moe), data=str(short), tokens=100000, sequence_length=32)
+    assert 0 < small["tokens"] < 32 and "fewer than the 100,000 asked for" in capsys.readouterr().err
 
 
 def test_eval_of_a_corrupt_upcycle_folder_says_so(tiny_lm, tmp_path, capsys):

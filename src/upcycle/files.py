@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
+import math
 import os
 import shutil
 import socket
@@ -150,3 +152,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _finite(value, path: str, found: list[str]):
+    """`value` with every NaN or infinite float replaced by None (their dotted paths appended to `found`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(path or "(value)")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), found) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
+
+
+def json_text(value, *, indent: int | None = None, where: str | None = None) -> str:
+    """Valid JSON of `value` (Python's json writes NaN and Infinity, which no JSON reader takes): a non-finite
+    number is written as null, and named on stderr when `where` (the file) is given."""
+    found: list[str] = []
+    clean = _finite(value, "", found)
+    if found and where is not None:
+        print(f"[upcycle] {where}: {len(found)} value(s) were not finite (NaN or infinite) and are written as null: "
+              f"{', '.join(found[:5])}{', ...' if len(found) > 5 else ''}", file=sys.stderr)
+    return json.dumps(clean, indent=indent, allow_nan=False)

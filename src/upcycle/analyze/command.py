@@ -33,6 +33,7 @@ from ..data.sources import (
     user_source_texts,
 )
 from ..errors import UpcycleError
+from ..files import json_text
 from ..outputs import Input, claim_output, inputs
 from ..version import __version__
 from .collect import capture, moe_modules, snapshot_metrics
@@ -225,7 +226,7 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
         result["seconds"] = {k: round(v, 2) for k, v in timings.items()}
         (tmp / "report.html").write_text(render_report(result, {name: (tmp / name).read_bytes()
                                                                 for name, _ in figures}, figures))
-        (tmp / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+        (tmp / "analysis.json").write_text(json_text(result, indent=1, where="analysis.json") + "\n")
     say(f"wrote {out}: analysis.json, {len(figures)} figures, report.html ({timings['total']:.0f} s)")
     return result
 

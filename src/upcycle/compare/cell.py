@@ -22,6 +22,7 @@ from pathlib import Path
 from ..conversion.converter import convert
 from ..conversion.loading import load_model
 from ..conversion.preservation import count_parameters
+from ..files import json_text
 from ..train.checkpoint import newest_complete
 from ..train.run_folder import LOG, checkpoints, read_log
 from ..train.tasks import make_task
@@ -35,7 +36,7 @@ RESULT = "cell.json"
 def write_json(path: Path, data: dict) -> None:
     """A JSON file written whole or not at all (a temporary sibling renamed)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(json_text(data, indent=1, where=path.name) + "\n")
     os.replace(tmp, path)
 
 

@@ -9,7 +9,6 @@ preservation breaks it -> write the folder (temporary directory, renamed at the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from ..core.moe import MoELayer
 from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
 from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
 from ..errors import UpcycleError
+from ..files import json_text
 from ..methods import Method, get_method
 from ..outputs import Claim, Input, claim_output, inputs
 from ..version import __version__
@@ -315,7 +315,8 @@ def _convert(cfg: ConvertConfig, claim: Claim | None, progress: bool) -> Convers
             report.export = write_output(model, tmp, cfg, tokenizer, probe.inputs)
             (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
             report.timings.write = time.perf_counter() - t
-            (tmp / "upcycle_report.json").write_text(json.dumps(report.to_dict(), indent=2))   # last file written
+            text = json_text(report.to_dict(), indent=2, where="upcycle_report.json")
+            (tmp / "upcycle_report.json").write_text(text)   # last file written
         phases(f"written to {out}")
     phases.close()
     return Conversion(model, tokenizer, report)

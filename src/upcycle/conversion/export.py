@@ -292,6 +292,7 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
     import json
 
     from ..config import CheckConfig
+    from ..files import json_text
     from ..outputs import claim_output, inputs
     from .io import load
     from .loading import load_tokenizer
@@ -316,5 +317,5 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
             info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
                              tokenizer=tokenizer)
             report["export"] = {**info, "source_folder": str(src.resolve())}
-            (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))
+            (tmp / "upcycle_report.json").write_text(json_text(report, indent=2, where="upcycle_report.json"))
     return report["export"]

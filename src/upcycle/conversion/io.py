@@ -159,8 +159,8 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
             layer_spec = dict(layer_spec)
             block = layer_spec.pop("block")
             install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
-    except UpcycleError:
-        raise
+    except UpcycleError as e:   # a layer spec out of range
+        raise UpcycleError(f"{path}: a layer of {MOE_CONFIG} is not valid ({e})") from None
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None

@@ -77,8 +77,32 @@ def check_model_folder(folder: str | Path) -> None:
     config = folder / "config.json"
     if config.exists() and not config.is_file():
         raise UpcycleError(f"{config} is not a regular file")
+    if config.is_file():
+        _refuse_own_code(folder, config)
     if (folder / INDEX_FILE).exists():
         check_index(folder)
+
+
+def _refuse_own_code(folder: Path, config: Path) -> None:
+    """A config whose model type transformers does not know, naming Python of the folder's own (`auto_map`),
+    is refused here with the reason; transformers would ask whether to run it. A known type with an `auto_map`
+    loads with transformers' own class, and the folder's code is never imported."""
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UpcycleError(f"could not load model {str(folder)!r}: config.json is not JSON "
+                           f"({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise UpcycleError(f"could not load model {str(folder)!r}: config.json must be a JSON object")
+    model_type = data.get("model_type")
+    if data.get("auto_map") and model_type not in CONFIG_MAPPING:
+        raise UpcycleError(f"could not load model {str(folder)!r}: its type {model_type!r} is not one transformers "
+                           f"knows, and config.json's auto_map names Python of the folder's own; upcycle never runs "
+                           f"a model folder's code")
 
 
 def check_weight_files(folder: str | Path) -> None:

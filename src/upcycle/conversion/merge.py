@@ -30,7 +30,6 @@ the stock model's logits against ours (`stock_stream.py`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 import zlib
@@ -50,6 +49,7 @@ from ..core.surgery import Target, layer_generator, tower_cfg
 from ..data.assets import recorded_location
 from ..data.text import read_texts, wikipedia_split
 from ..errors import UpcycleError
+from ..files import json_text
 from ..methods import LayerLayout, Method, get_method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
 from ..outputs import Claim
@@ -344,7 +344,8 @@ def merge_sources(cfg: ConvertConfig, claim: Claim, *, progress: bool = True) ->
             timings["export"] = time.perf_counter() - t
         report = _report(cfg, base, sources, planned, targets, layers, export, timings)
         (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
-        (tmp / "upcycle_report.json").write_text(json.dumps(report, indent=2))    # last file written
+        text = json_text(report, indent=2, where="upcycle_report.json")
+        (tmp / "upcycle_report.json").write_text(text)    # last file written
     return report
 
 

@@ -19,14 +19,13 @@ conversion holds at once (`streaming.py`; the compute dtype is float32):
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config import ConvertConfig
 from ..core.moe import moe_layers
 from ..methods import Method
 from .lazy import block_paths
 from .preservation import count_parameters
-from .skeleton import empty_model, layout_function, output_bytes, planned_model, tensor_specs
+from .skeleton import bytes_by_block, empty_model, layout_function, output_bytes, planned_model, tensor_specs
 from .streaming import write_queue_bytes
 
 GB = 10**9
@@ -37,11 +36,18 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_tokens: int | None = None) -> dict:
     """The dry run's report (module docstring). `calibration_tokens`: tokens of calibration data (data-aware)."""
     dtype = STORAGE_DTYPES[cfg.dtype]
-    dense = empty_model(config, dtype)
-    layout_of = layout_function(method, args)
-    moe_model, targets = planned_model(config, cfg.moe, cfg.placement, layout_of, dtype=dtype)
-    specs = tensor_specs(moe_model)
-    layers = moe_layers(moe_model)
+    # one weightless model: its dense numbers first, then the MoE layers installed into it (a plan costs one
+    # model's construction, linear in its blocks)
+    model = empty_model(config, dtype)
+    dense_specs = tensor_specs(model)
+    before = count_parameters(model)
+    block_list = block_paths(model)
+    dense_sizes = bytes_by_block(dense_specs, block_list)
+    model_class = type(model).__name__
+    model, targets = planned_model(config, cfg.moe, cfg.placement, layout_function(method, args), dtype=dtype,
+                                   model=model)
+    specs = tensor_specs(model)
+    layers = moe_layers(model)
     # each storage dtype's bytes from one plan: the tensors in the plan's dtype take the storage dtype; the MoE
     # layers' routers and selection biases (float32 in every dtype) and integer buffers keep theirs
     kept = {f"{path}.{name}" for path, layer in layers.items()
@@ -49,14 +55,13 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     sizes = {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt)
                                  for n, shape, dt in specs])
              for name, storage in STORAGE_DTYPES.items()}
-    blocks = [moe_model.get_submodule(t.path) for t in targets]
-    dense_blocks = [dense.get_submodule(t.path) for t in targets]
+    moe_sizes = bytes_by_block(specs, block_list)
     element = torch.empty((), dtype=dtype).element_size()
-    block_bytes = max(output_bytes(tensor_specs(b)) for b in blocks) if blocks else 0
-    dense_block_bytes = max(output_bytes(tensor_specs(b)) for b in dense_blocks) if blocks else 0
-    trunk = output_bytes(tensor_specs(dense)) - sum(output_bytes(tensor_specs(b)) for b in _all_blocks(dense))
+    block_bytes = max((moe_sizes[t.path] for t in targets), default=0)
+    dense_block_bytes = max((dense_sizes[t.path] for t in targets), default=0)
+    trunk = output_bytes(dense_specs) - sum(dense_sizes.values())
     method_bytes = max((sum(p.numel() for p in layer.parameters()) * 4 for layer in layers.values()), default=0)
-    hidden = dense.config.get_text_config().hidden_size if hasattr(dense.config, "get_text_config") else 0
+    hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") else 0
     calib = 0
     if method.needs_calibration:
         tokens = calibration_tokens or cfg.calibration.tokens
@@ -68,18 +73,14 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method"))
     peak = OVERHEAD_BYTES + calib + max(estimate["trunk"], per_block)
     return {
-        "model_type": config.model_type, "model_class": type(dense).__name__, "method": method.name,
+        "model_type": config.model_type, "model_class": model_class, "method": method.name,
         "method_args": args, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
         "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
-        "parameters": {"before": count_parameters(dense), "after": count_parameters(moe_model)},
-        "dense_bytes": output_bytes(tensor_specs(dense)), "output_bytes": sizes,
+        "parameters": {"before": before, "after": count_parameters(model)},
+        "dense_bytes": output_bytes(dense_specs), "output_bytes": sizes,
         "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": peak,
         "estimate_parts_bytes": estimate, "dtype": cfg.dtype,
     }
-
-
-def _all_blocks(model: nn.Module) -> list[nn.Module]:
-    return [model.get_submodule(p) for p in block_paths(model)]
 
 
 def describe(report: dict) -> str:

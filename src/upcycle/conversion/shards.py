@@ -94,6 +94,10 @@ def check_index(folder: Path) -> dict[str, str]:
     return weight_map
 
 
+class NoWeights(UpcycleError):
+    """A folder without safetensors weights (as opposed to one whose weights are damaged)."""
+
+
 def _safetensors_error(path: Path, error: Exception) -> UpcycleError:
     return UpcycleError(f"{path} is not a readable safetensors file ({type(error).__name__}: "
                         f"{' '.join(str(error).split())[:300]})")
@@ -116,7 +120,7 @@ class CheckpointReader:
             path = self.folder / SINGLE_FILE
             self.file_of = dict.fromkeys(self._keys(path), path)
         else:
-            raise UpcycleError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (safetensors weights) to read")
+            raise NoWeights(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (safetensors weights) to read")
         missing = sorted({str(p.name) for p in self.file_of.values() if not p.is_file()})
         if missing:
             raise UpcycleError(f"{self.folder}: the index lists shards that are not there: {', '.join(missing)}")

@@ -70,10 +70,11 @@ def empty_moe_layer(dense: FFNWeights, layout: LayerLayout, moe: MoEConfig, *, d
                         output_dropout=output_dropout, config=moe, dtype=dtype)
 
 
-def planned_model(config, moe: MoEConfig, placement, layout_of, *, dtype: torch.dtype
-                  ) -> tuple[nn.Module, list[Target]]:
-    """The upcycled model on the meta device and its MoE targets; `layout_of(dense FFN) -> LayerLayout`."""
-    model = empty_model(config, dtype)
+def planned_model(config, moe: MoEConfig, placement, layout_of, *, dtype: torch.dtype,
+                  model: nn.Module | None = None) -> tuple[nn.Module, list[Target]]:
+    """The upcycled model on the meta device and its MoE targets; `layout_of(dense FFN) -> LayerLayout`.
+    `model`: the weightless dense model to install the layers into (default: a new one)."""
+    model = model if model is not None else empty_model(config, dtype)
     family = family_of(model.config)
     targets = plan_targets(model, placement)
     for target in targets:
@@ -99,6 +100,19 @@ def tensor_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dty
 
 def output_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
     return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in specs)
+
+
+def bytes_by_block(specs: list[tuple[str, tuple[int, ...], torch.dtype]], blocks: list[str]) -> dict[str, int]:
+    """Bytes of the tensors under each block path (one pass over the tensors)."""
+    sizes = dict.fromkeys(blocks, 0)
+    for name, shape, dtype in specs:
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            key = ".".join(parts[:cut])
+            if key in sizes:
+                sizes[key] += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                break
+    return sizes
 
 
 def layout_function(method, args: dict):

@@ -15,6 +15,7 @@ import yaml
 
 from ..config import ConvertConfig, to_dict
 from ..errors import UpcycleError
+from ..files import json_text
 from ..outputs import Claim
 from ..version import __version__
 from .calibration import real_tokens
@@ -67,7 +68,8 @@ def convert_streamed(source: StreamSource, cfg: ConvertConfig, method, args: dic
                              "checked_against": "the dense model" if report.preservation.end_to_end else None}
         (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
         report.timings.write = time.perf_counter() - t - report.timings.upcycle - report.timings.check
-        (tmp / "upcycle_report.json").write_text(json.dumps(report.to_dict(), indent=2))   # last file written
+        text = json_text(report.to_dict(), indent=2, where="upcycle_report.json")
+        (tmp / "upcycle_report.json").write_text(text)   # last file written
     phases(f"written to {claim.out}")
     return report
 

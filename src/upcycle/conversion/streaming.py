@@ -42,8 +42,8 @@ from .layer_check import layer_probe
 from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
 from .loading import DTYPES
 from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
-from .shards import CheckpointReader, ShardedWriter, numel_of
-from .skeleton import empty_model, layout_function, planned_model, tensor_specs
+from .shards import CheckpointReader, NoWeights, ShardedWriter
+from .skeleton import bytes_by_block, empty_model, layout_function, planned_model, tensor_specs
 
 COMPUTE_DTYPE = torch.float32
 # Bytes the background writer may hold queued: half the largest block's output (the next block's reading and
@@ -59,15 +59,7 @@ def write_queue_bytes(largest_block: int) -> int:
 
 def largest_block_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]], block_paths: list[str]) -> int:
     """Bytes of the largest block in the output (the MoE blocks, for an upcycled model)."""
-    sizes = dict.fromkeys(block_paths, 0)
-    for name, shape, dtype in specs:
-        path = name.split(".")
-        for cut in range(len(path) - 1, 0, -1):
-            key = ".".join(path[:cut])
-            if key in sizes:
-                sizes[key] += numel_of(shape) * torch.empty((), dtype=dtype).element_size()
-                break
-    return max(sizes.values(), default=0)
+    return max(bytes_by_block(specs, block_paths).values(), default=0)
 
 
 class NotStreamable(UpcycleError):
@@ -84,9 +76,12 @@ def check_shapes(model: nn.Module, reader: CheckpointReader, names: dict[str, st
     if wrong:
         raise UpcycleError(f"{path}: the checkpoint does not fit its config.json ({len(wrong)} tensor(s): "
                            f"{'; '.join(wrong[:3])})")
-    # what transformers itself drops on load (rotary buffers older checkpoints stored) is not extra
+    # not extra: what transformers itself drops on load, and buffers the model computes rather than stores (BERT's
+    # position_ids and rotary frequencies, which older checkpoints stored)
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    extra = sorted(n for n in set(reader.names()) - set(names.values()) if not any(p.search(n) for p in ignored))
+    computed = {name.rsplit(".", 1)[-1] for name, _ in model.named_buffers()}
+    extra = sorted(n for n in set(reader.names()) - set(names.values())
+                   if not any(p.search(n) for p in ignored) and n.rsplit(".", 1)[-1] not in computed)
     if extra:
         raise UpcycleError(f"{path}: the checkpoint holds {len(extra)} tensor(s) its config.json has no place for "
                            f"(e.g. {', '.join(extra[:3])}); the weights and config.json must describe one model")
@@ -109,7 +104,7 @@ class StreamSource:
         """`model`: the weightless model to read into (default: the dense model of `config`)."""
         try:
             reader = CheckpointReader(path)
-        except UpcycleError as e:
+        except NoWeights as e:       # damaged weights are an error here; only their absence means "load whole"
             raise NotStreamable(str(e)) from None
         try:
             model = model if model is not None else empty_model(config, dtype)

@@ -12,7 +12,9 @@ The embedded text (English Wikipedia slice from the gensim wheel) lives in `text
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -205,4 +207,41 @@ def resolve_model_name(name: str) -> str:
                            f"a hub id or 'default'")
     if looks_local(name):
         raise UpcycleError(f"could not load model {name!r}: no such folder ({path.absolute()} does not exist)")
+    if not _in_hub_cache(name) and not hub_reachable():
+        raise UpcycleError(f"could not load model {name!r}: it is not a folder here, not in the Hugging Face cache, "
+                           f"and the hub ({_hub_endpoint()[0]}) cannot be reached from this machine; give the "
+                           f"model's local folder")
     return name
+
+
+def _hub_endpoint() -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return parts.hostname or "huggingface.co", parts.port or (80 if parts.scheme == "http" else 443)
+
+
+@functools.cache
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a connection at all (once per process): a hub id asked for on a
+    machine without network is refused at once instead of after half a minute of retries."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or \
+            os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        socket.create_connection(_hub_endpoint(), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether a snapshot of hub id `name` is in the local Hugging Face cache."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return False
+    snapshots = Path(HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())

@@ -32,7 +32,8 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
             total += float(nll)
             count += int((targets != -100).sum())
     mean = total / max(count, 1)
-    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+    # exp overflows a float past 709: such a model's perplexity is infinite, not an error
+    return {"perplexity": math.exp(mean) if mean < 709 else math.inf, "nll": mean, "tokens": count}
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from ..conversion.loading import load_model
 from ..core.moe import moe_layers
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
-from ..files import atomic_directory
+from ..files import atomic_directory, json_text
 from ..outputs import Input, claim_output, inputs
 from . import checkpoint, sharding
 from .freezing import Freezer
@@ -344,7 +344,7 @@ class _Training:
 
     def write(self, record: dict) -> None:
         if self.log is not None:
-            self.log.write(json.dumps(record) + "\n")
+            self.log.write(json_text(record) + "\n")
             self.log.flush()
 
     def evaluate(self, step: int) -> dict | None:
