@@ -37,6 +37,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from upcycle.core.ffn import FFNWeights
+from upcycle.core.grouped_ffn import forced_kernel_path
 from upcycle.core.moe import MoELayer
 
 E, K, D, FF = 8, 2, 576, 1536
@@ -98,9 +99,16 @@ def measure(n_tokens: int, reps: int, min_seconds: float) -> dict:
     ours, dense, hf = build()
     x = torch.randn(1, n_tokens, D, generator=torch.Generator().manual_seed(1))
     impls = {"dense": lambda t: dense(t.view(-1, D)), "upcycle": ours, **hf}
+    for path in ("grouped_mm", "loop"):        # the two kernel paths of our layer, whatever the rule picks
+        def forced(t, path=path):
+            with forced_kernel_path(path):
+                return ours(t)
+        impls[f"upcycle_{path}"] = forced
     impls["dense"].params = list(dense.tensors().values())
     for module in (ours, *hf.values()):
         module.params = list(module.parameters())
+    for path in ("grouped_mm", "loop"):
+        impls[f"upcycle_{path}"].params = ours.params
     failed = {}
     with torch.no_grad(), precision():   # same routing and weights: the outputs must agree (float32: exactly)
         ref = ours(x).float()
@@ -130,6 +138,7 @@ def measure(n_tokens: int, reps: int, min_seconds: float) -> dict:
             "ratio_to_dense_x_k": {n: v / baseline for n, v in med.items() if n != "dense"},
             "upcycle_vs_best_hf": med["upcycle"] / min(med[n] for n in hf if n in med) if set(hf) & set(med)
             else None,
+            "upcycle_vs_hf_grouped_mm": med["upcycle"] / med["hf_grouped_mm"] if "hf_grouped_mm" in med else None,
         }
     return result
 

@@ -56,12 +56,21 @@ def _grads(layer: MoELayer, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor)
     return list(torch.autograd.grad((out.float() * g).sum(), params, allow_unused=False))
 
 
+@pytest.fixture
+def forced_path():
+    """forced_path(path): every MoE batch of the test takes `path`."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield lambda path: stack.enter_context(kernel.forced_kernel_path(path))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("path", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("shared, capacity", [(False, None), (True, None), (False, 1.0)],
                          ids=["dropless", "shared", "capacity"])
-def test_autocast_forward_and_backward_match_a_float32_reference(monkeypatch, dtype, path, shared, capacity):
-    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 16 * 2**20 if path == "grouped_mm" else 0)
+def test_autocast_forward_and_backward_match_a_float32_reference(forced_path, dtype, path, shared, capacity):
+    forced_path(path)
     layer = _layer(shared, capacity)
     x = torch.randn(24, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     g = torch.randn(24, 32, generator=torch.Generator().manual_seed(2))
@@ -135,8 +144,8 @@ def test_dropless_grouped_mm_forward_has_no_host_sync(monkeypatch, shared):
     layer(x)
     assert counter.calls == []
     # the counter does see syncs: the per-expert loop reads its counts once per call
-    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 0)
-    layer(x)
+    with kernel.forced_kernel_path("loop"):
+        layer(x)
     assert "tolist" in counter.calls
 
 

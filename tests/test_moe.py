@@ -99,11 +99,11 @@ def kernel_path(request, monkeypatch):
     the test did run the path it is named after."""
     import upcycle.core.grouped_ffn as kernel
     grouped = request.param.startswith("small")
-    monkeypatch.setattr(kernel, "SMALL_BATCH_BYTES", 2**40 if grouped else 0)
     calls = []
     run_grouped = kernel._run_grouped_mm
     monkeypatch.setattr(kernel, "_run_grouped_mm", lambda *a: calls.append(1) or run_grouped(*a))
-    yield request.param
+    with kernel.forced_kernel_path("grouped_mm" if grouped else "loop"):
+        yield request.param
     assert bool(calls) == grouped, f"{request.param}: grouped_mm ran {len(calls)} times"
 
 
@@ -249,23 +249,50 @@ def test_any_named_activation_trains(kernel_path, activation):
     torch.testing.assert_close(ours, layer.experts.w_gate_up.grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 2048, 65536])
+@pytest.mark.parametrize("tokens", [1, 64, 2048, 65536, 2**22])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_path_depends_on_sizes_not_on_the_device(tokens, dtype):
-    """Issue 12 item 3: a batch takes the same path on CPU and CUDA, so the CPU tests cover what a GPU runs;
-    small batches take grouped_mm, large ones the loop, and devices torch has no grouped_mm for the loop."""
-    from upcycle.core.grouped_ffn import SMALL_BATCH_BYTES, kernel_path
+def test_the_kernel_path_rule_follows_the_devices_facts(tokens, dtype):
+    """grouped_mm wherever torch has it for the device and its working set fits in its share of the device's
+    memory, else the loop; rows it cannot address, and devices without grouped_mm, take the loop."""
+    from upcycle.core.grouped_ffn import GROUPED_MEMORY_SHARE, choose_path, grouped_working_bytes
 
     w_in, w_down = (8, 2 * 1536, 576), (8, 576, 1536)         # SmolLM2's FFN, 8 experts (fused gate/up)
     slots = 2 * tokens                                          # top-2
-    on_cpu = kernel_path(slots, w_in, w_down, dtype, "cpu")
-    assert kernel_path(slots, w_in, w_down, dtype, "cuda") == on_cpu
-    small = slots * w_in[1] * torch.empty((), dtype=dtype).element_size() <= SMALL_BATCH_BYTES
-    assert on_cpu == ("grouped_mm" if small else "loop")
-    assert kernel_path(slots, w_in, w_down, dtype, "mps") == "loop"
+    need = grouped_working_bytes(slots, w_in, w_down, dtype)
+    for device in ("cpu", "cuda"):
+        for memory in (24 * 2**30, 80 * 2**30, 141 * 2**30):
+            expected = "grouped_mm" if need <= GROUPED_MEMORY_SHARE * memory else "loop"
+            assert choose_path(slots, w_in, w_down, dtype, device_type=device, memory=memory) == expected
+    assert choose_path(slots, w_in, w_down, dtype, device_type="cpu", memory=2**50) == "grouped_mm"
+    assert choose_path(slots, w_in, w_down, dtype, device_type="cpu", memory=need * 7) == "loop"
+    assert choose_path(slots, w_in, w_down, dtype, device_type="mps", memory=2**50) == "loop"
+    assert choose_path(slots, w_in, w_down, dtype, device_type="cuda", memory=2**50, has_grouped_mm=False) == "loop"
     # rows grouped_mm cannot address (a stride that is not a multiple of 16 bytes) take the loop anywhere
-    assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cpu") == "loop"
-    assert kernel_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, "cuda") == "loop"
+    for device in ("cpu", "cuda"):
+        assert choose_path(slots, (8, 2 * 5, 7), (8, 7, 5), dtype, device_type=device, memory=2**50) == "loop"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the CPU allocator keeps no peak")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_working_set_estimate_bounds_what_the_grouped_path_allocates(dtype):
+    """The rule's estimate against the peak the grouped path's forward and backward allocate beyond the batch and
+    the weights: at least that peak (so a batch that fits by the estimate fits), at most 3x it."""
+    from upcycle.core.grouped_ffn import forced_kernel_path, grouped_working_bytes
+
+    layer = random_layer(E=8, K=2, D=512, F=256).to("cuda", dtype)
+    x = torch.randn(4096, 512, device="cuda", dtype=dtype, requires_grad=True)
+    with forced_kernel_path("grouped_mm"):
+        layer(x).float().square().mean().backward()         # warm-up: workspaces, cuBLAS handles
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        layer(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    estimate = grouped_working_bytes(4096 * 2, layer.experts.w_in.shape, layer.experts.w_down.shape, dtype)
+    assert peak <= estimate <= 3 * peak, (peak, estimate)
 
 
 @pytest.mark.parametrize("shared", [0, 1])

@@ -28,7 +28,7 @@ def relative_compactness(features_ND: torch.Tensor, groups_N: torch.Tensor) -> f
     if G < 2:
         return None
     counts_G = torch.bincount(groups_N, minlength=G).double()
-    sums_GD = torch.zeros(G, x.shape[1], dtype=torch.float64).index_add_(0, groups_N, x)
+    sums_GD = torch.zeros(G, x.shape[1], dtype=torch.float64, device=x.device).index_add_(0, groups_N, x)
     means_GD = sums_GD / counts_G[:, None]
     centred = x - means_GD[groups_N]
     sigma_w = centred.T @ centred / x.shape[0]

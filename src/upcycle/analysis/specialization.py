@@ -79,6 +79,8 @@ def source_metrics(sources_T: torch.Tensor, ids_TK: torch.Tensor, names: list[st
     """Everything of this module for one layer: the share matrices, the score on the top-1 expert, its baseline,
     and with `expert_source` the router-source agreement per source."""
     S = len(names)
+    # small integer labels: counted on the CPU (the routing may have run on a GPU; the tables are built here)
+    sources_T, ids_TK = sources_T.cpu(), ids_TK.cpu()
     top1_T = ids_TK[:, 0]
     out = {"sources": list(names), **source_shares(sources_T, ids_TK, S, num_experts),
            "nmi": specialization(sources_T, top1_T, S, num_experts),

@@ -229,7 +229,8 @@ def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, 
     info = {"method_facts": facts if any(facts) else None}
     if rows is not None:
         cos = rows.double() @ rows.double().T
-        info["router_rows_max_cosine"] = (float((cos - 2 * torch.eye(len(rows), dtype=cos.dtype)).max())
+        eye = torch.eye(len(rows), dtype=cos.dtype, device=cos.device)      # the rows may be on the GPU
+        info["router_rows_max_cosine"] = (float((cos - 2 * eye).max())
                                           if len(rows) > 1 else None)
     return layer, info
 

@@ -31,20 +31,29 @@ gradient, the per-expert loop casts one expert's weights at a time (checking a b
 float32 then never holds a float32 copy of all its experts: the streaming conversion's per-layer check), and an
 inference batch whose weights need a cast takes the loop whatever its size (grouped_mm would cast the stack).
 
-Which path runs is decided by sizes (`kernel_path`), the same rule on every device, so the CPU tests run the
-code a GPU runs: `grouped_mm` for batches up to SMALL_BATCH_BYTES of input-projection output, the per-expert
-loop above. The one device fact is where torch implements `grouped_mm` at all (CPU and CUDA in torch 2.13).
+Which path runs (`kernel_path`, a function of the batch and the device's facts, `choose_path`): `grouped_mm` where
+torch implements it for the device (CPU and CUDA) and the rows are 16-byte aligned, unless its working set
+(`grouped_working_bytes`: the gathered inputs, projections and outputs of every slot, and their gradients) would
+take more than GROUPED_MEMORY_SHARE of the device's memory; the per-expert loop then, whose working set is one
+expert's slice. No batch-size threshold tuned on one machine: on the 2-core CPU the loop and grouped_mm trade
+places between machines (a reviewer's VM: the loop 2x slower than grouped_mm at 4,096 tokens; the VM of this
+change: the loop 0.88x of grouped_mm there), while grouped_mm is never much worse than the loop anywhere it was
+measured (at most 1.14x), and on a GPU the loop launches E small matmuls from Python for every batch
+(benchmarks/moe_layer.py; the figures are in the README's GPU section).
 
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
-offsets by cumsum), so a dropless forward copies nothing to the host (on CUDA that holds for torch's bf16
-CUTLASS kernels on sm90/sm100; its fallback for other dtypes and GPUs reads the offsets once itself). The
-per-expert loop slices the slots of each expert in Python and so reads the counts once (`.tolist()`); it is
-chosen only for large batches, where its bounded working set pays for that one sync.
+offsets by cumsum, the counts by index_add rather than bincount), so a dropless forward and backward copy
+nothing to the host (on CUDA that holds for torch's bf16 CUTLASS kernels on sm90/sm100; its fallback for other
+dtypes and GPUs reads the offsets itself; tests/test_no_sync.py). The per-expert loop slices the slots of each
+expert in Python and so reads the counts once (`.tolist()`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import os
 
 import torch
 
@@ -120,13 +129,6 @@ def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_do
             y = y.to(ACCUMULATOR).mul_(weights)
         y_TD.index_add_(0, idx, y)
     return y_TD
-
-
-# Below this size of the slots' input-projection output, a batch runs as one `grouped_mm` call per
-# projection (autograd's grouped_mm backward also writes stacked gradients): on small batches (decode steps,
-# short sequences) the per-expert Python loop costs more than the matmuls; above it, the loop's bounded
-# working set wins (measured with benchmarks/moe_layer.py on CPU: 512 vs 2048 tokens at D=576, F=1536).
-SMALL_BATCH_BYTES = 16 * 2**20
 
 
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
@@ -214,7 +216,7 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     counts = torch.as_tensor(counts, device=device)
     off = torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
         else contextlib.nullcontext()
-    path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device.type)
+    path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                  for t in (x_TD, weights_N, w_in, b_in, w_down, b_down))
     if path == "grouped_mm" and not needs_grad and w_in.dtype != dtype:
@@ -233,21 +235,82 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     return y_TD.to(x_TD.dtype)
 
 
-# The device types torch 2.13 implements grouped_mm on; on others (MPS, XPU) every batch takes the loop. This is
-# a fact about torch, not a tuning choice: the path itself depends only on sizes (kernel_path).
+# The device types torch implements grouped_mm on; on others (MPS, XPU) every batch takes the loop.
 GROUPED_MM_DEVICES = frozenset({"cpu", "cuda"})
+# The grouped path's working set may take up to this share of the device's memory; a batch whose working set is
+# larger takes the per-expert loop, whose working set is one expert's slice (the rule and its measurements: the
+# module docstring).
+GROUPED_MEMORY_SHARE = 1 / 8
+
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("upcycle_kernel_path", default=None)
 
 
-def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device_type: str) -> str:
-    """"grouped_mm" for small batches whose rows grouped_mm can address, else "loop". Sizes decide, not the
-    device: the same batch takes the same path on a CPU and a GPU."""
-    if device_type not in GROUPED_MM_DEVICES or not hasattr(torch.nn.functional, "grouped_mm"):
-        return "loop"
+@contextlib.contextmanager
+def forced_kernel_path(path: str | None):
+    """Every MoE batch inside takes `path` ("grouped_mm" or "loop") where grouped_mm can run at all (benchmarks
+    and tests compare the two); None restores the rule."""
+    if path not in (None, "grouped_mm", "loop"):
+        raise ValueError(f"kernel path must be grouped_mm, loop or None, got {path!r}")
+    token = _FORCED.set(path)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def grouped_working_bytes(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype) -> int:
+    """Bytes the grouped path holds at once beyond the batch and the weights: per slot the gathered input, the
+    input projection, the hidden state and the output in the compute dtype and the float32 weighted output (the
+    forward), and about as much again for the backward's gradients."""
+    _, rows, width = w_in_shape
+    hidden = w_down_shape[2]
     size = torch.empty((), dtype=dtype).element_size()
-    small = slots * w_in_shape[1] * size <= SMALL_BATCH_BYTES
-    # grouped_mm wants every row stride to be a multiple of 16 bytes
-    aligned = all(d * size % 16 == 0 for d in (w_in_shape[1], w_in_shape[2], w_down_shape[2]))
-    return "grouped_mm" if small and aligned else "loop"
+    return 2 * slots * ((2 * width + rows + hidden) * size + width * 4)
+
+
+@functools.cache
+def device_memory(device: torch.device) -> int:
+    """The device's memory in bytes (a GPU's total, the machine's RAM for the CPU): a fact of the machine, read
+    once, so a batch takes the same path every time it comes (no dependence on what happens to be free)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def choose_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, *, device_type: str, memory: int,
+                has_grouped_mm: bool = True) -> str:
+    """The rule, a function of the batch and the device's facts: "grouped_mm" where torch has it for the device,
+    the rows are 16-byte aligned (grouped_mm's requirement) and the working set fits in GROUPED_MEMORY_SHARE of
+    the device's memory; else "loop"."""
+    if not can_group(w_in_shape, w_down_shape, dtype, device_type, has_grouped_mm):
+        return "loop"
+    fits = grouped_working_bytes(slots, w_in_shape, w_down_shape, dtype) <= GROUPED_MEMORY_SHARE * memory
+    return "grouped_mm" if fits else "loop"
+
+
+def can_group(w_in_shape, w_down_shape, dtype: torch.dtype, device_type: str, has_grouped_mm: bool = True) -> bool:
+    """Whether grouped_mm can run these experts at all: torch has it for the device, and every row stride is a
+    multiple of 16 bytes."""
+    if not has_grouped_mm or device_type not in GROUPED_MM_DEVICES:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(d * size % 16 == 0 for d in (w_in_shape[1], w_in_shape[2], w_down_shape[2]))
+
+
+def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device: torch.device | str) -> str:
+    """The path a batch takes on `device`: `choose_path` with the device's facts, or the forced path where
+    grouped_mm can run."""
+    device = torch.device(device)
+    has = hasattr(torch.nn.functional, "grouped_mm")
+    forced = _FORCED.get()
+    if forced is not None and can_group(w_in_shape, w_down_shape, dtype, device.type, has):
+        return forced
+    memory = device_memory(device) if device.type in GROUPED_MM_DEVICES else 0
+    return choose_path(slots, w_in_shape, w_down_shape, dtype, device_type=device.type, memory=memory,
+                       has_grouped_mm=has)
 
 
 def _dispatch(args: tuple, path: str, needs_grad: bool) -> torch.Tensor:

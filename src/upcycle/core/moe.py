@@ -29,7 +29,7 @@ from torch import nn
 from ..config import MoEConfig
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import grouped_ffn
-from .router import Router, RoutingRecord, capacity_keep, router_logits  # noqa: F401  (re-exported names)
+from .router import Router, RoutingRecord, capacity_keep, count_ids, router_logits  # noqa: F401  (re-exported)
 
 # The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
 # `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
@@ -228,7 +228,7 @@ class MoELayer(nn.Module):
         # Order within an expert's group does not matter mathematically, but the matmul's rounding depends on a
         # row's position: sorting as transformers' MoE experts do keeps exported stock models bit-identical.
         order_N = torch.sort(ids_N).indices
-        counts_E = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts]
+        counts_E = count_ids(ids_N, self.num_experts + 1)[: self.num_experts]
         # dropless: every slot runs, a size known on the host; with capacity the kept count is read (one sync)
         slots_N = order_N if record.kept_TK is None else order_N[: int(counts_E.sum())]
         y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts_E)

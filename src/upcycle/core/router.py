@@ -74,7 +74,9 @@ def capacity_keep(ids_TK: torch.Tensor, num_experts: int, capacity: int,
     """
     T, K = ids_TK.shape
     ids_KT = ids_TK.t()
-    onehot_KTE = F.one_hot(ids_KT, num_experts)
+    # scatter, not F.one_hot: one_hot checks the ids' range, reading their min and max back to the host
+    onehot_KTE = torch.zeros(K, T, num_experts, dtype=torch.long, device=ids_TK.device).scatter_(
+        2, ids_KT.unsqueeze(-1), 1)
     if mask_T is not None:
         onehot_KTE = onehot_KTE * mask_T.view(1, T, 1).to(onehot_KTE.dtype)
     # position of each slot in its expert's queue, counting in (choice rank, token) order
@@ -90,11 +92,19 @@ def token_entropy(probs_xE: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(probs_xE, probs_xE).sum(-1)
 
 
+def count_ids(ids: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each id in [0, size) occurs in `ids` (int64; each occurrence counted `weights` times), without a
+    host sync: torch.bincount reads the largest id back to the host to size its output, on a GPU a sync."""
+    ids = ids.reshape(-1)
+    ones = torch.ones_like(ids) if weights is None else weights.reshape(-1).to(ids.dtype)
+    return torch.zeros(size, dtype=torch.int64, device=ids.device).index_add_(0, ids, ones)
+
+
 def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Tensor | None = None) -> torch.Tensor:
     """Token-slots per expert [E] over the real tokens (padding excluded): the load that the aux-free balancer
     and the routing statistics read."""
-    ids = topk_ids_TK if mask_T is None else topk_ids_TK[mask_T]
-    return torch.bincount(ids.reshape(-1), minlength=num_experts)
+    weights = None if mask_T is None else mask_T.reshape(-1, 1).expand_as(topk_ids_TK)
+    return count_ids(topk_ids_TK, num_experts, weights)
 
 
 class Router(nn.Linear):

@@ -26,6 +26,8 @@ to 3e-15). The gradient is the Beta density either way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _TINY = 1e-300
@@ -109,7 +111,8 @@ def beta_cdf(x: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float, 
              iterations: int | None = None, backend: str = "auto") -> torch.Tensor:
     """I_x(a, b), the Beta(a, b) CDF at x (broadcast), on x's device; differentiable in x (gradient = density).
     a and b are treated as constants. `iterations` defaults to what the largest of a and b needs (read on the
-    host when a and b are numbers or CPU tensors; MAX_ITERATIONS for accelerator tensors, to avoid a sync).
+    host when a and b are numbers or CPU tensors; MAX_ITERATIONS for accelerator tensors, to avoid a sync); given,
+    a and b are taken as checked already (DPSL checks its priors once, `prior`), and nothing is read here.
     `backend`: auto (SciPy for CPU tensors, the on-device continued fraction elsewhere), torch or scipy."""
     if backend not in BACKENDS:
         raise ValueError(f"beta_cdf: backend must be one of {BACKENDS}, got {backend!r}")
@@ -117,15 +120,35 @@ def beta_cdf(x: torch.Tensor, a: torch.Tensor | float, b: torch.Tensor | float, 
         backend = "scipy" if x.device.type == "cpu" else "torch"
     if backend == "scipy" and x.device.type != "cpu":
         raise ValueError("beta_cdf: the scipy backend needs CPU tensors (use torch on an accelerator)")
-    on_host = [t for t in (a, b) if not isinstance(t, torch.Tensor) or t.device.type == "cpu"]
     if iterations is None:
+        on_host = [t for t in (a, b) if not isinstance(t, torch.Tensor) or t.device.type == "cpu"]
         iterations = (iterations_for(max(float(torch.as_tensor(t).max()) for t in (a, b)))
                       if len(on_host) == 2 else MAX_ITERATIONS)
-    if any(bool((torch.as_tensor(t) <= 0).any()) for t in on_host):
-        raise ValueError("beta_cdf: a and b must be > 0")
+        if any(bool((torch.as_tensor(t) <= 0).any()) for t in on_host):
+            raise ValueError("beta_cdf: a and b must be > 0")
     a = torch.as_tensor(a, dtype=torch.float64, device=x.device)
     b = torch.as_tensor(b, dtype=torch.float64, device=x.device)
     return _BetaCDF.apply(x, *torch.broadcast_tensors(a, b), iterations, backend)
+
+
+def _frozen(value):
+    """A prior (a number, a list or a list of lists) as a hashable key."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
+
+
+def prior(alpha, K: int) -> tuple[torch.Tensor, int]:
+    """(alpha as a [G, K] table, the continued fraction's iteration count for it), checked once per prior and
+    kept: a training step then reads nothing of the priors again (a read of a tensor is a host sync on a GPU)."""
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.tolist()
+    return _prior(_frozen(alpha), K)
+
+
+@functools.lru_cache(maxsize=64)
+def _prior(alpha, K: int) -> tuple[torch.Tensor, int]:
+    table = _alpha_table(alpha, K)
+    b = table.sum(1, keepdim=True) - table
+    return table, iterations_for(float(torch.cat([table, b]).max()))
 
 
 def _alpha_table(alpha, K: int) -> torch.Tensor:
@@ -144,12 +167,22 @@ def _alpha_table(alpha, K: int) -> torch.Tensor:
     return table
 
 
-def _cramer_von_mises(p_BK: torch.Tensor, alpha_K: torch.Tensor) -> torch.Tensor:
+def _cramer_von_mises(p_BK: torch.Tensor, alpha_K: torch.Tensor, keep_B: torch.Tensor | None = None,
+                      iterations: int | None = None) -> torch.Tensor:
+    """The distance over the rows `keep_B` marks (all when None). Rows left out sort last (they are set above
+    1 before sorting) and take no part; their number stays on the device, so nothing is read back to the host."""
     B = p_BK.shape[0]
+    if keep_B is not None:
+        p_BK = torch.where(keep_B[:, None], p_BK, 2.0)
     sorted_BK = torch.sort(p_BK, dim=0).values
-    cdf_BK = beta_cdf(sorted_BK, alpha_K, alpha_K.sum() - alpha_K)   # host priors: moved with x inside
-    target_B1 = torch.arange(1, B + 1, device=p_BK.device, dtype=cdf_BK.dtype)[:, None] / B
-    return ((target_B1 - cdf_BK) ** 2).mean(0).sum()
+    cdf_BK = beta_cdf(sorted_BK.clamp_max(1.0), alpha_K, alpha_K.sum() - alpha_K,   # host priors: moved inside
+                      iterations=iterations)
+    j_B1 = torch.arange(1, B + 1, device=p_BK.device, dtype=cdf_BK.dtype)[:, None]
+    if keep_B is None:
+        return ((j_B1 / B - cdf_BK) ** 2).mean(0).sum()
+    n = keep_B.sum().to(cdf_BK.dtype).clamp_min(1)
+    taken_B1 = (j_B1 <= n).to(cdf_BK.dtype)
+    return (((j_B1 / n - cdf_BK) ** 2) * taken_B1).sum(0).div(n).sum()
 
 
 def dpsl(probs_BK: torch.Tensor, alpha, *, groups: torch.Tensor | None = None,
@@ -159,17 +192,17 @@ def dpsl(probs_BK: torch.Tensor, alpha, *, groups: torch.Tensor | None = None,
     if probs_BK.dim() != 2:
         raise ValueError(f"dpsl: expected probabilities [B, K], got shape {tuple(probs_BK.shape)}")
     K = probs_BK.shape[1]
-    table = _alpha_table(alpha, K)
-    keep = torch.ones(probs_BK.shape[0], dtype=torch.bool, device=probs_BK.device) if mask is None \
-        else mask.reshape(-1).to(probs_BK.device).bool()
+    table, iterations = prior(alpha, K)
+    keep = None if mask is None else mask.reshape(-1).to(probs_BK.device).bool()
     if groups is None:
         if table.shape[0] != 1:
             raise ValueError("dpsl: a per-group alpha table needs `groups`")
-        return _cramer_von_mises(probs_BK[keep], table[0])
+        return _cramer_von_mises(probs_BK, table[0], keep, iterations)
     groups = groups.reshape(-1).to(probs_BK.device)
-    present = torch.unique(groups[keep]).tolist()
+    keep = torch.ones_like(groups, dtype=torch.bool) if keep is None else keep
+    present = torch.unique(groups[keep]).tolist()       # the groups present: read once (a host sync)
     if present and (min(present) < 0 or (table.shape[0] > 1 and max(present) >= table.shape[0])):
         raise ValueError(f"dpsl: group ids must index the alpha table's {table.shape[0]} rows, got {present}")
-    losses = [_cramer_von_mises(probs_BK[keep & (groups == g)], table[g if table.shape[0] > 1 else 0])
+    losses = [_cramer_von_mises(probs_BK, table[g if table.shape[0] > 1 else 0], keep & (groups == g), iterations)
               for g in present]
     return torch.stack(losses).mean()

@@ -103,7 +103,8 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
             prompt_KP = text_features(model, tokenizer, prompts, batch_size)
             class_KP = F.normalize(prompt_KP.view(len(pairs.class_names), len(templates), -1).mean(1), dim=-1)
             predicted = (image_NP @ class_KP.t()).argmax(1)
-            result["zero_shot"] = {"accuracy": float((predicted == torch.tensor(pairs.labels)).double().mean()),
+            labels = torch.tensor(pairs.labels, device=predicted.device)      # predictions come from the model's device
+            result["zero_shot"] = {"accuracy": float((predicted == labels).double().mean()),
                                    "classes": len(pairs.class_names), "templates": list(templates)}
     return result
 

@@ -29,13 +29,20 @@ from .dpsl import dpsl  # noqa: F401  (public name: upcycle.losses.dpsl)
 
 def _per_group(fn: Callable[[torch.Tensor], torch.Tensor], T: int, device, mask_T: torch.Tensor | None,
                groups_T: torch.Tensor | None) -> torch.Tensor:
-    """fn(selected token indices) for all real tokens, or averaged over the groups present among them."""
-    keep_T = torch.ones(T, dtype=torch.bool, device=device) if mask_T is None else mask_T.to(device).bool()
+    """fn(token weights [T], 1.0 for the tokens taken, 0.0 otherwise) for all real tokens, or averaged over the
+    groups present among them. Weights rather than a boolean index keep every shape independent of the data, so
+    without groups nothing is read back to the host (on a GPU: no sync); the groups present are read once."""
+    keep_T = torch.ones(T, device=device) if mask_T is None else mask_T.to(device).reshape(-1).float()
     if groups_T is None:
         return fn(keep_T)
     groups_T = groups_T.to(device).reshape(-1)
-    losses = [fn(keep_T & (groups_T == g)) for g in torch.unique(groups_T[keep_T]).tolist()]
+    losses = [fn(keep_T * (groups_T == g)) for g in torch.unique(groups_T[keep_T.bool()]).tolist()]
     return torch.stack(losses).mean()
+
+
+def _mean(values_T: torch.Tensor, weights_T: torch.Tensor) -> torch.Tensor:
+    """The weighted mean over tokens (0 when no token is taken)."""
+    return (values_T * weights_T).sum() / weights_T.sum().clamp_min(1)
 
 
 def load_balance(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, *, mask_T: torch.Tensor | None = None,
@@ -43,12 +50,12 @@ def load_balance(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, *, mask_T: 
     E, K = logits_TE.shape[1], topk_ids_TK.shape[1]
     probs_TE = logits_TE.float().softmax(-1)
 
-    def loss(sel_T):
-        T = sel_T.sum().clamp_min(1)
-        counts_E = torch.zeros(E, device=logits_TE.device).index_add_(
-            0, topk_ids_TK[sel_T].reshape(-1), torch.ones(int(sel_T.sum()) * K, device=logits_TE.device))
+    def loss(w_T):
+        T = w_T.sum().clamp_min(1)
+        counts_E = torch.zeros(E, device=logits_TE.device).index_add_(0, topk_ids_TK.reshape(-1),
+                                                                      w_T.repeat_interleave(K))
         R_E = E / (K * T) * counts_E
-        P_E = probs_TE[sel_T].sum(0) / T
+        P_E = (probs_TE * w_T[:, None]).sum(0) / T
         return (R_E * P_E).sum()
 
     return _per_group(loss, logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
@@ -57,13 +64,13 @@ def load_balance(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, *, mask_T: 
 def z_loss(logits_TE: torch.Tensor, *, mask_T: torch.Tensor | None = None,
            groups_T: torch.Tensor | None = None) -> torch.Tensor:
     lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
-    return _per_group(lambda sel: (lse_T[sel] ** 2).mean(), logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
+    return _per_group(lambda w: _mean(lse_T ** 2, w), logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
 
 
 def limoe_local(logits_TE: torch.Tensor, *, mask_T: torch.Tensor | None = None,
                 groups_T: torch.Tensor | None = None) -> torch.Tensor:
     probs_TE = logits_TE.float().softmax(-1)
-    return _per_group(lambda sel: token_entropy(probs_TE[sel]).mean(), logits_TE.shape[0], logits_TE.device,
+    return _per_group(lambda w: _mean(token_entropy(probs_TE), w), logits_TE.shape[0], logits_TE.device,
                       mask_T, groups_T)
 
 
@@ -73,8 +80,12 @@ def limoe_global(logits_TE: torch.Tensor, *, m: float = 6.0, mask_T: torch.Tenso
         raise ValueError(f"limoe_global: m must be in [1, E={logits_TE.shape[1]}], got {m}")
     probs_TE = logits_TE.float().softmax(-1)
     threshold = math.log(m)
-    return _per_group(lambda sel: (threshold - token_entropy(probs_TE[sel].mean(0))).clamp_min(0),
-                      logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
+
+    def loss(w_T):
+        P_E = (probs_TE * w_T[:, None]).sum(0) / w_T.sum().clamp_min(1)
+        return (threshold - token_entropy(P_E)).clamp_min(0)
+
+    return _per_group(loss, logits_TE.shape[0], logits_TE.device, mask_T, groups_T)
 
 
 def eesd(student_TD: torch.Tensor, teacher_TD: torch.Tensor, *,
@@ -83,6 +94,5 @@ def eesd(student_TD: torch.Tensor, teacher_TD: torch.Tensor, *,
     the teacher is detached here, so no gradient reaches it whatever the caller passes."""
     diff_TD = student_TD.float() - teacher_TD.detach().float()
     sq_T = (diff_TD * diff_TD).sum(-1)
-    if mask_T is not None:
-        sq_T = sq_T[mask_T.to(sq_T.device).bool()]
-    return sq_T.mean() if sq_T.numel() else sq_T.sum()
+    weights_T = torch.ones_like(sq_T) if mask_T is None else mask_T.to(sq_T.device).reshape(-1).float()
+    return _mean(sq_T, weights_T)

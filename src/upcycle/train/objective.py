@@ -94,8 +94,9 @@ class Objective:
         self.balancer = AuxFreeBalancer(model, cfg.aux_free_rate) if cfg.aux_free_rate else None
 
     def loss(self, task_loss: torch.Tensor, *, groups: torch.Tensor | None = None, router: bool = True,
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(total loss, each term's unweighted value) after a forward pass; `router=False` leaves the router
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(total loss, each term's unweighted value as a detached tensor, read by the step once it is done, so the
+        backward is not held up by a copy to the host) after a forward pass; `router=False` leaves the router
         losses out (after the warm-up phase of `cfg.router_until`)."""
         records = self.records() if self.stock is not None else None
         terms = router_losses(self.model, self.cfg, groups=groups, records=records) if router else {}
@@ -104,8 +105,7 @@ class Objective:
         total = task_loss
         for name, value in terms.items():
             total = total + getattr(self.cfg, name) * value
-        logged = {"task": float(task_loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
-                  "total": float(total.detach())}
+        logged = {"task": task_loss.detach(), **{k: v.detach() for k, v in terms.items()}, "total": total.detach()}
         return total, logged
 
     def records(self) -> dict[str, RoutingRecord | None]:

@@ -69,7 +69,8 @@ def any_process(accelerator, flag: bool) -> bool:
 
 
 def count_tokens(batch: dict) -> int:
-    """Real tokens of a text batch: attention-mask ones, or every id when there is no mask."""
+    """Real tokens of a text batch: attention-mask ones, or every id when there is no mask (counted on the batch
+    as it came from the data, on the CPU)."""
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
@@ -95,6 +96,7 @@ def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torc
     trainable = [p for p in model.parameters() if p.grad is not None]
     # max_norm inf measures the norm without clipping, so a NaN gradient is seen with clipping off too
     grad_norm = acc.clip_grad_norm_(trainable, clip_grad or math.inf) if trainable else None
+    sums = _to_host(sums)          # after the backward: the device has the step's work queued already
     lr = scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
     why = _nonfinite(acc, sums, grad_norm)
     if why is not None:
@@ -123,9 +125,10 @@ def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torc
 
 
 def _accumulate(model: nn.Module, micro: list[dict], acc, reg: Objective, task_loss, tokens, router: bool,
-                groups: torch.Tensor | None) -> tuple[dict[str, float], int]:
-    """Forward and backward of each micro-batch (loss / micro-batches); the terms' means and the tokens."""
-    sums: dict[str, float] = {}
+                groups: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], int]:
+    """Forward and backward of each micro-batch (loss / micro-batches); the terms' means (on the device) and the
+    tokens (counted on the CPU batches)."""
+    sums: dict[str, torch.Tensor] = {}
     n_tokens = 0
     for m, cpu_batch in enumerate(micro):
         batch = {k: v.to(acc.device) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
@@ -134,9 +137,16 @@ def _accumulate(model: nn.Module, micro: list[dict], acc, reg: Objective, task_l
             total, logged = reg.loss(task_loss(model, batch), groups=groups, router=router)
             acc.backward(total / len(micro))
         for k, v in logged.items():
-            sums[k] = sums.get(k, 0.0) + v / len(micro)
-        n_tokens += tokens(batch)
+            sums[k] = sums[k] + v / len(micro) if k in sums else v / len(micro)
+        n_tokens += tokens(cpu_batch)
     return sums, n_tokens
+
+
+def _to_host(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The step's loss terms as numbers, in one copy from the device."""
+    names = sorted(sums)
+    values = torch.cat([sums[k].detach().double().reshape(1) for k in names]).tolist() if names else []
+    return dict(zip(names, values, strict=True))
 
 
 def _nonfinite(acc, sums: dict[str, float], grad_norm: torch.Tensor | None) -> str | None:

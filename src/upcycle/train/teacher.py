@@ -91,11 +91,12 @@ class EMATeacher:
         return layer
 
     def _select(self, layer: MoELayer, T: int) -> torch.Tensor | None:
-        """Indices of the tokens the teacher runs on (None: all tokens)."""
+        """Indices of the tokens the teacher runs on (None: all tokens, padding weighted out of the loss, so that
+        no data-dependent shape needs a host sync; the uncertain-token choice reads its count once)."""
         record = layer.last_record
         real_T = record.mask_T if record is not None and record.mask_T is not None else None
         if self.uncertain_fraction >= 1:
-            return None if real_T is None else real_T.nonzero().flatten()
+            return None
         probs_TE = record.probs_TE.detach()
         entropy_T = token_entropy(probs_TE)
         if real_T is not None:
@@ -111,11 +112,13 @@ class EMATeacher:
             x_TD = args[0].reshape(-1, args[0].shape[-1])
             y_TD = output.reshape(-1, output.shape[-1])
             rows = self._select(layer, x_TD.shape[0])
+            record = layer.last_record
+            mask_T = record.mask_T if record is not None else None
             if rows is not None:
-                x_TD, y_TD = x_TD[rows], y_TD[rows]
+                x_TD, y_TD, mask_T = x_TD[rows], y_TD[rows], None
             with torch.no_grad():
                 target_TD = ensemble_output(self._whole(name), x_TD.detach())
-            self.losses[name] = eesd(y_TD, target_TD)
+            self.losses[name] = eesd(y_TD, target_TD, mask_T=mask_T)
             self.tokens_distilled += x_TD.shape[0]
         return distill
 
