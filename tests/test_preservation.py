@@ -124,6 +124,8 @@ def test_low_precision_conversion_passes_in_its_own_dtype_and_loads_in_it(dtype,
     layer = next(m for m in loaded.modules() if isinstance(m, upcycle.MoELayer))
     assert layer.experts.w_down.dtype == getattr(torch, dtype) and layer.router.weight.dtype == torch.float32
     probe = make_probe(loaded, None, None, CheckConfig(tokens=16), seed=1)
+    # compared on the device the conversion ran on (a GPU with --device auto): the same kernels, the same bits
+    loaded.to(next(result.model.parameters()).device)
     assert torch.equal(probe_output(loaded, probe).values_NC, probe_output(result.model, probe).values_NC)
     assert upcycle.load(tmp_path / "out", dtype=torch.float32).dtype == torch.float32
     saved = json.loads((tmp_path / "out" / "upcycle_report.json").read_text())

@@ -35,11 +35,12 @@ Which path runs (`kernel_path`, a function of the batch and the device's facts, 
 torch implements it for the device (CPU and CUDA) and the rows are 16-byte aligned, unless its working set
 (`grouped_working_bytes`: the gathered inputs, projections and outputs of every slot, and their gradients) would
 take more than GROUPED_MEMORY_SHARE of the device's memory; the per-expert loop then, whose working set is one
-expert's slice. No batch-size threshold tuned on one machine: on the 2-core CPU the loop and grouped_mm trade
-places between machines (a reviewer's VM: the loop 2x slower than grouped_mm at 4,096 tokens; the VM of this
-change: the loop 0.88x of grouped_mm there), while grouped_mm is never much worse than the loop anywhere it was
-measured (at most 1.14x), and on a GPU the loop launches E small matmuls from Python for every batch
-(benchmarks/moe_layer.py; the figures are in the README's GPU section).
+expert's slice. On the CPU the layer hands the experts token ranges whose working set stays under CPU_CHUNK_BYTES
+(`tokens_per_call`); on a GPU the whole batch is one call. No batch-size threshold tuned on one machine: on
+2-core CPUs the loop and one grouped call trade places between machines (a reviewer's VM: the loop 2x slower than
+grouped_mm at 4,096 tokens; the VM of this change: the loop up to 12% faster at 4,096 tokens and 30% at 16,384),
+grouped calls of bounded size are within 12% of the loop on this VM, and on a GPU the loop launches E small
+matmuls from Python for every batch (benchmarks/moe_layer.py; the README's Measured section).
 
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
 offsets by cumsum, the counts by index_add rather than bincount), so a dropless forward and backward copy
@@ -298,6 +299,24 @@ def can_group(w_in_shape, w_down_shape, dtype: torch.dtype, device_type: str, ha
         return False
     size = torch.empty((), dtype=dtype).element_size()
     return all(d * size % 16 == 0 for d in (w_in_shape[1], w_in_shape[2], w_down_shape[2]))
+
+
+# On the CPU a batch runs as calls of at most this much working set each (`tokens_per_call`): fresh tensors of
+# hundreds of MB cost more there in page faults than their matmuls. Measured on the 2-core VM (SmolLM2's FFN,
+# 8 experts, top-2, fwd+bwd of 16,384 tokens, medians of 5, two runs): one grouped call 3.59 s, calls of 2,048 /
+# 3,072 / 4,096 tokens 3.18-3.30 s, the per-expert loop 3.0 s. 400 MiB is about 4,096 such tokens, so batches up
+# to that size stay one call (where one call is as fast as any split of it).
+CPU_CHUNK_BYTES = 400 * 2**20
+
+
+def tokens_per_call(tokens: int, slots_per_token: int, w_in_shape, w_down_shape, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """How many of a batch's tokens one expert call takes: every token on a GPU (one grouped_mm launch per
+    projection), on the CPU as many as keep the call's working set under CPU_CHUNK_BYTES."""
+    if device.type != "cpu":
+        return tokens
+    per_token = grouped_working_bytes(slots_per_token, w_in_shape, w_down_shape, dtype)
+    return max(1, min(tokens, CPU_CHUNK_BYTES // max(per_token, 1)))
 
 
 def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device: torch.device | str) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from .ffn import FFNWeights, activation_fn
-from .grouped_ffn import grouped_ffn
+from .grouped_ffn import compute_dtype, grouped_ffn, tokens_per_call
 from .router import Router, RoutingRecord, capacity_keep, count_ids, router_logits  # noqa: F401  (re-exported)
 
 # The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
@@ -130,10 +130,20 @@ class Experts(nn.Module):
         return grouped_ffn(x_TD, tokens_N, weights_N, counts, self.act, self.gated, self.w_in, self.b_in,
                            self.w_down, self.b_down)
 
+    def tokens_per_call(self, x_TD: torch.Tensor, slots_per_token: int) -> int:
+        """How many tokens of `x_TD` one call takes (`grouped_ffn.tokens_per_call`: all of them on a GPU)."""
+        dtype = compute_dtype(x_TD.device, self.w_in.dtype, x_TD.dtype)
+        return tokens_per_call(x_TD.shape[0], slots_per_token, self.w_in.shape, self.w_down.shape, dtype,
+                               x_TD.device)
+
     def forward_dense(self, x_TD: torch.Tensor, weights_TE: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, summed with `weights_TE` (1 when None): shared experts, and the dense
         all-expert ensemble a distillation teacher computes."""
         E, T = self.num_experts, x_TD.shape[0]
+        chunk = self.tokens_per_call(x_TD, E)
+        if chunk < T:
+            return torch.cat([self.forward_dense(x_TD[s:s + chunk], None if weights_TE is None else
+                                                 weights_TE[s:s + chunk]) for s in range(0, T, chunk)])
         tokens_N = torch.arange(T, device=x_TD.device).repeat(E)
         weights_N = (torch.ones(E * T, device=x_TD.device) if weights_TE is None
                      else weights_TE.t().reshape(-1))
@@ -220,23 +230,31 @@ class MoELayer(nn.Module):
         mask = _PADDING_MASK.get()
         mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
         record = self.route(x_TD, mask_T)
+        # the routing is the whole batch's (capacity is first come, first served over all of it); the experts run
+        # on token ranges of `tokens_per_call` (all tokens in one call on a GPU)
+        chunk = self.experts.tokens_per_call(x_TD, self.top_k)
+        y_TD = torch.cat([self._experts(x_TD, record, s, s + chunk) for s in range(0, T, chunk)]) if chunk < T \
+            else self._experts(x_TD, record, 0, T)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
+        if self.record_routing:
+            self.last_record = record
+        return self.dropout(y_TD).view(shape)
 
+    def _experts(self, x_TD: torch.Tensor, record: RoutingRecord, start: int, end: int) -> torch.Tensor:
+        """The routed experts' output for tokens [start, end) of the batch."""
         # Dispatch: sort token-slots by expert; dropped slots get id E so they sort last and are skipped.
-        ids_N = record.topk_ids_TK.reshape(-1)
+        ids_N = record.topk_ids_TK[start:end].reshape(-1)
         if record.kept_TK is not None:
-            ids_N = torch.where(record.kept_TK.reshape(-1), ids_N, self.num_experts)
+            ids_N = torch.where(record.kept_TK[start:end].reshape(-1), ids_N, self.num_experts)
         # Order within an expert's group does not matter mathematically, but the matmul's rounding depends on a
         # row's position: sorting as transformers' MoE experts do keeps exported stock models bit-identical.
         order_N = torch.sort(ids_N).indices
         counts_E = count_ids(ids_N, self.num_experts + 1)[: self.num_experts]
         # dropless: every slot runs, a size known on the host; with capacity the kept count is read (one sync)
         slots_N = order_N if record.kept_TK is None else order_N[: int(counts_E.sum())]
-        y_TD = self.experts(x_TD, slots_N // self.top_k, record.topk_weights_TK.reshape(-1)[slots_N], counts_E)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
-        if self.record_routing:
-            self.last_record = record
-        return self.dropout(y_TD).view(shape)
+        weights_N = record.topk_weights_TK[start:end].reshape(-1)[slots_N]
+        return self.experts(x_TD[start:end], slots_N // self.top_k, weights_N, counts_E)
 
     @classmethod
     def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, config: MoEConfig | None = None,

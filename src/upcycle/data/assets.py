@@ -114,8 +114,11 @@ def _fingerprint(path: Path) -> dict:
 def _sha256(path: Path) -> str:
     import hashlib
 
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:          # (hashlib.file_digest needs Python 3.11)
+        for chunk in iter(lambda: handle.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def record_cache(folder: Path) -> None:

@@ -254,7 +254,7 @@ class _Training:
             sharding.check_dtypes(model, accelerator.mixed_precision)
         if self.sharding == "cpu":
             sharding.shard_on_cpu(model, self.world, accelerator.mixed_precision)
-        optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+        optimizer = make_optimizer(model, cfg, fused=accelerator.device.type == "cuda" and not self.sharded)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
         if self.sharding == "cpu":       # the optimizer only: Accelerate would wrap the sharded model in DDP
             self.model, self.optimizer = model, accelerator.prepare(optimizer)
@@ -445,6 +445,14 @@ class _Training:
 def _absolute(path: str | None) -> str | None:
     """A data path as an absolute path when it is a file here (names such as 'digits' stay as they are)."""
     return str(Path(path).expanduser().resolve()) if path is not None and Path(path).expanduser().exists() else path
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.AdamW:
+    """The run's AdamW (fresh state: CLIP-UP re-initializes it after upcycling); `fused`: one kernel for every
+    parameter's update, on a GPU (on the CPU the default implementation runs, whose numbers the CPU runs and
+    checkpoints of earlier versions have)."""
+    return torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                             **({"fused": True} if fused else {}))
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

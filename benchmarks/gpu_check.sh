@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU check: every change to a GPU path is checked with this, in one call on a bare GPU machine whose python3
+# has torch, transformers and accelerate but not this project's virtual environment (the device tool's H100/H200).
+#
+#   bash benchmarks/gpu_check.sh OUT [--quick]
+#
+# It installs nothing from the network: wheels the image lacks (gguf: `make gpu-wheels` fetches it here into .whl/)
+# are installed from .whl/ when that folder is there, and the project runs from src/ on PYTHONPATH. Then, into OUT:
+#   environment.json                   the machine, torch, CUDA, transformers
+#   junit.xml, pytest.log              the non-slow suite (slow tests whose assets are absent skip themselves)
+#   assert_hunt.log                    only if a device-side assert appeared: the suspect files rerun one at a time
+#                                      with CUDA_LAUNCH_BLOCKING=1, to name the kernel launch that asserts
+#   moe_layer_cuda_bfloat16.json       the MoE layer at the six (shape, tokens) rows, bf16, fwd and fwd+bwd
+#   moe_layer_cuda_float32.json        the same in float32 and TF32 at one size each (what float32 takes)
+#   train_step_cuda.json               whole-model training step: dense, upcycle, stock Mixtral / Qwen3-MoE
+#   summary.json                       all of the above in one file (benchmarks/gpu_summary.py)
+# On a machine without a GPU it runs the suite on the CPU and skips the benchmarks, saying so. --quick: fewer
+# repetitions and tokens (a smoke run of the script itself). Budget: under 8 minutes on one H100 or H200.
+set -uo pipefail
+OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT [--quick]}
+QUICK=${2:-}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/upcycle-site \
+        .whl/*.whl && export PYTHONPATH=/tmp/upcycle-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+started=$(date +%s)
+
+$PY - > "$OUT/environment.json" <<'EOF'
+import json, os, platform, torch, transformers
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "transformers": transformers.__version__, "cpus": os.cpu_count(), "gpu": None}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, capability=list(torch.cuda.get_device_capability(0)))
+print(json.dumps(info, indent=1))
+EOF
+cat "$OUT/environment.json"
+HAS_GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
+
+WORKERS=1
+if $PY -c "import xdist" 2>/dev/null; then WORKERS=$(( $(nproc) > 14 ? 14 : $(nproc) )); fi
+XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS"
+TIMEOUT=""; $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout 240"
+timeout 330 $PY -m pytest tests -m "not slow" -q -p no:cacheprovider $XDIST $TIMEOUT -rs \
+    --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+echo "pytest exit $? after $(( $(date +%s) - started )) s"
+tail -5 "$OUT/pytest.log"
+
+if grep -q "device-side assert" "$OUT/pytest.log"; then
+    : > "$OUT/assert_hunt.log"
+    for f in tests/test_cluster.py tests/test_export.py tests/test_compare.py; do
+        CUDA_LAUNCH_BLOCKING=1 timeout 60 $PY -m pytest "$f" -x -q -p no:cacheprovider >> "$OUT/assert_hunt.log" 2>&1
+    done
+fi
+
+if [ "$HAS_GPU" = 1 ]; then
+    REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
+    [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }
+    timeout 150 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 mixtral olmoe --tokens $TOK \
+        --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json"
+    timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype float32 $REPS \
+        --out "$OUT/moe_layer_cuda_float32.json"
+    timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype tf32 $REPS \
+        --out "$OUT/moe_layer_cuda_tf32.json"
+    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json"
+else
+    echo "no CUDA GPU here: the benchmarks were skipped"
+fi
+$PY benchmarks/gpu_summary.py "$OUT" "$(( $(date +%s) - started ))"

@@ -1,0 +1,44 @@
+"""What `pip install` of the project asks of the environment: a range of torch that leaves a GPU user's CUDA build
+(or another package's pin) in place, never one exact release."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def requirement(name: str) -> Requirement:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_torch_is_a_range_that_keeps_the_torch_a_user_has():
+    spec = requirement("torch").specifier
+    assert not any(s.operator in ("==", "===", "~=") for s in spec), f"torch is pinned: {spec}"
+    # CUDA builds as GPU machines carry them, vLLM's pin, this machine's CPU build, a future release
+    for version in ("2.6.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.0", "2.14.1+cu128", "3.0.0"):
+        assert spec.contains(version, prereleases=True), version
+    assert not spec.contains("2.5.1")          # transformers 5 needs torch 2.6
+
+
+@pytest.mark.slow
+def test_pip_install_keeps_the_installed_torch(tmp_path):
+    """pip's own resolution of the project in this environment installs the project and nothing else: the torch
+    already here satisfies the requirement and stays."""
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+                           "--quiet", "--report", str(report), str(ROOT)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installs == ["upcycle"], installs
