@@ -13,6 +13,7 @@
 #   moe_layer_cuda_bfloat16.json       the MoE layer at the six (shape, tokens) rows, bf16, fwd and fwd+bwd
 #   moe_layer_cuda_float32.json        the same in float32 and TF32 at one size each (what float32 takes)
 #   train_step_cuda.json               whole-model training step: dense, upcycle, stock Mixtral / Qwen3-MoE
+#   train_step_cuda_compile.json       the same under torch.compile, dense and upcycle's every-block MoE
 #   summary.json                       all of the above in one file (benchmarks/gpu_summary.py)
 # On a machine without a GPU it runs the suite on the CPU and skips the benchmarks, saying so. --quick: fewer
 # repetitions and tokens (a smoke run of the script itself). Budget: under 8 minutes on one H100 or H200.
@@ -68,6 +69,8 @@ if [ "$HAS_GPU" = 1 ]; then
     timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype tf32 $REPS \
         --out "$OUT/moe_layer_cuda_tf32.json"
     timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json"
+    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --models dense upcycle_every_1 --compile \
+        --out "$OUT/train_step_cuda_compile.json"
 else
     echo "no CUDA GPU here: the benchmarks were skipped"
 fi

@@ -52,11 +52,11 @@ def main() -> None:
                "tests": junit(out / "junit.xml"),
                "moe_layer": {dtype: layer_rows(out / f"moe_layer_cuda_{dtype}.json")
                              for dtype in ("bfloat16", "float32", "tf32")}}
-    train = out / "train_step_cuda.json"
-    if train.is_file():
-        summary["train_step"] = {name: {k: v for k, v in r.items() if k in (
-            "tokens_per_s", "share_of_flop_ideal", "speedup_vs_mixtral_grouped_mm", "peak_bytes", "error")}
-            for name, r in json.loads(train.read_text())["results"].items()}
+    for key, name in (("train_step", "train_step_cuda.json"), ("train_step_compile", "train_step_cuda_compile.json")):
+        if (out / name).is_file():
+            summary[key] = {model: {k: v for k, v in r.items() if k in (
+                "tokens_per_s", "share_of_flop_ideal", "speedup_vs_mixtral_grouped_mm", "peak_bytes", "error")}
+                for model, r in json.loads((out / name).read_text())["results"].items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     t = summary["tests"]
     print(f"tests: {t.get('passed')} passed, {t.get('failed')} failed, {t.get('skipped')} skipped"

@@ -329,6 +329,7 @@ class TrainConfig:
     betas: tuple[float, ...] = ranged((0.9, 0.95), 0, 1, high_open=True)
     clip_grad: float | None = ranged(1.0, 0, math.inf, low_open=True, high_open=True)  # None = no clipping
     mixed_precision: str = choice("auto", MIXED_PRECISIONS)   # auto: bf16 where the GPU has it, else no
+    compile: bool = False           # torch.compile the model (docs/gpu.md: what compiles into one graph)
     train: tuple[str, ...] = ("all",)   # what trains at all: groups or globs (all, moe, routed, router, ...)
     freeze: tuple[FreezeRule, ...] = ()  # frozen for the first fraction of steps, e.g. SPRI's two stages
     regularizers: RegularizerConfig = field(default_factory=RegularizerConfig)

@@ -52,8 +52,6 @@ expert in Python and so reads the counts once (`.tolist()`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import os
 
 import torch
@@ -243,7 +241,13 @@ GROUPED_MM_DEVICES = frozenset({"cpu", "cuda"})
 # module docstring).
 GROUPED_MEMORY_SHARE = 1 / 8
 
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("upcycle_kernel_path", default=None)
+class _Forced:
+    """The path `forced_kernel_path` forces (a plain attribute: torch.compile traces its read)."""
+
+    path: str | None = None
+
+
+_FORCED = _Forced()
 
 
 @contextlib.contextmanager
@@ -252,11 +256,11 @@ def forced_kernel_path(path: str | None):
     and tests compare the two); None restores the rule."""
     if path not in (None, "grouped_mm", "loop"):
         raise ValueError(f"kernel path must be grouped_mm, loop or None, got {path!r}")
-    token = _FORCED.set(path)
+    before, _FORCED.path = _FORCED.path, path
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        _FORCED.path = before
 
 
 def grouped_working_bytes(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype) -> int:
@@ -269,16 +273,22 @@ def grouped_working_bytes(slots: int, w_in_shape, w_down_shape, dtype: torch.dty
     return 2 * slots * ((2 * width + rows + hidden) * size + width * 4)
 
 
-@functools.cache
-def device_memory(device: torch.device) -> int:
-    """The device's memory in bytes (a GPU's total, the machine's RAM for the CPU): a fact of the machine, read
-    once, so a batch takes the same path every time it comes (no dependence on what happens to be free)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index or 0).total_memory
+def _ram() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
+
+
+CPU_MEMORY = _ram()     # read once, at import: torch.compile cannot trace os.sysconf
+
+
+def device_memory(device: torch.device) -> int:
+    """The device's memory in bytes (a GPU's total, the machine's RAM for the CPU): a fact of the machine, so a
+    batch takes the same path every time it comes (no dependence on what happens to be free)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return CPU_MEMORY
 
 
 def choose_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, *, device_type: str, memory: int,
@@ -324,9 +334,11 @@ def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device
     grouped_mm can run."""
     device = torch.device(device)
     has = hasattr(torch.nn.functional, "grouped_mm")
-    forced = _FORCED.get()
+    forced = _FORCED.path
     if forced is not None and can_group(w_in_shape, w_down_shape, dtype, device.type, has):
         return forced
+    if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return "loop"           # torch's grouped_mm has a compile-time (fake tensor) kernel for bfloat16 only
     memory = device_memory(device) if device.type in GROUPED_MM_DEVICES else 0
     return choose_path(slots, w_in_shape, w_down_shape, dtype, device_type=device.type, memory=memory,
                        has_grouped_mm=has)

@@ -19,7 +19,6 @@ stacked gradient (it never indexes the stacked parameter under autograd, which w
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 
@@ -31,19 +30,30 @@ from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import compute_dtype, grouped_ffn, tokens_per_call
 from .router import Router, RoutingRecord, capacity_keep, count_ids, router_logits  # noqa: F401  (re-exported)
 
-# The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
-# `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
-_PADDING_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("upcycle_mask", default=None)
+
+class _CurrentMask:
+    """The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
+    `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
+    A plain attribute rather than a ContextVar: torch.compile traces an attribute read, and breaks the graph at
+    ContextVar.get."""
+
+    mask: torch.Tensor | None = None
 
 
-def set_padding_mask(mask_BS: torch.Tensor | None) -> contextvars.Token:
+_PADDING_MASK = _CurrentMask()
+
+
+def set_padding_mask(mask_BS: torch.Tensor | None) -> tuple[torch.Tensor | None]:
     """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) until `reset_padding_mask`
-    (what the model-root hooks of `surgery.track_padding_masks` do around a forward)."""
-    return _PADDING_MASK.set(mask_BS)
+    (what the model-root hooks of `surgery.track_padding_masks` do around a forward); returns the token that
+    restores the mask before it (forwards nest: a teacher's inside a student's)."""
+    token = (_PADDING_MASK.mask,)
+    _PADDING_MASK.mask = mask_BS
+    return token
 
 
-def reset_padding_mask(token: contextvars.Token) -> None:
-    _PADDING_MASK.reset(token)
+def reset_padding_mask(token: tuple[torch.Tensor | None]) -> None:
+    _PADDING_MASK.mask = token[0]
 
 
 @contextlib.contextmanager
@@ -227,7 +237,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         T = x_TD.shape[0]
-        mask = _PADDING_MASK.get()
+        mask = _PADDING_MASK.mask
         mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
         record = self.route(x_TD, mask_T)
         # the routing is the whole batch's (capacity is first come, first served over all of it); the experts run

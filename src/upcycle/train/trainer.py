@@ -261,6 +261,8 @@ class _Training:
         else:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.inner = accelerator.unwrap_model(self.model)
+        if cfg.compile:         # the step runs the compiled model; checkpoints, teacher and losses read `inner`
+            self.model = torch.compile(self.model)
         if self.sharded:
             self.freezer.rebind(self.inner)
             self.reg = Objective(self.inner, cfg.regularizers)
