@@ -1,5 +1,5 @@
 """Several fine-tunes of SmolLM2-135M merged into one MoE, three router initializations, next to mergekit-moe
-(issue 16: Branch-Train-MiX style upcycling).
+(Branch-Train-MiX style upcycling).
 
 Sources, all offline: English Wikipedia prose (the embedded sample), Python source (this interpreter's standard
 library, files split into chunks) and arithmetic (generated "Question: What is a op b? Answer: c." lines). Each
@@ -194,7 +194,7 @@ def held_rows(tokenizer, path: Path) -> torch.Tensor:
 @torch.no_grad()
 def measure(path: Path, rows: dict[str, torch.Tensor], expert_source: list[int] | None) -> dict:
     """Per source: held-out perplexity and (MoE models) mean over layers of router-source agreement."""
-    from upcycle.conversion.loading import load_model
+    from upcycle.checkpoint.loading import load_model
     from upcycle.core.moe import moe_layers
 
     model = load_model(str(path))[0].eval()
@@ -252,7 +252,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def table(results: dict) -> str:
-    """The README's table: per model, perplexity and agreement per source (markdown)."""
+    """The table of docs/merging.md: per model, perplexity and agreement per source (markdown)."""
     head = "| model | " + " | ".join(f"{s} ppl | {s} agree" for s in SOURCES) + " |"
     lines = [head, "|---|" + "---:|---:|" * len(SOURCES)]
     for name, row in results["models"].items():
@@ -275,7 +275,7 @@ def main() -> None:
     parser.add_argument("--joint-steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--fresh", action="store_true")
-    parser.add_argument("--table", action="store_true", help="print the README table of the saved results")
+    parser.add_argument("--table", action="store_true", help="print docs/merging.md's table of the saved results")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads((RESULTS / "btx_study.json").read_text())))
@@ -331,7 +331,7 @@ def main() -> None:
     results["stages"]["joint_s"] = round(time.perf_counter() - t, 1)
 
     t = time.perf_counter()
-    from upcycle.conversion.loading import load_tokenizer
+    from upcycle.checkpoint.loading import load_tokenizer
     from upcycle.data.assets import default_model_path
 
     tokenizer = load_tokenizer(default_model_path())

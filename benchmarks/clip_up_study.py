@@ -1,4 +1,4 @@
-"""The CLIP-UP miniature through `upcycle compare` (issue 15 item 3): on the tiny-CLIP protocol of
+"""The CLIP-UP miniature through `upcycle compare`: on the tiny-CLIP protocol of
 `benchmarks/tiny_clip.py` (a 4-block dense CLIP pretrained on the digits image-caption task), upcycle both towers
 with copy, drop and cluster (cluster calibrated on the training image-caption pairs), each with and without EESD,
 3 seeds, continue each with CLIP-UP's recipe, against the dense model continued with the same recipe.
@@ -51,7 +51,7 @@ def commands(work: Path) -> list[list[str]]:
 
 
 def run(work: Path) -> None:
-    os.chdir(ROOT)                      # the recipes are named relative to the repository, as in the README
+    os.chdir(ROOT)                      # the recipes are named relative to the repository, as in docs/results.md
     init, pre, study = commands(work)
     started = time.time()
     if not (work / "init").is_dir():

@@ -1,4 +1,4 @@
-"""Cluster-aware Upcycling beyond the paper (issue 15 item 5): how the calibration budget and the seed change the
+"""Cluster-aware Upcycling beyond the paper: how the calibration budget and the seed change the
 cluster conversion of the embedded SmolLM2-135M (8 experts, top-2, every other block, as in the method study).
 
 For each budget (FFN-input tokens per layer: 4,096, 16,384, 65,536) and seed:
@@ -38,12 +38,12 @@ import yaml
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
-from upcycle.analyze.command import machine
+from upcycle.checkpoint.loading import load_model
 from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, to_dict
-from upcycle.conversion.converter import convert
-from upcycle.conversion.loading import load_model
+from upcycle.conversion.pipeline import convert
 from upcycle.core.moe import moe_layers
 from upcycle.core.router import router_logits
+from upcycle.machine import machine
 from upcycle.train.tasks import make_task
 from upcycle.train.trainer import train
 

@@ -1,11 +1,11 @@
 """Conversion time and peak memory of `cluster` (Cluster-aware Upcycling) on the embedded SmolLM2-135M.
 
-Setting (issue 4): every other block (15 MoE layers), 8 experts, top-2, 64K calibration tokens per layer from
+Setting: every other block (15 MoE layers), 8 experts, top-2, 64K calibration tokens per layer from
 the embedded Wikipedia train split, float32, written to disk. Each run is a fresh child process, so its peak
 RSS (`ru_maxrss`) is its own:
 
   copy      the same conversion without calibration (same model, same output size): the baseline
-  cluster   calibration captured layer by layer (DESIGN principle 6) + k-means + data-aware SVDs
+  cluster   calibration captured layer by layer (docs/design.md principle 6) + k-means + data-aware SVDs
   naive     what layer-by-layer capture avoids: hooks on all 15 target FFNs during ordinary forwards, keeping
             every layer's FFN inputs at once (capture only, no method; the memory floor of that approach)
 
@@ -52,13 +52,13 @@ def peak_rss_mb() -> float:
 
 def child_convert(method: str, tokens: int) -> dict:
     from upcycle.config import ConvertConfig, build
-    from upcycle.conversion.converter import convert
+    from upcycle.conversion.pipeline import convert
 
     cfg = build(ConvertConfig, {"model": "default", "method": method, "moe": {"num_experts": 8, "top_k": 2},
                                 "placement": {"every": 2}, "calibration": {"tokens": tokens}})
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        report = convert(cfg, Path(tmp) / "out", progress=False).report
+        report = convert(cfg, Path(tmp) / "out", progress=False).report.to_dict()
         wall = time.perf_counter() - t
         written = sum(f.stat().st_size for f in (Path(tmp) / "out").iterdir())
     return {"wall_s": wall, "peak_rss_mb": peak_rss_mb(), "timings_s": report["timings_s"],
@@ -70,9 +70,9 @@ def child_convert(method: str, tokens: int) -> dict:
 
 @torch.no_grad()
 def child_naive(tokens: int) -> dict:
+    from upcycle.checkpoint.loading import load_dense
     from upcycle.config import PlacementConfig
     from upcycle.conversion.calibration import text_batches
-    from upcycle.conversion.loading import load_dense
     from upcycle.core.surgery import plan_targets
     from upcycle.data.text import wikipedia_split
 

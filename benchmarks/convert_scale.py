@@ -1,4 +1,4 @@
-"""Conversion memory and time at real sizes, and against mergekit-moe on the same checkpoint (issue 13).
+"""Conversion memory and time at real sizes, and against mergekit-moe on the same checkpoint.
 
 Checkpoints: random-init Llama-architecture models of about 135M, 0.5B, 1B and 2B parameters, bfloat16 on disk,
 saved by transformers as sharded safetensors (1 GB shards) and built once in the upcycle cache. Random weights
@@ -15,7 +15,7 @@ Runs, each as a fresh process under GNU time (its peak RSS is its own, `Maximum 
             mergekit`, minutes), never a dependency of the project.
 Every output is deleted after it is measured (the 2B conversion writes about 15 GB).
 
-Targets (issue 13): data-free methods peak at most 1.5 GB + 2 x the largest MoE layer's output, flat in model size;
+Targets: data-free methods peak at most 1.5 GB + 2 x the largest MoE layer's output, flat in model size;
 cluster at most the dense model + 1.5 GB + one layer's calibration sample; on the 1B Mixtral conversion no slower
 and no larger in peak memory than mergekit-moe. Each row says whether it met its target.
 

@@ -1,5 +1,5 @@
 """DPSL on unsupervised clustering: a miniature of Table 1 of "Dirichlet-Prior Shaping: Guiding Expert
-Specialization in Upcycled MoEs" (METHODS §4.4: DPSL is a loss for any categorical head, not only routers).
+Specialization in Upcycled MoEs" (docs/methods.md §4.4: DPSL is a loss for any categorical head, not only routers).
 
 Data: 2-D synthetic clusters, K = 3, in three regimes like the paper's (`REGIMES`): well separated with
 proportions 4:1:1, overlapping, and elongated (long parallel stripes). Points are standardized per run.
@@ -20,7 +20,7 @@ with the codes computed without gradient in one of two ways (`TARGETS`):
   swap      the other view's own assignment, softmax(logits / 0.5) (sharpened, no equipartition): nothing in
             the objective stops every point going to one cluster
 
-DPSL (the project's own `upcycle.losses.dpsl`, METHODS §4.4) is added on the assignment probabilities of
+DPSL (the project's own `upcycle.losses.dpsl`, docs/methods.md §4.4) is added on the assignment probabilities of
 both views, [2B, K], against a symmetric Dir(alpha), alpha = 1 by default: L = L_swap + lambda * L_DPS, during a
 window [start, end) of the training steps. The paper's recipe, "late in training, lambda = 0.01", is read here
 as lambda = 0.01 over the last quarter of the steps (where "late" starts is our choice); `CONFIGS` adds the

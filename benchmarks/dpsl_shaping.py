@@ -1,6 +1,6 @@
 """DPSL shaping: free logits pushed by the Dirichlet-Prior Shaping Loss alone follow their Dirichlet priors.
 
-Setting (issue 5): 3 categories, two token sources of n = 512 tokens each with their own learnable logits (no
+Setting: 3 categories, two token sources of n = 512 tokens each with their own learnable logits (no
 model), group-conditional priors Dir(5, 5, 5) (centred) and Dir(0.2, 0.2, 0.2) (corner-seeking); Adam, lr 0.1,
 100 steps on DPSL alone. Then each marginal p_k is compared with its Beta(alpha_k, A - alpha_k) by a
 Kolmogorov-Smirnov test. A third run with the asymmetric prior Dir(3, 1, 0.5) shows mass moving towards

@@ -1,6 +1,6 @@
 """Spherical k-means speed and quality: upcycle.methods.linalg.spherical_kmeans vs faiss.Kmeans(spherical=True).
 
-Setting (METHODS §2.5 step 3 at calibration scale): N = 131,072 float32 points in D = 768 drawn from a mixture
+Setting (docs/methods.md §2.5 step 3 at calibration scale): N = 131,072 float32 points in D = 768 drawn from a mixture
 (8 random unit centres + isotropic Gaussian noise, sigma per coordinate 0.05, so a point's cosine to its centre
 is about 0.58), K = 8 clusters. Both get the same raw points, the same thread count, the same maximum number
 of Lloyd iterations and the same number of restarts (faiss `nredo`), and train on all points (faiss's

@@ -1,4 +1,4 @@
-"""The LM method study through `upcycle compare` (issue 15 item 2): the embedded SmolLM2-135M on the embedded
+"""The LM method study through `upcycle compare`: the embedded SmolLM2-135M on the embedded
 Wikipedia, 8 experts, top-2, every other block, each method trained with the budget of
 `configs/train/smollm2-copy.yaml` (40 steps x 8 x 256 tokens), against the dense model continued the same way.
 
@@ -108,7 +108,7 @@ if __name__ == "__main__":
     parser.add_argument("--part", choices=list(parts(Path())))
     parser.add_argument("--collect", action="store_true")
     args = parser.parse_args()
-    os.chdir(ROOT)                      # the recipes are named relative to the repository, as in the README
+    os.chdir(ROOT)                      # the recipes are named relative to the repository, as in docs/results.md
     study = args.work / "study"
     commands = parts(study)
     for name in [args.part] if args.part else [] if args.collect else list(commands):

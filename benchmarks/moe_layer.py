@@ -37,10 +37,10 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from upcycle.analyze.command import machine
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
 from upcycle.core.moe import MoELayer
+from upcycle.machine import machine
 
 SHAPES = {"smollm2": (8, 2, 576, 1536), "mixtral": (8, 2, 4096, 14336), "olmoe": (64, 8, 2048, 1024)}
 DTYPES = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16}

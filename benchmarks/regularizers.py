@@ -6,7 +6,7 @@ configuration runs in a fresh child process (so its peak RSS is its own): one wa
 timed steps (median).
 
   plain           task loss only
-  eesd            + EESD, teacher on every token (METHODS §4.6)
+  eesd            + EESD, teacher on every token (docs/methods.md §4.6)
   eesd_uncertain  + EESD, teacher on the 25% most uncertain tokens (highest routing entropy)
 
 Inside the EESD runs, hooks time the teacher itself and every MoE layer's forward. Theory: the teacher runs E
@@ -85,10 +85,10 @@ def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
 
 
 def child(mode: str, tokens: int, steps: int) -> dict:
+    from upcycle.checkpoint.loading import load_dense
     from upcycle.config import ConvertConfig, RegularizerConfig, build
     from upcycle.conversion.calibration import text_batches
-    from upcycle.conversion.converter import upcycle_model
-    from upcycle.conversion.loading import load_dense
+    from upcycle.conversion.pipeline import upcycle_model
     from upcycle.core.surgery import moe_layers
     from upcycle.data.text import wikipedia_split
     from upcycle.train.objective import Objective

@@ -65,7 +65,7 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
                                                      capacity_factor_eval=2.0),
                                        placement=PlacementConfig(every=2, towers=("text", "vision"))),
                          root / "moe", overwrite=True, progress=False)
-    report = conversion.report
+    report = conversion.report.to_dict()
     upcycled = {"seconds": round(time.perf_counter() - started, 2), "parameters": report["parameters"],
                 "num_moe_layers": report["num_moe_layers"], "max_abs_logit_diff": report["max_abs_logit_diff"]}
     # Continue (configs/train/clip-up.yaml): learning rate 10x lower, weight decay 0.2 -> 0.05, fresh AdamW,

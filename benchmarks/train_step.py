@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from upcycle.analyze.command import machine
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.conversion.converter import upcycle_model
+from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.preservation import count_parameters
+from upcycle.machine import machine
 from upcycle.train.objective import Objective
 from upcycle.train.step import train_step
 from upcycle.train.trainer import make_optimizer

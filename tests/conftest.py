@@ -105,3 +105,18 @@ def tiny_lm(tmp_path_factory):
                         check=CheckConfig(text=str(held)))
     convert(cfg, root / "moe", progress=False)
     return dense, root / "moe", train, held
+
+
+def fine_tune(dense, folder, seed: int, *, attention: bool = False):
+    """The model at `dense` with its FFNs (and, with `attention`, its attention) moved by a seeded random step,
+    saved to `folder`: a stand-in for a fine-tune that keeps the base's architecture and shapes."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." in name or (attention and ".self_attn." in name):
+                p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    return folder

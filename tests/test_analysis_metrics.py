@@ -1,4 +1,4 @@
-"""METHODS §5 metrics of `upcycle.analysis` on constructed layers and labels with known answers (issue 14)."""
+"""docs/methods.md §5 metrics of `upcycle.analysis` on constructed layers and labels with known answers."""
 
 from __future__ import annotations
 

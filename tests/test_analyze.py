@@ -1,5 +1,5 @@
 """`upcycle analyze` on tiny models: an upcycle folder, its stock export (the same numbers), a training run's
-checkpoints, the outputs (analysis.json, figures, a self-contained report.html) and the refusals (issue 14)."""
+checkpoints, the outputs (analysis.json, figures, a self-contained report.html) and the refusals."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from upcycle import ConvertConfig, MoEConfig, TrainConfig, convert
-from upcycle.analyze.command import AnalyzeOptions, analyze
+from upcycle.analyze.run import AnalyzeOptions, analyze
 from upcycle.analyze.target import resolve_target, select_checkpoints
 from upcycle.cli import main
 from upcycle.config import CheckConfig
-from upcycle.conversion.export import export_folder
+from upcycle.conversion.stock_export import export_folder
 from upcycle.errors import UpcycleError
 from upcycle.train.trainer import train
 

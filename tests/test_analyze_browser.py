@@ -1,4 +1,4 @@
-"""report.html in a real browser (issue 14): headless Chromium (Debian's `chromium`, installed here only when
+"""report.html in a real browser: headless Chromium (Debian's `chromium`, installed here only when
 missing) renders it, takes a screenshot, and reports from inside the page that every <img> decoded (natural
 width > 0) and that the page fetched nothing (the Resource Timing API lists every resource a page loads, data:
 URIs excepted). A copy of the page with one external image and stylesheet shows the check can fail."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from upcycle.analyze.command import AnalyzeOptions, analyze
+from upcycle.analyze.run import AnalyzeOptions, analyze
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Aux-loss-free balancing (METHODS §4.5), the EESD EMA teacher (§4.6), and the train_step composition."""
+"""Aux-loss-free balancing (docs/methods.md §4.5), the EESD EMA teacher (§4.6), and the train_step composition."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import make_tiny
 from upcycle.config import ConvertConfig, RegularizerConfig, build
-from upcycle.conversion.converter import upcycle_model
+from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.train.balance import AuxFreeBalancer

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.config import PlacementConfig
-from upcycle.conversion.calibration import Reservoir, capture_ffn_inputs, text_batches
+from upcycle.config import CalibrationConfig, ConvertConfig, PlacementConfig
+from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_groups
+from upcycle.conversion.calibration import Reservoir, text_batches
+from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.architectures import family_of
 from upcycle.core.surgery import plan_targets
 from upcycle.errors import UpcycleError
@@ -49,12 +51,31 @@ def full_forward_capture(model, targets, batches) -> dict[str, torch.Tensor]:
     return {name: torch.cat(xs) for name, xs in got.items()}
 
 
+def capture(model, targets, batches, *, budget: int, seed: int = 0, on_block=None) -> list[tuple]:
+    """(target, FFN inputs kept, tokens seen) per target, from the conversion's own block loop and calibration
+    group (what a data-aware method receives), with a layer builder that only records."""
+    cfg = ConvertConfig(seed=seed, calibration=CalibrationConfig(tokens=budget))
+    got = []
+
+    def record(visit, block, replayed, timings):
+        reservoir = replayed.samples[CALIBRATION]
+        got.append((visit.target, reservoir.sample(), reservoir.seen))
+        if on_block is not None:
+            on_block(visit.target)
+        return None, None
+
+    convert_blocks(model, family_of(model.config), targets, method_groups(cfg, None, batches), record,
+                   before_block=lambda path, block: None, after_block=lambda visit, block, built: None,
+                   progress=False)
+    return got
+
+
 def test_replay_equals_full_forward_and_excludes_padding(family):
     model = make_tiny(family)
     targets = plan_targets(model, PlacementConfig(every=2))
     batches = batches_for(family)
     expected = full_forward_capture(model, targets, batches)
-    captured = list(capture_ffn_inputs(model, targets, batches, budget=10_000, progress=False))
+    captured = capture(model, targets, batches, budget=10_000)
     assert [t for t, _, _ in captured] == targets
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     for target, x, seen in captured:
@@ -64,16 +85,16 @@ def test_replay_equals_full_forward_and_excludes_padding(family):
         torch.testing.assert_close(x, ref.float(), rtol=0, atol=1e-5)
 
 
-def test_blocks_are_replayed_only_when_the_previous_layer_was_consumed():
+def test_each_layer_is_built_before_the_next_block_runs_and_later_blocks_never_run():
     model = make_tiny("llama", layers=4)
     targets = plan_targets(model, PlacementConfig(layers=(0, 2)))
-    calls = []
+    calls, seen_at_build = [], {}
     for i, block in enumerate(model.model.layers):
         block.register_forward_pre_hook(lambda m, a, _i=i: calls.append(_i))
-    stream = capture_ffn_inputs(model, targets, batches_for("llama", n=2), budget=100, progress=False)
-    next(stream)
-    assert set(calls) == {0}          # the first forward stops at block 0; block 0 replayed; nothing further
-    next(stream)
+    capture(model, targets, batches_for("llama", n=2), budget=100,
+            on_block=lambda target: seen_at_build.setdefault(target.index, set(calls)))
+    assert seen_at_build[0] == {0}    # the first forward stops at block 0; block 0 replayed; nothing further
+    assert seen_at_build[2] == {0, 1, 2}
     assert max(calls) == 2 and 3 not in calls   # blocks after the last target are never run
 
 
@@ -81,10 +102,10 @@ def test_budget_keeps_a_seeded_subset_in_stream_order():
     model = make_tiny("llama")
     targets = plan_targets(model, PlacementConfig(layers=(1,)))
     batches = batches_for("llama")
-    (_, full, seen), = capture_ffn_inputs(model, targets, batches, budget=10_000, progress=False)
-    (_, a, seen_a), = capture_ffn_inputs(model, targets, batches, budget=50, seed=1, progress=False)
-    (_, b, _), = capture_ffn_inputs(model, targets, batches, budget=50, seed=1, progress=False)
-    (_, c, _), = capture_ffn_inputs(model, targets, batches, budget=50, seed=2, progress=False)
+    (_, full, seen), = capture(model, targets, batches, budget=10_000)
+    (_, a, seen_a), = capture(model, targets, batches, budget=50, seed=1)
+    (_, b, _), = capture(model, targets, batches, budget=50, seed=1)
+    (_, c, _), = capture(model, targets, batches, budget=50, seed=2)
     assert seen == seen_a == full.shape[0] and a.shape == (50, full.shape[1])
     assert torch.equal(a, b) and not torch.equal(a, c)
     # every kept row is a captured row, kept in the order the stream produced them
@@ -143,8 +164,8 @@ def test_text_batches_cut_documents_into_padded_rows():
         text_batches(CharTokenizer(), docs, tokens=0)
 
 
-def test_capture_refuses_empty_calibration():
+def test_a_data_aware_method_refuses_empty_calibration():
     model = make_tiny("clip")
-    targets = plan_targets(model, PlacementConfig(every=2))
-    with pytest.raises(UpcycleError, match="calibration"):
-        list(capture_ffn_inputs(model, targets, [], budget=10, progress=False))
+    with pytest.raises(UpcycleError, match="needs calibration data"):
+        upcycle_model(model, ConvertConfig(method="cluster", placement=PlacementConfig(every=2)), calibration=[],
+                      progress=False)

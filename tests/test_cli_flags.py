@@ -1,4 +1,4 @@
-"""The command-line flags of `convert` and `train` against the run config (issue 12 item 13): every flag is a
+"""The command-line flags of `convert` and `train` against the run config : every flag is a
 config key or one of the listed run flags, lands on that key and nowhere else, offers exactly the values the
 config allows, shows the config's default, and reads its value by the config's one number rule.
 """
@@ -12,21 +12,9 @@ import typing
 
 import pytest
 
-from upcycle.cli import (
-    CONVERT_FLAGS,
-    RUN_FLAGS,
-    TRAIN_FLAGS,
-    ConfigFlag,
-    _add_config_flags,
-    _comma_list,
-    _parser,
-    _whole_number,
-    config_field,
-    convert_config,
-    flag_choices,
-    main,
-    train_config,
-)
+from upcycle.cli import main, parser
+from upcycle.commands import convert, train
+from upcycle.commands.flags import ConfigFlag, add_config_flags, comma_list, config_field, flag_choices, whole_number
 from upcycle.config import (
     EXPORTS,
     MIXED_PRECISIONS,
@@ -40,23 +28,23 @@ from upcycle.config import (
     coerce,
     to_dict,
 )
-from upcycle.conversion.converter import validate as validate_convert
-from upcycle.conversion.export import EXPORT_CLASSES
+from upcycle.conversion.pipeline import validate as validate_convert
 from upcycle.errors import UpcycleError
+from upcycle.export.registry import STOCK_CLASSES
 from upcycle.train.tasks import TASKS
-from upcycle.train.trainer import validate as validate_train
 
-COMMANDS = {"convert": (ConvertConfig, CONVERT_FLAGS, convert_config),
-            "train": (TrainConfig, TRAIN_FLAGS, train_config)}
+COMMANDS = {"convert": (ConvertConfig, convert.CONFIG_FLAGS, convert.convert_config),
+            "train": (TrainConfig, train.CONFIG_FLAGS, train.train_config)}
+RUN_FLAGS = {"convert": convert.RUN_FLAGS, "train": train.RUN_FLAGS}
 # the values each choice flag must offer: the config's allowed values (the run's validators accept each of them
 # and refuse others, checked below)
-ALLOWED = {"export": EXPORTS, "export_class": ("auto", *EXPORT_CLASSES), "schedule": SCHEDULES,
+ALLOWED = {"export": EXPORTS, "export_class": ("auto", *STOCK_CLASSES), "schedule": SCHEDULES,
            "mixed_precision": MIXED_PRECISIONS, "task": TASKS, "sources.router": ROUTER_INITS,
            "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES)}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
-    actions = _parser()._subparsers._group_actions[0]
+    actions = parser(every_command=True)._subparsers._group_actions[0]
     return actions.choices[command]
 
 
@@ -105,23 +93,23 @@ def test_a_flag_for_a_key_the_config_lacks_fails_when_the_parser_is_built():
                          ("mo.num_experts", "ConvertConfig has no section 'mo'"),
                          ("seed.x", "has no section 'seed'")):
         with pytest.raises(TypeError, match=message):
-            _add_config_flags(argparse.ArgumentParser(), ConvertConfig, (ConfigFlag("--x", key, "help"),))
+            add_config_flags(argparse.ArgumentParser(), ConvertConfig, (ConfigFlag("--x", key, "help"),))
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_choices_are_the_values_the_config_allows(command):
     cls, flags, _ = COMMANDS[command]
-    with_choices = {f.key: flag_choices(cls, f.key) for f in flags if flag_choices(cls, f.key) is not None}
+    with_choices = {f.key: flag_choices(cls, f.key, f) for f in flags if flag_choices(cls, f.key, f) is not None}
     assert with_choices == {k: v for k, v in ALLOWED.items() if k in with_choices}
     for key, choices in with_choices.items():
         default = leaf_default(cls, key)
         assert default is None or default in choices
         for value in choices:       # each offered value passes the validator the run uses
             cfg = build(cls, nested(key, value))
-            validate_convert(cfg) if cls is ConvertConfig else validate_train(cfg)
+            validate_convert(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
         with pytest.raises(UpcycleError, match=key):
             cfg = build(cls, nested(key, "not-a-choice"))
-            validate_convert(cfg) if cls is ConvertConfig else validate_train(cfg)
+            validate_convert(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -143,8 +131,8 @@ def test_help_shows_the_config_default(command):
 def sample(cls: type, f: ConfigFlag) -> str:
     """A value for the flag that differs from the key's default and builds."""
     default, hint = leaf_default(cls, f.key), key_hint(cls, f.key)
-    if flag_choices(cls, f.key):
-        return next(c for c in reversed(flag_choices(cls, f.key)) if c != default)
+    if flag_choices(cls, f.key, f):
+        return next(c for c in reversed(flag_choices(cls, f.key, f)) if c != default)
     if f.split:
         return {"placement.layers": "1,-1", "placement.towers": "vision", "train": "router,experts"}[f.key]
     if hint is int:
@@ -157,10 +145,10 @@ def sample(cls: type, f: ConfigFlag) -> str:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_flag_lands_on_its_key_and_nowhere_else(command):
     cls, flags, to_config = COMMANDS[command]
-    base = flat(to_dict(to_config(_parser().parse_args([command, "m", "out"]))))
+    base = flat(to_dict(to_config(parser(every_command=True).parse_args([command, "m", "out"]))))
     for f in flags:
         text = sample(cls, f)
-        got = flat(to_dict(to_config(_parser().parse_args([command, "m", "out", f.flag, text]))))
+        got = flat(to_dict(to_config(parser(every_command=True).parse_args([command, "m", "out", f.flag, text]))))
         changed = {k for k in base if got[k] != base[k]}
         assert changed == {f.key}, (f.flag, changed)
         # the value is the text read by the key's type, exactly as a recipe's value would be
@@ -172,10 +160,11 @@ def test_flags_read_numbers_by_the_config_rule(tmp_path, capsys):
     """A flag's text means what `--set key=` of the same text means (`coerce`), not Python's int()/float()."""
     args = ["convert", "m", "out", "--calibration-tokens", "1e5", "--top-k", "2.0", "--layers", "1, -1e0",
             "--num-experts", "8"]
-    cfg = convert_config(_parser().parse_args(args))
+    cfg = convert.convert_config(parser(every_command=True).parse_args(args))
     assert (cfg.calibration.tokens, cfg.moe.top_k, cfg.placement.layers) == (100000, 2, (1, -1))
-    cfg = train_config(_parser().parse_args(["train", "m", str(tmp_path / "run"), "--lr", "1E-3", "--warmup",
-                                             ".5", "--steps", "2e1"]))
+    args = parser(every_command=True).parse_args(["train", "m", str(tmp_path / "run"), "--lr", "1E-3", "--warmup",
+                                                  ".5", "--steps", "2e1"])
+    cfg = train.train_config(args)
     assert (cfg.lr, cfg.warmup, cfg.steps) == (1e-3, 0.5, 20) and type(cfg.steps) is int
     for flag, value, message in (("--top-k", "2.5", r"moe.top_k must be a whole number \(int\), got 2.5"),
                                  ("--layers", "1,x", r"placement.layers\[1\] must be int, got 'x'"),
@@ -187,19 +176,19 @@ def test_flags_read_numbers_by_the_config_rule(tmp_path, capsys):
 
 def test_no_flag_reads_numbers_on_its_own():
     """Every number on the command line goes through `coerce`: config flags as text into the config, the run
-    flags' integers through `_whole_number`; no parser uses Python's int() or float()."""
-    parser = _parser()
-    for command, sub in parser._subparsers._group_actions[0].choices.items():
+    flags' integers through `whole_number`; no parser uses Python's int() or float()."""
+    root = parser(every_command=True)
+    for command, sub in root._subparsers._group_actions[0].choices.items():
         for action in sub._actions:
-            assert action.type in (None, _comma_list, _whole_number), (command, action.dest, action.type)
-    args = parser.parse_args(["train", "m", "out", "--stop-after", "1e1"])
+            assert action.type in (None, comma_list, whole_number), (command, action.dest, action.type)
+    args = root.parse_args(["train", "m", "out", "--stop-after", "1e1"])
     assert args.stop_after == 10 and type(args.stop_after) is int
-    assert parser.parse_args(["eval", "m", "--tokens", "1e5"]).tokens == 100000
-    assert parser.parse_args(["analyze", "m", "out", "--tokens", "2e3"]).tokens == 2000
+    assert root.parse_args(["eval", "m", "--tokens", "1e5"]).tokens == 100000
+    assert root.parse_args(["analyze", "m", "out", "--tokens", "2e3"]).tokens == 2000
 
 
 def test_a_run_flag_that_is_no_whole_number_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stop:
-        _parser().parse_args(["eval", "m", "--tokens", "2.5"])
+        parser(every_command=True).parse_args(["eval", "m", "--tokens", "2.5"])
     assert stop.value.code == 2
     assert r"argument --tokens: value must be a whole number (int), got 2.5" in capsys.readouterr().err

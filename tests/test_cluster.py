@@ -1,4 +1,4 @@
-"""`cluster` (Cluster-aware Upcycling, METHODS §2.5): exact properties at init, reports, errors."""
+"""`cluster` (Cluster-aware Upcycling, docs/methods.md §2.5): exact properties at init, reports, errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.config import ConvertConfig, build
-from upcycle.conversion.converter import convert, upcycle_model
+from upcycle.conversion.pipeline import convert, upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.errors import UpcycleError
@@ -130,7 +130,7 @@ def test_conversion_reports_routing_and_cluster_agreement():
     model = make_tiny("qwen2")
     cfg = build(ConvertConfig, {"method": "cluster", "moe": {"num_experts": 4, "top_k": 2},
                                 "placement": {"every": 2}, "calibration": {"tokens": 100}})
-    report = upcycle_model(model, cfg, calibration=batches_for("qwen2"), progress=False)
+    report = upcycle_model(model, cfg, calibration=batches_for("qwen2"), progress=False).to_dict()
     assert report["calibration"]["real_tokens"] > 100
     for layer in report["layers"]:
         assert layer["calibration_tokens_kept"] == 100 < layer["calibration_tokens_seen"]
@@ -145,7 +145,7 @@ def test_conversion_reports_routing_and_cluster_agreement():
 def test_copy_with_calibration_reports_routing_of_its_random_router():
     model = make_tiny("llama")
     cfg = build(ConvertConfig, {"method": "copy", "moe": {"num_experts": 4, "top_k": 2}})
-    report = upcycle_model(model, cfg, calibration=batches_for("llama"), progress=False)
+    report = upcycle_model(model, cfg, calibration=batches_for("llama"), progress=False).to_dict()
     assert report["preservation"]["passed"] and "router_load" in report["layers"][0]
     assert "router_cluster_agreement" not in report["layers"][0]
 
@@ -186,7 +186,7 @@ def test_clip_cluster_from_a_safetensors_file_of_image_caption_inputs(tmp_path):
     cfg = build(ConvertConfig, {"model": str(model_dir), "method": "cluster", "placement": {"every": 2},
                                 "moe": {"num_experts": 4, "top_k": 1}, "calibration": {"data": str(data),
                                                                                       "batch_size": 5}})
-    r = convert(cfg, tmp_path / "out", progress=False).report
+    r = convert(cfg, tmp_path / "out", progress=False).report.to_dict()
     assert r["calibration"] == {"source": f"model inputs {data}", "batches": 3, "real_tokens": int(mask.sum()),
                                 "budget_per_layer": 65536}
     towers = {layer["name"].split(".")[0]: layer for layer in r["layers"]}

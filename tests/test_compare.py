@@ -1,4 +1,4 @@
-"""`upcycle compare` (issue 15): on a tiny Llama, two methods x two seeds + the dense baseline, a few steps. The
+"""`upcycle compare`: on a tiny Llama, two methods x two seeds + the dense baseline, a few steps. The
 table has every cell; a rerun skips finished cells; a cell stopped after a checkpoint resumes to the same result
 as an uninterrupted one; bad input is refused before anything is written."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from conftest import write_tiny_lm
 from upcycle.cli import main
-from upcycle.compare.command import compare
 from upcycle.compare.plan import CompareRequest, make_plan
+from upcycle.compare.study import compare
 from upcycle.errors import UpcycleError
 
 

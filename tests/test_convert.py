@@ -14,7 +14,7 @@ from conftest import make_tiny
 from upcycle import methods as registry
 from upcycle.cli import main
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.conversion.converter import PreservationError, convert, upcycle_model
+from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
 from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
@@ -33,7 +33,7 @@ def cfg(model="x", **overrides) -> ConvertConfig:
 
 def test_copy_preserves_every_family(family):
     model = make_tiny(family)
-    report = upcycle_model(model, cfg(), progress=False)
+    report = upcycle_model(model, cfg(), progress=False).to_dict()
     assert report["preservation"]["promised"] and report["preservation"]["passed"]
     assert report["max_abs_logit_diff"] <= 1e-4
     if family != "bert":      # a bare encoder's hidden states are not a distribution
@@ -44,7 +44,7 @@ def test_copy_preserves_every_family(family):
 
 def test_parameter_counts(family):
     model = make_tiny(family)
-    report = upcycle_model(model, cfg(placement__every=2), progress=False)
+    report = upcycle_model(model, cfg(placement__every=2), progress=False).to_dict()
     before, after = report["parameters"]["before"], report["parameters"]["after"]
     assert before["total"] == before["active_per_token"]
     per_expert = next(iter(moe_layers(model).values())).experts.weights().num_params()
@@ -59,7 +59,7 @@ def test_perturbing_methods_report_drift_but_write(method, tmp_path):
     model_dir = tmp_path / "m"
     make_tiny("llama").save_pretrained(model_dir)
     result = convert(cfg(model_dir, method=method), tmp_path / "out", progress=False)
-    r = result.report
+    r = result.report.to_dict()
     assert not r["preservation"]["promised"] and r["preservation"]["passed"] is None
     assert r["max_abs_logit_diff"] > 1e-6 and r["kl_to_dense"] > 0
 
@@ -89,12 +89,13 @@ def test_same_seed_same_bytes(tiny_path, tmp_path, method):
 
 def test_placement_every_layers_and_towers():
     model = make_tiny("llama", layers=6)
-    report = upcycle_model(model, cfg(placement__every=2), progress=False)
+    report = upcycle_model(model, cfg(placement__every=2), progress=False).to_dict()
     assert report["moe_layers"] == ["text.1", "text.3", "text.5"]
     model = make_tiny("llama", layers=6)
-    assert upcycle_model(model, cfg(placement__layers=[0, -1]), progress=False)["moe_layers"] == ["text.0", "text.5"]
+    report = upcycle_model(model, cfg(placement__layers=[0, -1]), progress=False)
+    assert report.moe_layers == ["text.0", "text.5"]
     clip = make_tiny("clip")
-    report = upcycle_model(clip, cfg(placement__towers=["vision"], placement__every=2), progress=False)
+    report = upcycle_model(clip, cfg(placement__towers=["vision"], placement__every=2), progress=False).to_dict()
     assert report["moe_layers"] == ["vision.1", "vision.3"]
     assert all("vision_model" in name for name in moe_layers(clip))
 
@@ -184,7 +185,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, interrupt)
         raise interrupt("stopped while writing")
 
     # a weight half-written: in memory (bert's folder) and streaming (a llama's), the folder never appears
-    monkeypatch.setattr("upcycle.conversion.shards.ShardedWriter.write", fail)
+    monkeypatch.setattr("upcycle.checkpoint.writer.ShardedWriter.write", fail)
     with pytest.raises(interrupt):
         convert(cfg(model_dir), out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["m"]
@@ -200,13 +201,13 @@ def test_broken_preservation_refuses_to_write(tmp_path, monkeypatch):
     monkeypatch.setitem(registry.METHODS, "copy", broken)
     with pytest.raises(PreservationError, match="refusing to write") as err:
         convert(cfg(model_dir, method="copy"), out, progress=False)
-    assert err.value.report["max_abs_logit_diff"] > 1e-4
+    assert err.value.report.to_dict()["max_abs_logit_diff"] > 1e-4
     assert not out.exists()
 
 
 def test_copy_with_capacity_dropping_is_not_promised():
     model = make_tiny("llama")
-    report = upcycle_model(model, cfg(moe__capacity_factor_eval=0.5), progress=False)
+    report = upcycle_model(model, cfg(moe__capacity_factor_eval=0.5), progress=False).to_dict()
     assert report["preservation"]["promised"] is False
 
 
@@ -276,7 +277,7 @@ def test_output_has_ordinary_permissions(tmp_path):
 def test_granular_conversion_preserves_and_reports_its_fold(family, normalize):
     model = make_tiny(family)
     report = upcycle_model(model, cfg(method="granular", method_args={"granularity": 2},
-                                      moe__normalize_topk=normalize), progress=False)
+                                      moe__normalize_topk=normalize), progress=False).to_dict()
     assert report["preservation"]["promised"] and report["max_abs_logit_diff"] <= 1e-4
     assert report["folded_scales"][0]["scale"] == (2.0 if normalize else 4 * 2 / 2)
 
@@ -287,8 +288,9 @@ def test_single_tower_clip_vision_model_converts_and_round_trips(tmp_path):
                                                   num_attention_heads=4, image_size=16, patch_size=8)).eval()
     vision.save_pretrained(tmp_path / "v")
     result = convert(cfg(tmp_path / "v"), tmp_path / "out", progress=False)
-    assert result.report["moe_layers"] == ["vision.0", "vision.1"] and result.report["max_abs_logit_diff"] <= 1e-4
-    assert result.report["preservation"]["compared_output"] == "last_hidden_state"
+    report = result.report
+    assert report.moe_layers == ["vision.0", "vision.1"] and report.max_abs_logit_diff <= 1e-4
+    assert report.preservation.compared_output == "last_hidden_state"
     upcycle.load(tmp_path / "out")
 
 
@@ -297,7 +299,7 @@ def test_single_tower_clip_text_model_tracks_its_padding_mask(tmp_path):
     text = T.CLIPTextModel(T.CLIPTextConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
                                             bos_token_id=1, eos_token_id=2)).eval()
-    report = upcycle_model(text, cfg(), progress=False)
+    report = upcycle_model(text, cfg(), progress=False).to_dict()
     assert report["moe_layers"] == ["text.0", "text.1"] and report["max_abs_logit_diff"] <= 1e-4
     mask = torch.tensor([[1, 1, 1, 0]])
     text(input_ids=torch.randint(0, 128, (1, 4)), attention_mask=mask)

@@ -1,4 +1,4 @@
-"""DPSL (METHODS §4.4): the on-device Beta CDF against SciPy, its gradient, the loss, and shaping works."""
+"""DPSL (docs/methods.md §4.4): the on-device Beta CDF against SciPy, its gradient, the loss, and shaping works."""
 
 from __future__ import annotations
 

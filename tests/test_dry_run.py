@@ -1,4 +1,4 @@
-"""`upcycle convert --dry-run` (issue 13): the plan from config.json alone, at any size."""
+"""`upcycle convert --dry-run`: the plan from config.json alone, at any size."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conversion's dtype and device settings (issue 13, item 3): the default stores weights in the checkpoint's
+"""The conversion's dtype and device settings: the default stores weights in the checkpoint's
 own dtype, and the device is validated before anything is read or written."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from conftest import write_tiny_lm
 from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.checkpoint.loading import resolve_device, resolve_dtype
+from upcycle.checkpoint.reader import CheckpointReader
 from upcycle.config import CalibrationConfig, CheckConfig, PlacementConfig
-from upcycle.conversion.loading import resolve_device, resolve_dtype
-from upcycle.conversion.shards import CheckpointReader
 from upcycle.errors import UpcycleError
 
 
@@ -108,7 +108,7 @@ def test_a_gpu_conversion_writes_what_the_cpu_one_writes(bf16_checkpoint, tmp_pa
                             placement=PlacementConfig(every=2), check=CheckConfig(text=str(held)), device=device,
                             streaming=streaming, dtype="float32",
                             calibration=CalibrationConfig(data=str(train), tokens=512))
-        reports[device] = convert(cfg, tmp_path / device, progress=False).report
+        reports[device] = convert(cfg, tmp_path / device, progress=False).report.to_dict()
         reader = CheckpointReader(tmp_path / device)
         written[device] = {n: reader.get(n) for n in reader.names()}
     assert written["cpu"].keys() == written["cuda"].keys()

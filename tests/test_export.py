@@ -12,8 +12,8 @@ import upcycle
 from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
-from upcycle.conversion.converter import convert, upcycle_model
-from upcycle.conversion.export import export_hf
+from upcycle.conversion.pipeline import convert, upcycle_model
+from upcycle.conversion.stock_export import export_hf
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import moe_layers
@@ -52,7 +52,7 @@ def decoder_path(request, tmp_path_factory):
 def test_every_method_and_decoder_exports_to_a_stock_class(decoder_path, tmp_path, method):
     kind, path = decoder_path
     result = convert(cfg(path, method=method, placement={"every": 2}), tmp_path / "out", progress=False)
-    export = result.report["export"]
+    export = result.report.to_dict()["export"]
     expected = "Qwen3MoeForCausalLM" if kind == "qwen3" else "Qwen2MoeForCausalLM"
     assert export["format"] == "hf" and export["class"] == expected and export["dense_layers"] == [0, 2]
     assert export["max_abs_logit_diff_vs_upcycle"] <= 1e-5
@@ -74,7 +74,7 @@ def test_mixtral_when_every_block_is_moe(kind, tmp_path):
     model = make_tiny(kind)
     model.save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m", method="drop", export_class="mixtral"), tmp_path / "out", progress=False)
-    assert result.report["export"]["class"] == "MixtralForCausalLM"
+    assert result.report.to_dict()["export"]["class"] == "MixtralForCausalLM"
     stock_logits_match(tmp_path / "out", result.model)
 
 
@@ -112,8 +112,8 @@ def test_shared_expert_gate_scale_is_folded(tmp_path, num_shared):
 def test_no_stock_class_keeps_the_upcycle_format_and_says_why(family, tmp_path, capsys):
     make_tiny(family).save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m"), tmp_path / "out", progress=False)
-    assert result.report["export"]["format"] == "upcycle"
-    assert f"no stock transformers MoE class computes a '{family}'" in result.report["export"]["why_not_hf"]
+    assert result.report.to_dict()["export"]["format"] == "upcycle"
+    assert f"no stock transformers MoE class computes a '{family}'" in result.report.to_dict()["export"]["why_not_hf"]
     captured = capsys.readouterr()
     assert "not exported to a stock class" in captured.out + captured.err
     assert (tmp_path / "out" / "upcycle_config.json").exists()
@@ -124,7 +124,7 @@ def test_unrepresentable_routing_keeps_the_upcycle_format(tmp_path):
     make_tiny("llama").save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m", moe={"num_experts": 4, "top_k": 2, "capacity_factor_eval": 2.0}),
                      tmp_path / "out", progress=False)
-    assert "expert capacity" in result.report["export"]["why_not_hf"]
+    assert "expert capacity" in result.report.to_dict()["export"]["why_not_hf"]
     assert (tmp_path / "out" / "upcycle_config.json").exists()
 
 
@@ -171,7 +171,8 @@ def test_granular_exports_with_its_fold_in_the_weights(tmp_path):
     make_tiny("llama").save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m", method="granular", method_args={"granularity": 2}), tmp_path / "out",
                      progress=False)
-    assert result.report["folded_scales"] and result.report["export"]["class"] == "Qwen2MoeForCausalLM"
+    report = result.report.to_dict()
+    assert report["folded_scales"] and report["export"]["class"] == "Qwen2MoeForCausalLM"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["moe_intermediate_size"] == 32
     stock_logits_match(tmp_path / "out", result.model)
 

@@ -18,8 +18,8 @@ import torch
 
 from conftest import make_tiny
 from upcycle.config import ConvertConfig, build
-from upcycle.conversion.converter import upcycle_model
-from upcycle.conversion.export import export_hf
+from upcycle.conversion.pipeline import upcycle_model
+from upcycle.conversion.stock_export import export_hf
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import moe_layers
@@ -62,7 +62,7 @@ def tokenizer_folder(tmp_path: Path):
     """A tiny Llama with a word-level tokenizer (saved by transformers 5), converted to Qwen2-MoE by the
     command's own path (convert), so its folder holds the tokenizer as users get it."""
     from conftest import write_tiny_lm
-    from upcycle.conversion.converter import convert
+    from upcycle.conversion.pipeline import convert
 
     dense, _, held = write_tiny_lm(tmp_path / "lm")
     result = convert(build(ConvertConfig, {"model": str(dense), "method": "copy", "export": "hf",

@@ -345,7 +345,7 @@ def test_the_corpus_is_refused_with_one_line_and_changes_nothing(case, sandbox, 
 
 
 def test_the_one_writer_lock_refuses_a_second_run(sandbox, capsys, monkeypatch):
-    from upcycle.outputs import claim_output
+    from upcycle.checkpoint.folders import claim_output
 
     with claim_output(sandbox / "out", kind="convert"):
         refused(sandbox, ["convert", "dense", "out", *SMALL], capsys, monkeypatch, "being written by another")
@@ -370,7 +370,7 @@ def test_dry_runs_of_absurd_sizes_answer_at_once(sandbox, capsys):
 def outcome(root: Path, argv: list[str], capsys, monkeypatch, out: Path) -> None:
     """A mutated input is either refused (one line, nothing written, inputs unchanged) or, when the mutation left
     a valid model, converted into an OUT that loads; never a traceback."""
-    from upcycle.conversion.loading import load_model
+    from upcycle.checkpoint.loading import load_model
 
     before = tree(root)
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 20))

@@ -1,4 +1,4 @@
-"""The real Gemma 3 270M (issue 12 item 10): copy-upcycling some of its blocks preserves its function, and the
+"""The real Gemma 3 270M: copy-upcycling some of its blocks preserves its function, and the
 written folder loads back to the same outputs.
 
 The checkpoint is a test asset, never part of upcycle: Gemma's terms of use apply to it, so the wheel
@@ -21,7 +21,7 @@ import torch
 
 import upcycle
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.conversion.converter import convert
+from upcycle.conversion.pipeline import convert
 from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.data.assets import cache_is_intact, plain_from_gguf
 from upcycle.data.text import cache_dir
@@ -53,7 +53,7 @@ def test_gemma3_270m_copy_preserves_and_round_trips(gemma3, tmp_path):
                                 "placement": {"layers": [2, 5, 17]}, "check": {"sequences": 2, "tokens": 64}})
     out = tmp_path / "gemma3-moe"
     result = convert(cfg, out, progress=False)
-    r = result.report
+    r = result.report.to_dict()
     assert r["model_type"] == "gemma3_text" and r["model_class"] == "Gemma3ForCausalLM"
     assert r["moe_layers"] == ["text.2", "text.5", "text.17"]
     p = r["preservation"]

@@ -234,7 +234,7 @@ def test_case4_remote_code_never_runs_even_when_stdin_says_yes(lm, tmp_path, cap
 # ---- case 5: one writer per output -----------------------------------------------------------------------------
 
 def test_case5_a_second_run_into_the_same_output_is_refused_never_mixed(lm, tmp_path, capsys):
-    from upcycle.outputs import claim_output, lock_path
+    from upcycle.checkpoint.folders import claim_output, lock_path
 
     dense, moe, train, _ = lm
     out = tmp_path / "out"
@@ -324,7 +324,7 @@ def test_case7_a_wrong_intermediate_size_is_named_on_the_streaming_path(tmp_path
 # ---- case 8: recorded paths mean the same from anywhere --------------------------------------------------------
 
 def test_case8_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monkeypatch):
-    from upcycle.analyze.command import AnalyzeOptions, analyze
+    from upcycle.analyze.run import AnalyzeOptions, analyze
 
     dense, _, train, held = lm
     work = tmp_path / "work"
@@ -347,7 +347,7 @@ def test_case8_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monke
 
 
 def test_case8_a_relative_name_recorded_before_is_never_looked_up_here_or_on_the_hub(lm, tmp_path, monkeypatch):
-    from upcycle.analyze.command import AnalyzeOptions, analyze
+    from upcycle.analyze.run import AnalyzeOptions, analyze
 
     dense, moe, _, held = lm
     moved = tmp_path / "moe"
@@ -379,7 +379,7 @@ def test_case8_a_run_config_whose_model_is_not_a_name_is_a_note(lm, tmp_path):
 
 def test_the_output_claim_refuses_before_anything_exists(tmp_path):
     """The checks come before the lock and before any folder is made: a refused claim leaves nothing."""
-    from upcycle.outputs import claim_output, inputs
+    from upcycle.checkpoint.folders import claim_output, inputs
 
     data = tmp_path / "data.txt"
     data.write_text("text")

@@ -1,4 +1,4 @@
-"""The package's import graph has no cycles (issue 12): every `import` and `from ... import` in src/upcycle,
+"""The package's import graph has no cycles: every `import` and `from ... import` in src/upcycle,
 at module level or inside a function, read with `ast` (nothing is imported to check it)."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_import_graph_is_acyclic():
     graph = import_graph()
-    assert len(graph) > 30 and graph["upcycle.conversion.converter"]        # the walk found the package and its imports
+    assert len(graph) > 30 and graph["upcycle.conversion.pipeline"]        # the walk found the package and its imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -77,22 +77,23 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
-# DESIGN's layering: a module imports only its own sub-package and the layers below it. The leaves (version,
-# config, output folders) know only the error type; core and data are independent of each other; methods and
-# analysis read core; conversion uses those; train uses conversion (loading folders, saving); analyze (the
-# `upcycle analyze` command) loads models and run folders through conversion and train; compare (`upcycle
-# compare`) runs conversion, training and the analysis metrics cell by cell; the CLI and the package root are on
-# top.
+# The layering (docs/design.md): a module imports only its own sub-package and the layers below it. The leaves
+# (version, config, files) know only the error type; core and data are independent of each other; methods,
+# analysis and checkpoint I/O read core; export (the stock classes) reads checkpoints; conversion uses those;
+# train uses conversion and checkpoints; analyze loads models and run folders through them and train; compare runs
+# conversion, training and the analysis metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
     "upcycle.errors": 0,
     "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
-    "upcycle.core": 2, "upcycle.data": 2, "upcycle.outputs": 2,
-    "upcycle.methods": 3, "upcycle.analysis": 3,
-    "upcycle.conversion": 4,
-    "upcycle.train": 5,
-    "upcycle.analyze": 6,
-    "upcycle.compare": 7,
-    "upcycle.cli": 8, "upcycle": 8,
+    "upcycle.core": 2, "upcycle.data": 2, "upcycle.machine": 2, "upcycle.config_table": 2,
+    "upcycle.methods": 3, "upcycle.analysis": 3, "upcycle.checkpoint": 3,
+    "upcycle.export": 4,
+    "upcycle.conversion": 5,
+    "upcycle.train": 6,
+    "upcycle.analyze": 7,
+    "upcycle.compare": 8,
+    "upcycle.commands": 9,
+    "upcycle.cli": 10, "upcycle": 10,
 }
 
 
@@ -130,14 +131,17 @@ def test_an_upward_import_is_reported():
 
 
 def test_the_short_names_import_as_modules_in_a_fresh_interpreter():
-    # `upcycle.losses` was only an attribute: `import upcycle.losses` failed with ModuleNotFoundError. A fresh
-    # interpreter, since this one has already imported the package.
+    # `import upcycle.losses` works as well as `upcycle.losses` after `import upcycle`, and gives the training
+    # code's own functions. A fresh interpreter, since this one has already imported the package.
     import subprocess
     import sys
 
     code = ("import upcycle.losses, upcycle.balance, upcycle.teacher\n"
-            "from upcycle.losses import dpsl\n"
-            "import upcycle.train.losses as full\n"
-            "assert upcycle.losses is full and dpsl is full.dpsl\n")
+            "from upcycle.losses import dpsl, load_balance\n"
+            "import upcycle.train.losses as full, upcycle.train.teacher as teacher\n"
+            "assert dpsl is full.dpsl and load_balance is full.load_balance\n"
+            "assert upcycle.teacher.EMATeacher is teacher.EMATeacher\n"
+            "import upcycle\n"
+            "assert upcycle.losses.z_loss is full.z_loss\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""Inputs a new user gives, read as they meant them or refused at once with a message (issue 11).
+"""Inputs a new user gives, read as they meant them or refused at once with a message.
 
 Numbers in `--set`, recipes and method arguments in every written form; malformed `--set` values and recipes
 as messages, not tracebacks; and the conversion's checks that used to come too late or say the wrong thing:
@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from conftest import make_tiny
-from upcycle.cli import _parser, convert_config, main
+from upcycle.cli import main, parser
+from upcycle.commands.convert import convert_config
 from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, set_override
-from upcycle.conversion.converter import validate
+from upcycle.conversion.pipeline import validate
 from upcycle.errors import UpcycleError
 
 # (as written, the number it means): YAML 1.1 reads only some of these as floats by itself
@@ -30,7 +31,7 @@ NUMBER_FORMS = [("1e-3", 1e-3), ("1E-3", 1e-3), (".5", 0.5), ("5.", 5.0), ("1e+3
 
 def convert_cfg(*argv: str) -> ConvertConfig:
     """The config `upcycle convert MODEL OUT *argv` would run with (nothing is loaded)."""
-    return convert_config(_parser().parse_args(["convert", "some-model", "out", *argv]))
+    return convert_config(parser(every_command=True).parse_args(["convert", "some-model", "out", *argv]))
 
 
 # ---- numbers in every written form ----------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def no_weights_loaded(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the dense weights were loaded before the input was refused")
     # the converter module (the package root exports a function `convert` of the same name)
-    monkeypatch.setattr(importlib.import_module("upcycle.conversion.converter"), "dense_weights", refuse)
+    monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)
 
 
 def test_out_under_a_file_is_refused_before_loading(tmp_path, tiny_llama, capsys, no_weights_loaded):
@@ -287,7 +288,7 @@ def test_export_checks_out_before_reading_the_source(tmp_path, capsys):
                                   "../models/typo"])
 def test_local_path_typo_is_a_missing_folder_at_once(tmp_path, monkeypatch, capsys, name):
     """A name that looks local and does not exist is never tried as a hub id (30 s of retries offline)."""
-    from upcycle.conversion.loading import load_dense
+    from upcycle.checkpoint.loading import load_dense
 
     (tmp_path / "work" / "models").mkdir(parents=True)
     (tmp_path / "models").mkdir()

@@ -1,5 +1,5 @@
 """upcycle.methods.linalg: spherical k-means, whitening, the rank rule, data-aware truncated SVD and PCA
-(METHODS §2.5)."""
+(docs/methods.md §2.5)."""
 
 from __future__ import annotations
 

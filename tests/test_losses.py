@@ -1,4 +1,4 @@
-"""Router regularizers (METHODS §4.1-4.3): exact values, padding and token groups."""
+"""Router regularizers (docs/methods.md §4.1-4.3): exact values, padding and token groups."""
 
 from __future__ import annotations
 

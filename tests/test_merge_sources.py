@@ -1,4 +1,4 @@
-"""Several fine-tuned models of one base merged into one MoE (issue 16): expert i is source i's FFN, the `data`
+"""Several fine-tuned models of one base merged into one MoE : expert i is source i's FFN, the `data`
 router separates separable sources, mismatched sources are refused before a weight is read, the stock export
 computes what our folder computes, and only the FFN tensors of the MoE blocks are read from the sources."""
 
@@ -12,30 +12,18 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from conftest import TOY_WORDS, make_tiny, write_tiny_lm
+from conftest import TOY_WORDS, fine_tune, make_tiny, write_tiny_lm
 from upcycle import ConvertConfig, MoEConfig, convert
-from upcycle.cli import _parser, convert_config
+from upcycle.checkpoint.reader import CheckpointReader
+from upcycle.checkpoint.upcycle_format import load
+from upcycle.cli import parser
+from upcycle.commands.convert import convert_config
 from upcycle.config import CalibrationConfig, CheckConfig, ExpertSource, PlacementConfig, SourcesConfig
-from upcycle.conversion import merge
-from upcycle.conversion.io import load
-from upcycle.conversion.shards import CheckpointReader
+from upcycle.conversion import merge, streaming
 from upcycle.core.moe import moe_layers
 from upcycle.errors import UpcycleError
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-def _fine_tune(dense, folder, seed: int, *, attention: bool = False):
-    """The base with its FFNs (and, with `attention`, its attention) moved by a seeded random step: a stand-in
-    for a fine-tune that keeps the base's architecture and shapes."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(dense)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".mlp." in name or (attention and ".self_attn." in name):
-                p.add_(torch.randn(p.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +31,7 @@ def family_of_models(tmp_path_factory):
     """(base folder, three fine-tunes, train text, held-out text) of the tiny Llama."""
     root = tmp_path_factory.mktemp("btx")
     dense, train, held = write_tiny_lm(root)
-    sources = [_fine_tune(dense, root / f"ft{i}", seed=100 + i, attention=True) for i in range(3)]
+    sources = [fine_tune(dense, root / f"ft{i}", seed=100 + i, attention=True) for i in range(3)]
     return dense, sources, train, held
 
 
@@ -64,7 +52,7 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 def test_expert_i_is_source_i_ffn_and_the_rest_is_the_base_or_the_average(family_of_models, tmp_path, non_ffn):
     dense, sources, _, held = family_of_models
     report = convert(_cfg(dense, sources, held, non_ffn=non_ffn, shared_expert=True), tmp_path / "out",
-                     progress=False).report
+                     progress=False).report.to_dict()
     out, base = _tensors(tmp_path / "out"), _tensors(dense)
     fts = [_tensors(s) for s in sources]
     for block in (1, 3):                   # every=2: blocks 1 and 3 are MoE
@@ -120,7 +108,7 @@ def _separable(root):
                 for _ in range(60)]
         (root / f"text{i}.txt").write_text("\n\n".join(docs))
         data.append(root / f"text{i}.txt")
-        sources.append(_fine_tune(root / "base", root / f"ft{i}", seed=i))
+        sources.append(fine_tune(root / "base", root / f"ft{i}", seed=i))
     return root / "base", sources, data
 
 
@@ -129,7 +117,7 @@ def test_the_data_router_on_separable_sources_agrees_with_the_source_everywhere(
     experts = tuple(ExpertSource(model=str(s), data=str(d)) for s, d in zip(sources, data, strict=True))
     cfg = ConvertConfig(model=str(base), moe=MoEConfig(num_experts=2, top_k=1), placement=PlacementConfig(every=1),
                         sources=SourcesConfig(experts=experts, router="data", held_out=0.2))
-    report = convert(cfg, tmp_path / "out", progress=False).report
+    report = convert(cfg, tmp_path / "out", progress=False).report.to_dict()
     assert len(report["layers"]) == 4
     for layer in report["layers"]:
         assert set(layer["agreement"].values()) == {1.0}, layer
@@ -145,20 +133,20 @@ def test_the_data_router_on_separable_sources_agrees_with_the_source_everywhere(
         assert len(tops) == 4 and all(bool((top == i).all()) for top in tops), (i, tops)
     # the random router, for contrast, is not the sources' split
     cfg = ConvertConfig(**{**cfg.__dict__, "sources": SourcesConfig(experts=experts, router="random")})
-    report = convert(cfg, tmp_path / "random", progress=False).report
+    report = convert(cfg, tmp_path / "random", progress=False).report.to_dict()
     assert min(min(layer["agreement"].values()) for layer in report["layers"]) < 1.0
 
 
 def test_analyze_reads_a_merged_models_own_sources_and_reports_router_source_agreement(tmp_path):
     """Item 4: `upcycle analyze` on a merge, with no --source, reads each source's held-out documents (the
     merge's own split, recorded in its report) and reports per-source agreement; --source still overrides."""
-    from upcycle.analyze.command import AnalyzeOptions, analyze
+    from upcycle.analyze.run import AnalyzeOptions, analyze
 
     base, sources, data = _separable(tmp_path)
     experts = tuple(ExpertSource(model=str(s), data=str(d)) for s, d in zip(sources, data, strict=True))
     cfg = ConvertConfig(model=str(base), moe=MoEConfig(num_experts=2, top_k=1), placement=PlacementConfig(every=2),
                         sources=SourcesConfig(experts=experts, router="data", held_out=0.2))
-    report = convert(cfg, tmp_path / "merged", progress=False).report
+    report = convert(cfg, tmp_path / "merged", progress=False).report.to_dict()
     names = [e["name"] for e in report["sources"]["experts"]]
     assert names == ["0-ft0", "1-ft1"]
     options = AnalyzeOptions(tokens=64, sequence_length=16, output_tokens=32, shuffles=2)
@@ -191,7 +179,7 @@ def test_the_prompts_router_follows_the_prompts_minus_the_negatives(tmp_path):
                     for s, d, w, o in zip(sources, data, halves, halves[::-1], strict=True))
     cfg = ConvertConfig(model=str(base), moe=MoEConfig(num_experts=2, top_k=1), placement=PlacementConfig(every=2),
                         sources=SourcesConfig(experts=experts, router="prompts"))
-    report = convert(cfg, tmp_path / "out", progress=False).report
+    report = convert(cfg, tmp_path / "out", progress=False).report.to_dict()
     for layer in report["layers"]:
         assert set(layer["agreement"].values()) == {1.0}, layer
         assert layer["router_rows_max_cosine"] < 0          # opposite halves: rows point apart
@@ -253,7 +241,7 @@ def test_the_stock_export_reproduces_our_merged_model(family_of_models, tmp_path
     ours_cfg = ConvertConfig(**{**ours_cfg.__dict__, "placement": placement})
     convert(ours_cfg, tmp_path / "ours", progress=False)
     stock_cfg = ConvertConfig(**{**ours_cfg.__dict__, "export": "hf", "export_class": export_class})
-    report = convert(stock_cfg, tmp_path / "stock", progress=False).report
+    report = convert(stock_cfg, tmp_path / "stock", progress=False).report.to_dict()
     assert report["export"]["model_type"] == export_class and report["export"]["check"]["checked"]
     assert not (tmp_path / "stock" / "upcycle-format").exists()
     ours = load(tmp_path / "ours")
@@ -289,10 +277,10 @@ def test_recipes_and_flags_of_several_sources(family_of_models, tmp_path):
     recipe.write_text(f"sources:\n  router: prompts\n  experts:\n"
                       f"    - {{model: {sources[0]}, prompts: [cat dog], count: 2}}\n"
                       f"    - {{model: {sources[1]}, prompts: [red blue], negative_prompts: [cat]}}\n")
-    cfg = convert_config(_parser().parse_args(["convert", str(dense), "out", "--config", str(recipe)]))
+    cfg = convert_config(parser(every_command=True).parse_args(["convert", str(dense), "out", "--config", str(recipe)]))
     assert cfg.moe.num_experts == 3 and cfg.sources.experts[0].count == 2
     assert cfg.sources.experts[1].negative_prompts == ("cat",) and cfg.sources.router == "prompts"
-    args = _parser().parse_args(["convert", str(dense), "out", "--expert", f"{sources[0]}={train}",
+    args = parser(every_command=True).parse_args(["convert", str(dense), "out", "--expert", f"{sources[0]}={train}",
                                  "--expert", str(sources[1]), "--router", "random", "--non-ffn", "average"])
     cfg = convert_config(args)
     assert [(e.model, e.data) for e in cfg.sources.experts] == [(str(sources[0]), str(train)), (str(sources[1]), None)]
@@ -303,7 +291,7 @@ def test_recipes_and_flags_of_several_sources(family_of_models, tmp_path):
                            "sources": SourcesConfig(experts=(ExpertSource(model=str(sources[0]), data=str(held),
                                                                           count=2),
                                                              ExpertSource(model=str(sources[1]), data=str(held))))})
-    report = convert(cfg, tmp_path / "drop", progress=False).report
+    report = convert(cfg, tmp_path / "drop", progress=False).report.to_dict()
     assert report["sources"]["expert_source"] == [0, 0, 1]
     w = _tensors(tmp_path / "drop")["model.layers.1.mlp.experts.w_down"]
     assert not torch.equal(w[0], w[1])
@@ -342,13 +330,13 @@ def _alive() -> list[torch.Tensor]:
 
 
 def test_the_merge_holds_one_block_of_the_sources_at_a_time(family_of_models, tmp_path, monkeypatch):
-    """Streaming (issue 16, item 3): while block b is merged, each source gives block b's FFN tensors and
+    """Streaming: while block b is merged, each source gives block b's FFN tensors and
     nothing else; once the block is written nothing of it stays alive, so what is alive after the last block is
     what was alive after the first, whatever the depth (a replay that kept its autograd graph kept every block's
     weights and activations: 12 GB for three 135M sources)."""
     dense, sources, _, held = family_of_models
     block, reads, alive = [0], [], []
-    get, release = CheckpointReader.get, merge.release
+    get, release = CheckpointReader.get, streaming.release
 
     def logged(self, name):
         reads.append((block[0], str(self.folder), name))
@@ -367,11 +355,11 @@ def test_the_merge_holds_one_block_of_the_sources_at_a_time(family_of_models, tm
         block[0] += 1
 
     monkeypatch.setattr(CheckpointReader, "get", logged)
-    monkeypatch.setattr(merge, "release", counted)
+    monkeypatch.setattr(streaming, "release", counted)
     merged_model = []
     empty = merge.empty_model
     monkeypatch.setattr(merge, "empty_model", lambda *a: merged_model.append(empty(*a)) or merged_model[0])
-    monkeypatch.setattr(merge, "write_queue_bytes", lambda _: 0)     # written at once: no tensor waits in a queue
+    monkeypatch.setattr(streaming, "write_queue_bytes", lambda _: 0)     # written at once: no tensor waits in a queue
     cfg = ConvertConfig(**{**_cfg(dense, sources, held, router="data").__dict__,
                            "placement": PlacementConfig(every=1)})
     convert(cfg, tmp_path / "out", progress=False)

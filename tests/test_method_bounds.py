@@ -1,4 +1,4 @@
-"""Method argument bounds declared in the signature (`Annotated[float, Range(...)]`, issue 12 item 13): every
+"""Method argument bounds declared in the signature (`Annotated[float, Range(...)]`): every
 declared bound refuses a value just outside it before the dense weights load, naming the method, the argument,
 the bound and the value; the values on the bound that it allows are accepted and computed with by the method;
 `upcycle methods` shows the bounds.
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.cli import _parser, convert_config, main
-from upcycle.conversion.converter import validate
+from upcycle.cli import main, parser
+from upcycle.commands.convert import convert_config
+from upcycle.conversion.pipeline import validate
 from upcycle.core.ffn import FFNWeights
 from upcycle.errors import UpcycleError
 from upcycle.methods import METHODS, OneOf, Range, register
@@ -91,7 +92,7 @@ def no_weights_loaded(monkeypatch):
     """Fail the test if the conversion gets as far as loading the dense weights."""
     def refuse(*args, **kwargs):
         raise AssertionError("the dense weights were loaded before the argument was refused")
-    monkeypatch.setattr(importlib.import_module("upcycle.conversion.converter"), "dense_weights", refuse)
+    monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)
 
 
 @pytest.mark.parametrize("name,arg", BOUNDED)
@@ -121,7 +122,7 @@ def test_values_on_the_bound_are_accepted_and_computed_with(name, arg):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(200, 8, generator=g) + 0.5
     for value in on_the_bound(name, arg):
-        cfg = convert_config(_parser().parse_args(["convert", "m", "out", "--method", name,
+        cfg = convert_config(parser(every_command=True).parse_args(["convert", "m", "out", "--method", name,
                                                    "--set", f"method_args.{arg}={yaml_text(value)}"]))
         _, args = validate(cfg)
         assert args[arg] == value and type(args[arg]) is method.args[arg].type

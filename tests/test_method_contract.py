@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.config import ConvertConfig, build
-from upcycle.conversion.converter import upcycle_model
+from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.surgery import moe_layers
 from upcycle.methods import METHODS
 

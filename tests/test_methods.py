@@ -1,4 +1,4 @@
-"""copy / noise / drop (METHODS §2.1-2.3) and the registry's signature-as-schema."""
+"""copy / noise / drop (docs/methods.md §2.1-2.3) and the registry's signature-as-schema."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""drop_svd (METHODS §2.4, Cluster-aware supplementary) and spri (METHODS §2.6, Shan et al. 2026)."""
+"""drop_svd (docs/methods.md §2.4, Cluster-aware supplementary) and spri (docs/methods.md §2.6, Shan et al. 2026)."""
 
 from __future__ import annotations
 

@@ -60,6 +60,6 @@ def test_expanded_experts_take_the_norm_shortcut_with_the_same_gram():
     one = torch.randn(7, 9, generator=g)
     expanded = one.unsqueeze(0).expand(4, 7, 9)
     assert expanded.stride(0) == 0
-    torch.testing.assert_close(metrics._gram([expanded]), metrics._gram([expanded.contiguous()]),
+    torch.testing.assert_close(metrics.gram_matrix([expanded]), metrics.gram_matrix([expanded.contiguous()]),
                                rtol=1e-12, atol=0)
-    assert metrics._gram([expanded]).unique().numel() == 1
+    assert metrics.gram_matrix([expanded]).unique().numel() == 1

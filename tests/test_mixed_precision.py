@@ -1,4 +1,4 @@
-"""The MoE layer under mixed precision (issue 12): a float32 router under any autocast, an expert kernel with
+"""The MoE layer under mixed precision: a float32 router under any autocast, an expert kernel with
 stated dtypes on both of its paths, no host synchronisation in a dropless grouped-matmul forward, and training
 in bfloat16 (autocast, and bfloat16 weights) that stays finite."""
 

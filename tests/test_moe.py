@@ -1,4 +1,4 @@
-"""The MoE layer against a naive per-token reference, and its routing semantics (METHODS §1)."""
+"""The MoE layer against a naive per-token reference, and its routing semantics (docs/methods.md §1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Folders written before the package was split into sub-packages (issue 12) still load and resume: an upcycle
+"""Folders written before the package was split into sub-packages still load and resume: an upcycle
 folder and a training run made by commit ed0fab5 (tests/fixtures/pre_layout/README.md says how)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import upcycle
 from conftest import make_tiny
 from upcycle import methods as registry
 from upcycle.config import CheckConfig, ConvertConfig, build
-from upcycle.conversion.converter import PreservationError, convert, upcycle_model
+from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
 from upcycle.conversion.preservation import FLOOR_ULPS, ReorderedFFN, make_probe, probe_output, rounding_noise
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.surgery import plan_targets, tower_cfg
@@ -69,14 +69,14 @@ def test_rounding_noise_leaves_the_model_exactly_as_it_was(family):
 
 
 def test_report_states_the_tolerance_and_its_parts():
-    p = upcycle_model(make_tiny("llama"), cfg(), progress=False)["preservation"]
+    p = upcycle_model(make_tiny("llama"), cfg(), progress=False).to_dict()["preservation"]
     assert p["passed"] and p["promised"]
     assert p["allowed_max_abs_logit_diff"] == max(p["calibrated_tolerance"], p["ulp_floor"], p["user_tolerance"])
     assert p["calibrated_tolerance"] == p["noise_factor"] * p["rounding_noise"] and p["noise_factor"] == 16
     assert p["ulp_floor"] == pytest.approx(FLOOR_ULPS * torch.finfo(torch.float32).eps * p["output_scale"])
     assert p["user_tolerance"] == 0 and p["tolerance"] == 0 and p["relative_tolerance"] == 0
     # a method that does not promise preservation pays for no calibration and reports no tolerance
-    p = upcycle_model(make_tiny("llama"), cfg(method="drop"), progress=False)["preservation"]
+    p = upcycle_model(make_tiny("llama"), cfg(method="drop"), progress=False).to_dict()["preservation"]
     assert p["passed"] is None and "allowed_max_abs_logit_diff" not in p
 
 
@@ -96,16 +96,16 @@ def test_one_expert_row_scaled_by_1_001_is_refused(tmp_path, monkeypatch):
     break_layer(monkeypatch, 1.001)
     with pytest.raises(PreservationError, match="refusing to write") as err:
         convert(cfg(tmp_path / "m", method="copy"), tmp_path / "out", progress=False)
-    p = err.value.report["preservation"]
+    p = err.value.report.to_dict()["preservation"]
     # the allowance is 16 x the float32 rounding of four blocks (~3e-6 here); a 1e-3 change of one output
     # coordinate of one expert changes the logits by 15-37x that for any of the rows measured in the first block
     # (the row used: 22x); 5x leaves room for other CPUs' kernels
-    assert err.value.report["max_abs_logit_diff"] > 5 * p["allowed_max_abs_logit_diff"]
+    assert err.value.report.to_dict()["max_abs_logit_diff"] > 5 * p["allowed_max_abs_logit_diff"]
     assert not (tmp_path / "out").exists()
     # the user can still accept it explicitly
     result = convert(cfg(tmp_path / "m", method="copy", check={"tokens": 16, "tolerance": 1.0}), tmp_path / "out",
                      progress=False)
-    assert result.report["preservation"]["passed"]
+    assert result.report.to_dict()["preservation"]["passed"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -114,10 +114,10 @@ def test_low_precision_conversion_passes_in_its_own_dtype_and_loads_in_it(dtype,
     make_tiny("llama").save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m", method="copy", dtype=dtype, streaming=False), tmp_path / "out",
                      progress=False)
-    p = result.report["preservation"]
-    assert p["passed"] and result.report["dtype"] == dtype
+    p = result.report.to_dict()["preservation"]
+    assert p["passed"] and result.report.to_dict()["dtype"] == dtype
     # the allowance follows the dtype: bf16/fp16 rounding (eps 7.8e-3 / 9.8e-4) is far above float32's
-    fp32 = upcycle_model(make_tiny("llama"), cfg(), progress=False)["preservation"]
+    fp32 = upcycle_model(make_tiny("llama"), cfg(), progress=False).to_dict()["preservation"]
     assert p["allowed_max_abs_logit_diff"] > 100 * fp32["allowed_max_abs_logit_diff"]
     loaded = upcycle.load(tmp_path / "out")
     assert loaded.dtype == getattr(torch, dtype)

@@ -1,4 +1,4 @@
-"""The Router module (issue 12 item 9): softmax and sigmoid (DeepSeek-V3) scores, the selection bias, route scale,
+"""The Router module: softmax and sigmoid (DeepSeek-V3) scores, the selection bias, route scale,
 exact copy preservation where it holds, export only where a stock class computes it, and old checkpoints."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_sigmoid_copy_conversion_preserves_and_round_trips(tmp_path):
     folder = _tiny_folder(tmp_path)
     cfg = ConvertConfig(model=str(folder), moe=MoEConfig(num_experts=4, top_k=2, score="sigmoid"))
     result = convert(cfg, tmp_path / "moe", progress=False)
-    report = result.report
+    report = result.report.to_dict()
     assert report["preservation"]["promised"] and report["preservation"]["passed"]
     spec = json.loads((tmp_path / "moe" / "upcycle_config.json").read_text())
     assert {layer["score"] for layer in spec["layers"]} == {"sigmoid"}
@@ -115,7 +115,7 @@ def test_sigmoid_copy_conversion_preserves_and_round_trips(tmp_path):
     assert torch.equal(loaded(input_ids=ids).logits, result.model(input_ids=ids).logits)
     # a route scale breaks the promise: reported as drift, not refused
     scaled = convert(ConvertConfig(model=str(folder), moe=MoEConfig(num_experts=4, top_k=2, route_scale=2.0)),
-                     None, progress=False).report
+                     None, progress=False).report.to_dict()
     assert not scaled["preservation"]["promised"] and scaled["max_abs_logit_diff"] > 1e-3
 
 

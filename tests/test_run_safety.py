@@ -1,10 +1,9 @@
-"""What `--overwrite`, recipes and `--resume` may and may not do to the user's files (issue 11): inputs are never
+"""What `--overwrite`, recipes and `--resume` may and may not do to the user's files: inputs are never
 deleted, a run folder from someone else is data and never code, a failed or diverged run leaves OUT as it was
 or at its last good checkpoint, and torn checkpoints and logs fall back to what is complete."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import digest
 from upcycle.cli import main
 from upcycle.config import TrainConfig
 from upcycle.errors import UpcycleError
@@ -23,12 +23,6 @@ from upcycle.train import checkpoint
 from upcycle.train.trainer import TrainingStopped, checkpoints, train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    """Every file under `folder` with its content hash: 'unchanged' means byte for byte."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _cfg(moe: Path, train_txt: Path, held: Path, **overrides) -> TrainConfig:
@@ -47,7 +41,7 @@ def victim(tiny_lm, tmp_path) -> Path:
 
 def test_overwrite_never_deletes_the_input(tiny_lm, victim, tmp_path, capsys):
     train_txt = str(tiny_lm[2])
-    before = _digest(victim)
+    before = digest(victim)
     # OUT = the input model, OUT = a folder holding it, OUT = the folder holding the training text
     for out in (victim, tmp_path):
         assert main(["train", str(victim), str(out), "--overwrite", "--data", train_txt, *RUN]) == 2
@@ -61,7 +55,7 @@ def test_overwrite_never_deletes_the_input(tiny_lm, victim, tmp_path, capsys):
     # convert and export refuse the same
     assert main(["convert", str(victim), str(victim), "--overwrite", "--quiet"]) == 2
     assert main(["export", str(victim), str(victim), "--overwrite"]) == 2
-    assert _digest(victim) == before
+    assert digest(victim) == before
 
 
 def test_overwrite_never_empties_the_current_directory(tiny_lm, tmp_path, monkeypatch, capsys):
@@ -79,12 +73,12 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tiny_lm,
     _, moe, train_txt, held = tiny_lm
     run = tmp_path / "run"
     train(_cfg(moe, train_txt, held, steps=2), run, progress=False)
-    before = _digest(run)
+    before = digest(run)
     # a missing data file, a typo in what trains: found before OUT is touched
     assert main(["train", str(moe), str(run), "--overwrite", "--data", str(tmp_path / "missing.jsonl"), *RUN]) == 2
     assert main(["train", str(moe), str(run), "--overwrite", "--data", str(train_txt), "--train", "experst",
                  *RUN]) == 2
-    assert _digest(run) == before
+    assert digest(run) == before
     assert sorted(os.listdir(tmp_path)) == ["run"]            # no staging folder left behind
     # a valid --overwrite replaces it
     train(_cfg(moe, train_txt, held, steps=1), run, overwrite=True, progress=False)

@@ -1,4 +1,4 @@
-"""Sharded safetensors written tensor by tensor at planned offsets, and read lazily (issue 13)."""
+"""Sharded safetensors written tensor by tensor at planned offsets, and read lazily."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from upcycle.conversion.shards import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointReader,
-    ShardedWriter,
-    parse_size,
-    plan_shards,
-)
+from upcycle.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from upcycle.checkpoint.writer import ShardedWriter, parse_size, plan_shards
 from upcycle.errors import UpcycleError
 
 
@@ -116,7 +110,7 @@ def test_the_background_writer_bounds_queued_bytes_and_raises_a_failed_write(tmp
     larger than the limit is still accepted alone); a write that failed on the thread is raised, not lost."""
     import threading
 
-    import upcycle.conversion.shards as shards
+    import upcycle.checkpoint.writer as shards
 
     tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(6)}        # 400 bytes each
     gate, queued, most = threading.Event(), [], [0]

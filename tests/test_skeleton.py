@@ -1,4 +1,4 @@
-"""The conversion planned before any weight exists (issue 13): the weightless MoE model built from each method's
+"""The conversion planned before any weight exists: the weightless MoE model built from each method's
 declared layout has exactly the tensors (names, shapes, dtypes) the real conversion writes."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import torch
 
 from conftest import make_tiny
 from test_calibration import batches_for
+from upcycle.checkpoint.skeleton import tensor_specs
 from upcycle.config import ConvertConfig, build
-from upcycle.conversion.converter import upcycle_model
-from upcycle.conversion.skeleton import planned_model, tensor_specs
+from upcycle.conversion.pipeline import upcycle_model
+from upcycle.conversion.planned import planned_model
 from upcycle.methods import METHODS, get_method
 
 VARIANTS = [(name, {}) for name in sorted(METHODS)] + [

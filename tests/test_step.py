@@ -1,4 +1,4 @@
-"""One training step (issue 12 item 13): `upcycle train`'s loop runs `upcycle.train.step.train_step`, the function
+"""One training step: `upcycle train`'s loop runs `upcycle.train.step.train_step`, the function
 a script calls, and both compute the same update; a non-finite step changes nothing."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 import upcycle
 import upcycle.train.trainer as trainer
+from upcycle.checkpoint.loading import load_tokenizer
 from upcycle.config import RegularizerConfig, TrainConfig
-from upcycle.conversion.loading import load_tokenizer
 from upcycle.train.objective import Objective, causal_lm_loss
 from upcycle.train.step import train_step
 from upcycle.train.tasks import make_task
@@ -22,7 +22,7 @@ REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, eesd=0.1, eesd
 
 def test_a_script_step_is_the_step_upcycle_train_runs(tiny_lm, tmp_path, monkeypatch):
     """The same batches through `upcycle train` (Accelerate, grad_accum 2) and through `train_step` on plain torch
-    (the README's example) give bit-identical loss terms, token counts and weights: one code path."""
+    (docs/training.md's example) give bit-identical loss terms, token counts and weights: one code path."""
     _, moe, train_txt, _ = tiny_lm
     cfg = TrainConfig(model=str(moe), data=str(train_txt), steps=3, batch_size=4, grad_accum=2, sequence_length=16,
                       lr=3e-3, warmup=0.0, schedule="constant", clip_grad=None, mixed_precision="no",

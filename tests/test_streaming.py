@@ -1,4 +1,4 @@
-"""Streaming conversion (issue 13): a dense checkpoint read tensor by tensor and the output written shard by
+"""Streaming conversion: a dense checkpoint read tensor by tensor and the output written shard by
 shard, one block in memory, gives the same tensors and the same per-layer reports as converting the model loaded
 whole; the written folder loads and computes what the in-memory model computes."""
 
@@ -15,8 +15,8 @@ import upcycle
 from conftest import make_tiny, write_tiny_lm
 from test_calibration import batches_for
 from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.checkpoint.reader import INDEX_FILE, CheckpointReader
 from upcycle.config import CheckConfig, PlacementConfig
-from upcycle.conversion.shards import INDEX_FILE, CheckpointReader
 from upcycle.errors import UpcycleError
 
 
@@ -155,7 +155,7 @@ def test_a_streamed_stock_export_equals_the_in_memory_one(tmp_path, export_class
         cfg = ConvertConfig(model=str(model_dir), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
                             placement=PlacementConfig(every=every), export="hf", export_class=export_class,
                             streaming=streaming)
-        report = convert(cfg, tmp_path / f"out-{streaming}", progress=False).report
+        report = convert(cfg, tmp_path / f"out-{streaming}", progress=False).report.to_dict()
         assert report["export"]["class"] == AutoModelForCausalLM.from_pretrained(
             tmp_path / f"out-{streaming}").__class__.__name__
         outs[streaming] = tmp_path / f"out-{streaming}"
@@ -177,7 +177,7 @@ def test_a_low_precision_output_is_checked_in_float32_on_its_rounded_weights(tmp
     make_tiny("llama").save_pretrained(tmp_path / "m")
     cfg = ConvertConfig(model=str(tmp_path / "m"), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
                         dtype="bfloat16", streaming=True)
-    report = convert(cfg, tmp_path / "out", progress=False).report
+    report = convert(cfg, tmp_path / "out", progress=False).report.to_dict()
     p = report["preservation"]
     assert p["passed"] and p["end_to_end"] and report["streamed"]
     assert p["allowed_max_abs_logit_diff"] < 1e-3          # float32 rounding, not bfloat16's (eps 7.8e-3)
@@ -215,7 +215,7 @@ def test_a_released_block_keeps_no_view_of_the_checkpoint_file(tmp_path):
     multi-source export held its 1.2 GB folder that way, twice). It owns its bytes instead."""
     from safetensors.torch import save_file
 
-    from upcycle.conversion.lazy import materialize, release
+    from upcycle.checkpoint.lazy import materialize, release
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -222,9 +222,9 @@ def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
                          ids=lambda p: p.name)
 def test_shipped_train_recipes_are_valid(recipe):
     from upcycle.config import build, load_recipe
-    from upcycle.train.trainer import validate
 
-    validate(build(TrainConfig, load_recipe(recipe)))
+    cfg = build(TrainConfig, load_recipe(recipe))      # raises for a key out of its range or choices
+    assert cfg.steps >= 1 and cfg.model
 
 
 def test_router_losses_only_in_the_warmup_phase(tiny_lm, tmp_path):

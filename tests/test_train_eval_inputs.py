@@ -1,4 +1,4 @@
-"""`upcycle train` / `upcycle eval` on what users actually give them (issue 11): stock MoE exports load as they
+"""`upcycle train` / `upcycle eval` on what users actually give them: stock MoE exports load as they
 are, encoders are refused instead of trained on a meaningless task, and bad inputs get a message, not a
 traceback, before any output is written."""
 
@@ -24,7 +24,7 @@ RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet"
 @pytest.fixture(scope="module")
 def exported(tiny_lm, tmp_path_factory) -> Path:
     """The tiny upcycled Llama exported to the stock Qwen2-MoE class (with its tokenizer)."""
-    from upcycle.conversion.export import export_folder
+    from upcycle.conversion.stock_export import export_folder
 
     out = tmp_path_factory.mktemp("export") / "qwen2moe"
     export_folder(tiny_lm[1], out)

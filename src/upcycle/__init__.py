@@ -16,11 +16,11 @@ from .version import __version__
 
 _NAMES = {
     "ConvertConfig": "config", "MoEConfig": "config", "PlacementConfig": "config", "RegularizerConfig": "config",
-    "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.converter",
-    "upcycle_model": "conversion.converter", "load": "conversion.io", "MoELayer": "core.moe",
+    "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.pipeline",
+    "upcycle_model": "conversion.pipeline", "load": "checkpoint.upcycle_format", "MoELayer": "core.moe",
     "RoutingRecord": "core.moe", "METHODS": "methods",
 }
-_MODULES = {"balance": "train.balance", "losses": "train.losses", "teacher": "train.teacher"}
+_MODULES = ("balance", "losses", "teacher")     # short public modules (upcycle/losses.py, ...)
 
 __all__ = [*_NAMES, *_MODULES, "__version__"]
 
@@ -29,7 +29,7 @@ def __getattr__(name: str):
     if name in _NAMES:
         value = getattr(import_module(f".{_NAMES[name]}", __name__), name)
     elif name in _MODULES:
-        value = import_module(f".{name}", __name__)       # the alias module (upcycle/losses.py ...)
+        value = import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

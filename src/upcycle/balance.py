@@ -1,7 +1,6 @@
-"""`upcycle.balance`: the short name of `upcycle.train.balance` (the same module object, not a copy)."""
+"""Auxiliary-loss-free balancing (docs/methods.md §4.5) under a short public name; it lives in
+`upcycle.train.balance`."""
 
-import sys
+from .train.balance import AuxFreeBalancer
 
-from .train import balance as _module
-
-sys.modules[__name__] = _module
+__all__ = ["AuxFreeBalancer"]

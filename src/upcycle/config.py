@@ -1,4 +1,4 @@
-"""Run configuration as data (DESIGN principle 8): frozen keyword-only dataclasses, YAML recipes, `--set`.
+"""Run configuration as data (docs/design.md principle 8): frozen keyword-only dataclasses, YAML recipes, `--set`.
 
 A recipe is a YAML mapping with the same nesting as the dataclasses; `--set a.b=v` overrides one key (the value
 is parsed as YAML, so `3`, `0.5`, `true`, `[1, 3]` and `null` mean what they say). Unknown keys and wrong types
@@ -38,7 +38,6 @@ MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")      # TrainConfig.mixed_preci
 ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
 NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")     # ConvertConfig.dtype (besides auto)
-EXPORT_CLASS_NAMES = ("qwen2_moe", "qwen3_moe", "mixtral")   # ConvertConfig.export_class (besides auto)
 TASKS = ("causal_lm", "clip")                          # TrainConfig.task
 
 
@@ -131,9 +130,9 @@ def check_fields(cfg, section: str = "") -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """The MoE layer's routing options (METHODS §1), one object for the run config, the layer (`MoELayer.config`),
-    its saved spec (upcycle_config.json), the converter and the exporter. It refuses an impossible combination
-    when it is made, so no layer is built from one."""
+    """The MoE layer's routing options (docs/methods.md §1), one object for the run config, the layer
+    (`MoELayer.config`), its saved spec (upcycle_config.json), the conversion and the exporter. It refuses an
+    impossible combination when it is made, so no layer is built from one."""
 
     num_experts: int = ranged(8, 1, 2**16)
     top_k: int = ranged(2, 1, 2**16)
@@ -168,7 +167,7 @@ class PlacementConfig:
 class CheckConfig:
     # A method that promises preservation passes when max |logit difference| <= noise_factor x the rounding
     # noise measured on the same probe, or a few units in the last place of max |dense logit| when that noise is
-    # smaller (upcycle.conversion.preservation; the factor's measurements are in docs).
+    # smaller (upcycle.conversion.preservation; the factor's measurements: docs/conversion.md).
     noise_factor: float = ranged(16.0, 0, math.inf, low_open=True, high_open=True)
     # Allowances a user may add on top (0 = none): pass anyway when max |logit difference| <= tolerance or
     # <= relative_tolerance x max |dense logit|.
@@ -211,7 +210,7 @@ def _coefficient(default: float = 0.0):
 
 @dataclass(frozen=True, kw_only=True)
 class RegularizerConfig:
-    # Coefficients of the router losses (METHODS §4); 0 switches a term off. Each term is the mean over MoE
+    # Coefficients of the router losses (docs/methods.md §4); 0 switches a term off. Each term is the mean over MoE
     # layers of the per-layer loss (per token group when groups are given, then averaged).
     load_balance: float = _coefficient()
     z_loss: float = _coefficient()
@@ -284,7 +283,8 @@ class ConvertConfig:
     device: str = "auto"
     # "upcycle" (any architecture) or "hf" (a stock transformers MoE class where one fits)
     export: str = choice("upcycle", EXPORTS)
-    export_class: str = choice("auto", ("auto", *EXPORT_CLASS_NAMES))   # with export=hf
+    # with export=hf: auto, or a class of upcycle.export.registry (qwen2_moe, qwen3_moe, mixtral; checked there)
+    export_class: str = "auto"
     # Streaming: read the dense checkpoint tensor by tensor and write the output shard by shard, one block in
     # memory. auto: when the model is a local folder of safetensors and an output folder is given; false: load
     # the whole model; true: refuse a checkpoint that cannot stream.

@@ -1,9 +1,10 @@
 """Writing outputs whole or not at all: a temporary sibling renamed into place when the work succeeded.
 
 `atomic_directory` (a folder) and `atomic_write_text` (one file) write next to the output and rename at the end,
-so a failed or killed run leaves no partial output (DESIGN principle 4). Temporaries carry their owner's host and
-process id, so a later run can remove the ones a killed process left and leave alone those still being written.
-Which outputs a command may write at all is `upcycle.outputs`' job; nothing here ever deletes an input.
+so a failed or killed run leaves no partial output (docs/design.md principle 4). Temporaries carry their owner's
+host and process id, so a later run can remove the ones a killed process left and leave alone those still being
+written.
+Which outputs a command may write at all is `upcycle.checkpoint.folders`' job; nothing here ever deletes an input.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`upcycle.losses`: the short name of `upcycle.train.losses` (the same module object, not a copy)."""
+"""The router losses of docs/methods.md §4, under a short public name (`upcycle.losses.load_balance`, ...); they
+live in `upcycle.train.losses` and `upcycle.train.dpsl`."""
 
-import sys
+from .train.dpsl import dpsl
+from .train.losses import eesd, limoe_global, limoe_local, load_balance, z_loss
 
-from .train import losses as _module
-
-sys.modules[__name__] = _module
+__all__ = ["dpsl", "eesd", "limoe_global", "limoe_local", "load_balance", "z_loss"]

@@ -1,7 +1,6 @@
-"""`upcycle.teacher`: the short name of `upcycle.train.teacher` (the same module object, not a copy)."""
+"""The EMA teacher of Expert-Ensemble Self-Distillation (docs/methods.md §4.6) under a short public name; it lives
+in `upcycle.train.teacher`."""
 
-import sys
+from .train.teacher import EMATeacher, ensemble_output
 
-from .train import teacher as _module
-
-sys.modules[__name__] = _module
+__all__ = ["EMATeacher", "ensemble_output"]

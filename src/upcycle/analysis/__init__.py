@@ -1,4 +1,4 @@
-"""Analysis of upcycled MoE layers: metrics as plain numbers (METHODS §5), then figures and an HTML report.
+"""Analysis of upcycled MoE layers: metrics as plain numbers (docs/methods.md §5), then figures and an HTML report.
 
     from upcycle.analysis import layer_metrics
     layer_metrics(layer, x_TD)          # every §5 metric of one MoE layer on its input tokens, a plain dict

@@ -1,4 +1,4 @@
-"""Relative compactness of the experts' output subspaces (METHODS §5; the Cluster-aware Upcycling paper's RC):
+"""Relative compactness of the experts' output subspaces (docs/methods.md §5; the Cluster-aware Upcycling paper's RC):
 
     RC = Tr(Σ_W Σ_B^†)
 

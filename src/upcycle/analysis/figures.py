@@ -21,7 +21,7 @@ from pathlib import Path
 STYLE = {"figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 9.5, "axes.labelsize": 9,
          "legend.fontsize": 8, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
          "axes.spines.right": False}
-WIDTH = 10.0                                  # inches at 100 dpi: 1000 px, the README's width
+WIDTH = 10.0                                  # inches at 100 dpi: 1000 px, a page's width
 PROJECTION_COLORS = {"gate": "#1f77b4", "up": "#ff7f0e", "down": "#2ca02c", "all": "#444444"}
 MATRIX_CMAP = "viridis"
 SHARE_CMAP = "magma"

@@ -162,6 +162,6 @@ def render_report(analysis: dict, images: dict[str, bytes], figures: list[tuple[
 {figure_html}
 <h2>What the numbers mean</h2>
 <ul class="note">{glossary}</ul>
-<p class="note">Every number is in analysis.json next to this file. Metrics: METHODS §5 of the upcycle docs.</p>
+<p class="note">Every number is in analysis.json next to this file. Metrics: docs/methods.md §5 of the upcycle docs.</p>
 </body></html>
 """

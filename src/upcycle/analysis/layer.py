@@ -1,4 +1,4 @@
-"""Every METHODS §5 metric of one MoE layer on a set of its input tokens, as one plain dict:
+"""Every docs/methods.md §5 metric of one MoE layer on a set of its input tokens, as one plain dict:
 
     from upcycle.analysis import layer_metrics
     m = layer_metrics(layer, x_TD)                     # x_TD: the layer's inputs (the FFN inputs) [T, D]

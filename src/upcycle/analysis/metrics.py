@@ -1,4 +1,4 @@
-"""Expert-weight metrics (METHODS §5): how alike the experts of one layer are.
+"""Expert-weight metrics (docs/methods.md §5): how alike the experts of one layer are.
 
   expert_similarity  mean over expert pairs i < j of cos(vec E_i, vec E_j), each expert's weights
                      (gate, up, down; biases excluded) flattened into one vector
@@ -15,7 +15,8 @@ import torch
 from ..core.ffn import FFNWeights
 
 
-def _cosines(gram_EE: torch.Tensor) -> torch.Tensor:
+def cosine_matrix(gram_EE: torch.Tensor) -> torch.Tensor:
+    """The cosines between the vectors whose Gram matrix is `gram_EE` (a zero vector's row is zero)."""
     norms = gram_EE.diagonal().clamp_min(0).sqrt()
     return gram_EE / (norms[:, None] * norms[None, :]).clamp_min(1e-300)
 
@@ -24,7 +25,7 @@ def _mean_offdiagonal_cosine(gram_EE: torch.Tensor) -> float | None:
     E = gram_EE.shape[0]
     if E < 2:
         return None
-    cos_EE = _cosines(gram_EE)
+    cos_EE = cosine_matrix(gram_EE)
     i, j = torch.triu_indices(E, E, offset=1)
     return cos_EE[i, j].mean().item()
 
@@ -34,7 +35,7 @@ def _mean_offdiagonal_cosine(gram_EE: torch.Tensor) -> float | None:
 GRAM_COLUMNS = 2**21
 
 
-def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
+def gram_matrix(parts: list[torch.Tensor]) -> torch.Tensor:
     """sum over parts of P P^T in float64, a block of columns at a time: no float64 copy of whole experts."""
     E = parts[0].shape[0]
     gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)   # on the GPU with --device cuda
@@ -51,12 +52,12 @@ def _gram(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def mean_pairwise_cosine(vectors_EP: torch.Tensor) -> float | None:
     """Mean cosine similarity over the E(E-1)/2 pairs of rows."""
-    return _mean_offdiagonal_cosine(_gram([vectors_EP]))
+    return _mean_offdiagonal_cosine(gram_matrix([vectors_EP]))
 
 
 def expert_similarity(experts: FFNWeights) -> float | None:
     parts = [t for t in (experts.w_gate, experts.w_up, experts.w_down) if t is not None]
-    return _mean_offdiagonal_cosine(_gram(parts))
+    return _mean_offdiagonal_cosine(gram_matrix(parts))
 
 
 def diversity(experts: FFNWeights) -> float | None:

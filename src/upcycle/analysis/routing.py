@@ -1,4 +1,4 @@
-"""Routing metrics (METHODS §5), pure functions of one layer's router output on a set of tokens.
+"""Routing metrics (docs/methods.md §5), pure functions of one layer's router output on a set of tokens.
 
   routing_entropy   mean_t H(g(x_t)), H in nats, g the router's softmax over the E experts (log E = uniform)
   router_load       fraction of token-slots per expert: #{(t, k): id_tk = e} / (T k); sums to 1

@@ -1,4 +1,4 @@
-"""How alike the experts of one layer are, per projection and in what they compute (METHODS §5).
+"""How alike the experts of one layer are, per projection and in what they compute (docs/methods.md §5).
 
   weight_similarity   the E x E cosine matrix of the vectorized expert weights and its mean over the pairs i < j,
                       for each projection (gate, up, down) and for all of them together: one number over all the
@@ -19,9 +19,7 @@ import torch.nn.functional as F
 from ..core.ffn import FFNWeights, activation_fn
 
 # the Gram matrix accumulated a block of columns at a time (no float64 copy of whole experts), and its cosines
-from .metrics import _cosines, _gram
-
-PROJECTIONS = ("gate", "up", "down")
+from .metrics import cosine_matrix, gram_matrix
 
 
 def _summary(cos_EE: torch.Tensor) -> dict:
@@ -35,10 +33,10 @@ def _summary(cos_EE: torch.Tensor) -> dict:
 def weight_similarity(experts: FFNWeights) -> dict:
     """{'gate'|'up'|'down'|'all': {'matrix', 'mean'}}; 'gate' is absent for ungated experts; biases excluded."""
     parts = {"gate": experts.w_gate, "up": experts.w_up, "down": experts.w_down}
-    grams = {name: _gram([t]) for name, t in parts.items() if t is not None}
-    out = {name: _summary(_cosines(gram)) for name, gram in grams.items()}
+    grams = {name: gram_matrix([t]) for name, t in parts.items() if t is not None}
+    out = {name: _summary(cosine_matrix(gram)) for name, gram in grams.items()}
     # the inner products of the concatenated vectors are the sums of the per-projection ones
-    out["all"] = _summary(_cosines(sum(grams.values())))
+    out["all"] = _summary(cosine_matrix(sum(grams.values())))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Specialization by data source (METHODS §5; the per-domain routing analyses of Mixtral and OLMoE).
+"""Specialization by data source (docs/methods.md §5; the per-domain routing analyses of Mixtral and OLMoE).
 
   source_shares     the E x S matrix of each expert's token-slots split over the sources (rows sum to 1: "which
                     sources does expert e serve") and the S x E matrix of each source's token-slots split over the

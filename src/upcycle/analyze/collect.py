@@ -1,4 +1,4 @@
-"""One forward pass over the sources' rows, and every metric from it (METHODS §5).
+"""One forward pass over the sources' rows, and every metric from it (docs/methods.md §5).
 
 `capture` runs the model on each source's packed rows and keeps, for every MoE layer (upcycle's `MoELayer`, or
 a stock Qwen2-MoE / Qwen3-MoE / Mixtral block), its input at each real token (forward pre-hooks; nothing of the
@@ -22,7 +22,7 @@ from ..analysis import layer_metrics
 from ..conversion.preservation import ProbeOutput, compare
 from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
-from ..data.sources import SourceRows
+from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
 
 

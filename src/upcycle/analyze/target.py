@@ -31,9 +31,9 @@ import yaml
 from safetensors.torch import load_model as load_safetensors
 from torch import nn
 
-from ..conversion.io import MOE_CONFIG
-from ..conversion.loading import load_model
-from ..core.stock_moe import STOCK_MOE_TYPES
+from ..checkpoint.loading import load_model
+from ..checkpoint.upcycle_format import MOE_CONFIG
+from ..core.stock_moe import is_stock_moe
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
 from ..train.checkpoint import MANIFEST, step_of
@@ -50,7 +50,7 @@ class Snapshot:
 
 
 @dataclass
-class Target:
+class AnalysisTarget:
     path: Path
     kind: str                         # "upcycle" | "stock" | "run"
     snapshots: list[Snapshot]
@@ -172,7 +172,7 @@ def _run_input(run: Path, notes: list[str]) -> Path | None:
     return folder
 
 
-def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
+def resolve_target(target: str, checkpoint_rule: str = "all") -> AnalysisTarget:
     path = Path(target).expanduser()
     if not path.is_dir():
         raise UpcycleError(f"TARGET {target} is not a folder (an upcycle folder, an exported MoE folder or a "
@@ -181,25 +181,18 @@ def resolve_target(target: str, checkpoint_rule: str = "all") -> Target:
         return _run_target(path, checkpoint_rule)
     if (path / MOE_CONFIG).is_file():
         notes: list[str] = []
-        return Target(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path, notes), str(path),
-                      notes, recorded_sources(path, notes))
-    config = path / "config.json"
-    model_type = None
-    if config.is_file():
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError):
-            pass
-    if model_type in STOCK_MOE_TYPES:
+        return AnalysisTarget(path, "upcycle", [Snapshot("model", None, str(path))], recorded_dense(path, notes),
+                              str(path), notes, recorded_sources(path, notes))
+    if is_stock_moe(_json(path / "config.json")):
         notes = []
-        return Target(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path, notes), str(path),
-                      notes, recorded_sources(path, notes))
+        return AnalysisTarget(path, "stock", [Snapshot("model", None, str(path))], recorded_dense(path, notes),
+                              str(path), notes, recorded_sources(path, notes))
     raise UpcycleError(f"TARGET {target} is neither an upcycle folder ({MOE_CONFIG}), a stock MoE folder "
-                       f"({', '.join(STOCK_MOE_TYPES)}) nor a training run folder ({RUN_CONFIG} with "
+                       f"(Qwen2-MoE, Qwen3-MoE, Mixtral...) nor a training run folder ({RUN_CONFIG} with "
                        f"{CHECKPOINTS}/ or model/); a dense model has no experts to analyze")
 
 
-def _run_target(run: Path, rule: str) -> Target:
+def _run_target(run: Path, rule: str) -> AnalysisTarget:
     complete = [f for f in checkpoints(run) if (f / MANIFEST).is_file()]
     chosen = select_checkpoints(complete, rule)
     notes: list[str] = []
@@ -218,10 +211,10 @@ def _run_target(run: Path, rule: str) -> Target:
                            f"checkpoints into")
     dense = recorded_dense(source, notes) if source is not None else None
     merged = recorded_sources(source, notes) if source is not None else None
-    return Target(run, "run", snapshots, dense, skeleton, notes, merged)
+    return AnalysisTarget(run, "run", snapshots, dense, skeleton, notes, merged)
 
 
-def snapshot_models(target: Target) -> Iterator[tuple[Snapshot, nn.Module, object]]:
+def snapshot_models(target: AnalysisTarget) -> Iterator[tuple[Snapshot, nn.Module, object]]:
     """(snapshot, model in eval mode, tokenizer) for each snapshot; checkpoints are loaded into one model."""
     model, tokenizer = load_model(target.skeleton)
     model.eval()

@@ -4,7 +4,7 @@
     setting of the same method and seed) -> run/ (a new run, or `--resume` of the trainer
     from its newest complete checkpoint; skipped when run/model exists) -> cell.json (written last)
 
-Every stage is the project's own: `conversion.converter.convert`, `train.trainer.train` (its checkpoints,
+Every stage is the project's own: `conversion.pipeline.convert`, `train.trainer.train` (its checkpoints,
 resume and log), the evaluations the trainer logs (before the first step = right after conversion, every
 `eval_every` steps, after the last), and `diagnostics.diagnose` on the converted and the trained model. A cell
 stopped anywhere continues from the last stage that finished, and a resumed run computes what an uninterrupted
@@ -19,8 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ..conversion.converter import convert
-from ..conversion.loading import load_model
+from ..checkpoint.loading import load_model
+from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
 from ..files import json_text
 from ..train.checkpoint import newest_complete

@@ -1,6 +1,6 @@
 """The analysis metrics of a model's MoE layers on held-out inputs of its task, for `upcycle compare`.
 
-The numbers are `upcycle.analysis.layer_metrics` (METHODS §5, the functions `upcycle analyze` reports) on each
+The numbers are `upcycle.analysis.layer_metrics` (docs/methods.md §5, the functions `upcycle analyze` reports) on each
 MoE layer's inputs at the real tokens of a fixed held-out batch: the first `DIAGNOSTIC_TOKENS` tokens of the
 held-out text (causal LM), or the first `DIAGNOSTIC_PAIRS` held-out image-caption pairs (CLIP: each tower's
 layers see their own modality). Unlike `upcycle analyze`, which reads text sources, this works for every task

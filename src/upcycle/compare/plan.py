@@ -29,15 +29,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.folders import Input, inputs
+from ..checkpoint.loading import dense_config
 from ..config import ConvertConfig, TrainConfig, build, coerce, load_recipe, refuse_overwrite_key, set_override, to_dict
-from ..conversion.converter import validate as validate_convert
-from ..conversion.loading import dense_config
+from ..conversion.pipeline import validate as validate_convert
 from ..core.architectures import family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
 from ..errors import UpcycleError
 from ..methods import get_method
-from ..outputs import Input, inputs
-from ..train.trainer import validate as validate_train
 
 DENSE = "dense"                # the dense-continued baseline's method name
 KEEP = ("all", "models", "results")
@@ -205,9 +204,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
         data["model"], data["seed"] = model, seed
         if value is not None:
             data.setdefault("regularizers", {})["eesd"] = value
-        cfg = build(TrainConfig, data)
-        validate_train(cfg)
-        return cfg
+        return build(TrainConfig, data)      # a config checks itself when built
 
     dense_train = train_config(DENSE, request.model, seeds[0], 0.0)
     calibration = None
@@ -260,7 +257,7 @@ def _default_calibration(model: str, task: str, train: TrainConfig, root: Path,
 
 
 def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
-    """Every path the comparison reads, for the output checks (`upcycle.outputs`)."""
+    """Every path the comparison reads, for the output checks (`upcycle.checkpoint.folders`)."""
     train = plan.cells[-1].train
     return [*(Input(what, path) for what, path in model_inputs(request.model)),
             *inputs(("training recipe", request.train_recipe), ("conversion recipe", request.convert_recipe),
@@ -270,7 +267,7 @@ def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
 
 def _check_out(plan: Plan, request: CompareRequest) -> None:
     """OUT may be new, or a compare folder whose existing cells have the plans this run would give them (where
-    OUT may be at all is `compare_inputs` and `upcycle.outputs.claim_output`'s to say)."""
+    OUT may be at all is `compare_inputs` and `upcycle.checkpoint.folders.claim_output`'s to say)."""
     if plan.out.is_dir() and any(plan.out.iterdir()) and not (plan.out / STUDY).is_file():
         raise UpcycleError(f"output {plan.out} exists and is not an `upcycle compare` folder (no {STUDY}); "
                            f"choose a new folder")

@@ -1,6 +1,6 @@
 """Calibration: the FFN-input activations of the layers being converted, captured layer by layer.
 
-DESIGN principle 6 ("stream, don't copy"), the approach GPTQ-style quantizers take (Frantar et al. 2023,
+docs/design.md principle 6 ("stream, don't copy"), the approach GPTQ-style quantizers take (Frantar et al. 2023,
 "GPTQ", §4 "Step 3"): the dense model runs once only up to the first block of each tower, whose inputs are kept
 (hidden states and the keyword arguments the model passes its blocks: masks, rotary embeddings). Then the
 blocks are replayed one at a time on those hidden states, each block's output becoming the next block's input.
@@ -17,18 +17,12 @@ seed fixes the sample. Shape suffixes: B batch, S sequence, D width, N tokens.
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..core.architectures import family_of, find_tower_layers
-from ..core.modes import eval_mode
-from ..core.surgery import Target
 from ..errors import UpcycleError
 
 
@@ -172,7 +166,10 @@ def real_tokens(batches: list[dict[str, torch.Tensor]]) -> int:
 
 
 @dataclass
-class _BlockInput:
+class BlockInput:
+    """What the model passed one block for one batch: the hidden states and the rest (masks, rotary
+    embeddings), which every later block of the tower takes as well."""
+
     args: list
     kwargs: dict
 
@@ -193,14 +190,16 @@ class _Stop(Exception):
     not needed."""
 
 
-def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batches: list[dict[str, torch.Tensor]],
-                        device: torch.device | None = None) -> dict[str, list[_BlockInput]]:
+def first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batches: list[dict[str, torch.Tensor]],
+                       device: torch.device | None = None) -> dict[str, list[BlockInput]]:
+    """Each tower's first-block inputs for every batch: the model's forward, stopped once every tower's first
+    block was reached (nothing after it runs). `device`: where the batches go (default: the model's)."""
     inputs = {name: [] for name in towers}
     pending: set[str] = set()
 
     def hook(name):
         def record(module, args, kwargs):
-            inputs[name].append(_BlockInput(list(args), dict(kwargs)))
+            inputs[name].append(BlockInput(list(args), dict(kwargs)))
             pending.discard(name)
             if not pending:
                 raise _Stop
@@ -228,7 +227,7 @@ def _first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batc
     return inputs
 
 
-def _replay(block: nn.Module, states: list[_BlockInput], masks: list[torch.Tensor | None],
+def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.Tensor | None],
             ffn: nn.Module | None = None, reservoir: Reservoir | None = None) -> None:
     """Run `block` on every batch's hidden states, replacing them by its output; with `ffn`, add the FFN's
     input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`."""
@@ -250,46 +249,3 @@ def _replay(block: nn.Module, states: list[_BlockInput], masks: list[torch.Tenso
     finally:
         if handle is not None:
             handle.remove()
-
-
-@torch.no_grad()
-def capture_ffn_inputs(model: nn.Module, targets: list[Target], batches: list[dict[str, torch.Tensor]], *,
-                       budget: int, seed: int = 0,
-                       progress: bool = True) -> Iterator[tuple[Target, torch.Tensor, int]]:
-    """Yield (target, activations [n, D] float32, tokens seen) for each target in `targets`' order: the FFN
-    inputs of the dense model's block on the calibration batches, padding excluded, reservoir-sampled to at most
-    `budget` tokens. Consume one before asking for the next: the next block is replayed only then."""
-    if not batches:
-        raise UpcycleError("calibration: no calibration batches")
-    family = family_of(model.config)
-    tower_specs = family.towers_of(model.config)
-    by_tower: dict[str, dict[int, Target]] = {}
-    for t in targets:
-        by_tower.setdefault(t.tower, {})[t.index] = t
-    towers = {name: find_tower_layers(model, tower_specs[name])[1] for name in by_tower}
-    with eval_mode(model):   # the replay runs the dense blocks as at inference; the caller's mode comes back
-        inputs = _first_block_inputs(model, towers, batches)
-        bar = tqdm(total=sum(max(wanted) + 1 for wanted in by_tower.values()), desc="calibration", unit="block",
-                   disable=not progress, leave=False)
-        for name, wanted in by_tower.items():
-            blocks, states = towers[name], inputs.pop(name)
-            # a tower without a padding mask (image patches) keeps every position; the batch's mask is the text's
-            masks = [b.get("attention_mask") if tower_specs[name].padding_mask else None for b in batches]
-            for index in range(max(wanted) + 1):   # blocks after the tower's last target are never run
-                target = wanted.get(index)
-                if target is None:
-                    _replay(blocks[index], states, masks)
-                    bar.update(1)
-                    continue
-                key = zlib.crc32(f"calibration:{seed}:{target.tower}:{target.index}".encode())
-                reservoir = Reservoir(budget, torch.Generator().manual_seed(key))
-                _replay(blocks[index], states, masks, family.ffn_input(blocks[index]), reservoir)
-                bar.update(1)
-                if reservoir.seen == 0:
-                    raise UpcycleError(f"calibration: layer {target.name} saw no real tokens")
-                sample, seen = reservoir.sample(), reservoir.seen
-                del reservoir
-                yield target, sample, seen
-                del sample   # the consumer now holds the only reference and drops it before asking again
-            del states
-        bar.close()

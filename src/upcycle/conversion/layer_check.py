@@ -1,4 +1,4 @@
-"""The per-layer preservation check: each MoE layer against the dense FFN it replaces (issue 13, item 2).
+"""The per-layer preservation check: each MoE layer against the dense FFN it replaces .
 
 The end-to-end check (`preservation.py`) compares the two models' outputs, so it needs both models to run; this
 one needs one block. On the probe's hidden states at that block (the FFN's inputs, captured by the layer-by-layer

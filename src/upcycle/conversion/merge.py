@@ -1,20 +1,20 @@
-"""Several fine-tuned models of one base merged into one MoE, streamed (issue 16; Branch-Train-MiX, Sukhbaatar et
-al. 2024, arXiv:2403.07816; mergekit-moe's recipe form).
+"""Several fine-tuned models of one base merged into one MoE, streamed (Branch-Train-MiX, Sukhbaatar et al. 2024,
+arXiv:2403.07816; mergekit-moe's recipe form).
 
 Each routed expert is a source model's FFN (or `count` experts made from it by the conversion's `method`, copy by
 default: the source's FFN as it is); everything else (attention, embeddings, norms, the dense blocks) is the
 base's, or with `non_ffn: average` the mean of the sources' (BTX). Optionally the base's FFN is a shared expert.
 
-The data flow is the streaming conversion's (`streaming.py`), with one dense block of the base in memory:
+The blocks go through the streaming conversion (`streaming.stream_convert`, `blockwise.convert_blocks`), with
+one dense block of the base in memory:
   1. every source is checked against the base from its config.json and safetensors headers (`sources.py`),
      and every text read and tokenized, before a weight is read;
-  2. per source, four groups of token batches: its calibration text, its held-out text, its prompts and its
-     negative prompts. The base runs to its first block once per group (`calibration._first_block_inputs`);
-  3. block by block (`calibration._replay`), the base's block runs on each group's hidden states; at an MoE
-     target a hook on the FFN keeps each group's FFN inputs (reservoir-sampled to `calibration.tokens`);
-  4. at a target, each source's FFN tensors of that block are read (only those), turned into its experts, and
-     the router is initialized from the groups (`methods.source_router`: random, prompts or data); the layer
-     is installed in the block, the block written into the planned shards and released.
+  2. per source, four replay groups of token batches: its calibration text, its held-out text, its prompts and
+     its negative prompts, each reservoir-sampled at a target's FFN input to `calibration.tokens`;
+  3. at a target, each source's FFN tensors of that block are read (only those), turned into its experts, and
+     the router is initialized from the groups (`methods.source_router`: random, prompts or data) by
+     `SourceLayers`; the layer is installed in the block, the block written into the planned shards and
+     released.
 Memory: the base's block, the sources' FFNs of one block, the layer's stacked experts, and the groups' hidden states
 at one depth (which grow with the amount of text, not with the weights).
 
@@ -24,7 +24,7 @@ router rows (near 1: the router cannot tell them apart, mergekit-moe's "degenera
 against its source's FFN on held-out inputs (0 for copies: the expert is the source's tensors).
 
 `export: hf` writes the upcycle folder first, then rewrites it as the stock class a block at a time and checks
-the stock model's logits against ours (`stock_stream.py`).
+the stock model's logits against ours (`stock_export.export_streamed`, `stock_export.check_export`).
 """
 
 from __future__ import annotations
@@ -37,88 +37,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
-from tqdm.auto import tqdm
+from torch import nn
 
-from ..config import EXPORTS, NON_FFN, ROUTER_INITS, ConvertConfig, to_dict
+from ..analysis.metrics import diversity, expert_similarity
+from ..checkpoint.lazy import checkpoint_names
+from ..checkpoint.loading import DTYPES, load_tokenizer, resolve_device
+from ..checkpoint.skeleton import empty_model
+from ..checkpoint.upcycle_format import moe_spec, save_configs
+from ..checkpoint.writer import parse_size
+from ..config import ConvertConfig
 from ..core.architectures import TOKEN_IDS, family_of
 from ..core.ffn import FFNWeights
-from ..core.modes import eval_mode
 from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg
-from ..data.assets import recorded_location
-from ..data.text import read_texts, wikipedia_split
+from ..data.text import read_texts
 from ..errors import UpcycleError
-from ..files import json_text
-from ..methods import LayerLayout, Method, get_method, random_router
+from ..export.layout import choose_export
+from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
-from ..outputs import Claim
-from ..version import __version__
-from .blockwise import visits
-from .calibration import Reservoir, _first_block_inputs, _replay, text_batches
-from .export import EXPORT_CLASSES, export_target
-from .io import moe_spec, save_configs
-from .lazy import checkpoint_names, materialize, materialize_trunk, release
-from .loading import DTYPES, load_tokenizer, resolve_device, resolve_dtype
+from .blockwise import BlockVisit, Replayed, ReplayGroup
+from .calibration import Reservoir, text_batches
+from .planned import planned_model
 from .preservation import count_parameters, make_probe
-from .shards import ShardedWriter, parse_size
-from .skeleton import empty_model, planned_model, tensor_specs
+from .report import Converted, LayerEntry, Timings
 from .sources import AveragedReader, Source, held_out_split, open_sources, source_name
-from .stock_stream import check_export, export_streamed
-from .streaming import COMPUTE_DTYPE, largest_block_bytes, write_queue_bytes
+from .stock_export import check_export, export_streamed
+from .streaming import COMPUTE_DTYPE, StreamSource, stream_convert
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
 ALL_TOKENS = 10**12        # prompts are few: every token of them
-
-
-def validate_sources(cfg: ConvertConfig) -> tuple[Method, dict]:
-    """Everything about a multi-source recipe that needs no model: refused before anything is read."""
-    s = cfg.sources
-    if not s.experts:
-        raise UpcycleError("sources.experts is empty: a merge needs at least one source model")
-    if s.router not in ROUTER_INITS:
-        raise UpcycleError(f"sources.router must be one of {ROUTER_INITS}, got {s.router!r}")
-    if s.non_ffn not in NON_FFN:
-        raise UpcycleError(f"sources.non_ffn must be one of {NON_FFN}, got {s.non_ffn!r}")
-    if not 0 <= s.held_out < 1:
-        raise UpcycleError(f"sources.held_out must be in [0, 1), got {s.held_out}")
-    if not 0 < s.router_std < float("inf"):
-        raise UpcycleError(f"sources.router_std must be a positive number, got {s.router_std}")
-    counts = [e.count for e in s.experts]
-    if min(counts) < 1:
-        raise UpcycleError(f"sources.experts[].count must be >= 1, got {counts}")
-    if sum(counts) != cfg.moe.num_experts:
-        raise UpcycleError(f"moe.num_experts must be {sum(counts)}, the experts the sources make (counts {counts}), "
-                           f"got {cfg.moe.num_experts}")
-    method = get_method(cfg.method)
-    args = method.resolve_args(cfg.method_args)
-    for i, e in enumerate(s.experts):
-        where = f"sources.experts[{i}] ({e.model})"
-        for key in ("data", "eval_data"):
-            if getattr(e, key) is not None and not Path(getattr(e, key)).is_file():
-                raise UpcycleError(f"{where}: {key}: no file {getattr(e, key)}")
-        if s.router == "data" and e.data is None:
-            raise UpcycleError(f"{where}: sources.router data needs each source's text (data: FILE)")
-        if s.router == "prompts" and not e.prompts:
-            raise UpcycleError(f"{where}: sources.router prompts needs each source's prompts (prompts: [...])")
-        if method.needs_calibration and e.count > 1 and e.data is None:
-            raise UpcycleError(f"{where}: method {method.name!r} needs the source's text (data: FILE)")
-    if cfg.dtype not in DTYPES and cfg.dtype != "auto":
-        raise UpcycleError(f"dtype must be auto or one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    resolve_device(cfg.device)
-    if cfg.export not in EXPORTS:
-        raise UpcycleError(f"export must be 'upcycle' or 'hf', got {cfg.export!r}")
-    if cfg.export_class not in ("auto", *EXPORT_CLASSES):
-        raise UpcycleError(f"export_class must be auto or one of {sorted(EXPORT_CLASSES)}, got {cfg.export_class!r}")
-    if cfg.streaming is False:
-        raise UpcycleError("a several-source merge always streams (one block of one model in memory); "
-                           "streaming: false is not available for it")
-    if cfg.calibration.tokens < 1 or cfg.calibration.sequence_length < 1 or cfg.calibration.batch_size < 1:
-        raise UpcycleError("calibration.tokens, calibration.sequence_length and calibration.batch_size must be >= 1")
-    if cfg.check.text is not None and not Path(cfg.check.text).is_file():
-        raise UpcycleError(f"check.text: no file {cfg.check.text}")
-    parse_size(cfg.shard_size)
-    return method, args
 
 
 def _texts(path: str, where: str) -> list[str]:
@@ -146,14 +93,6 @@ def source_batches(cfg: ConvertConfig, tokenizer, index: int) -> dict[str, list[
             out[group] = text_batches(tokenizer, texts, tokens=budget, sequence_length=c.sequence_length,
                                       batch_size=c.batch_size, seed=cfg.seed)
     return out
-
-
-@dataclass
-class _Group:
-    source: int
-    kind: str
-    batches: list[dict]
-    states: list = dataclasses.field(default_factory=list)
 
 
 def _ffn_modules(family, block) -> dict[str, torch.nn.Module]:
@@ -194,8 +133,9 @@ def _key(seed: int, *parts) -> torch.Generator:
 
 def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, ffns: list[FFNWeights],
                 shared: FFNWeights | None, samples: dict[tuple[int, str], torch.Tensor], *, storage: torch.dtype,
-                output_dropout: float) -> tuple[MoELayer, dict]:
-    """The MoE layer of one target from the sources' FFNs and the groups' FFN-input samples, and its facts."""
+                output_dropout: float) -> tuple[MoELayer, dict, FFNWeights]:
+    """The MoE layer of one target from the sources' FFNs and the groups' FFN-input samples, its facts, and the
+    stacked experts it was made from (float32)."""
     s = cfg.sources
     counts = [e.count for e in s.experts]
     parts, method_rows, facts = [], [], []
@@ -232,7 +172,7 @@ def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, 
         eye = torch.eye(len(rows), dtype=cos.dtype, device=cos.device)      # the rows may be on the GPU
         info["router_rows_max_cosine"] = (float((cos - 2 * eye).max())
                                           if len(rows) > 1 else None)
-    return layer, info
+    return layer, info, experts
 
 
 @torch.no_grad()
@@ -260,34 +200,75 @@ def layer_agreement(layer: MoELayer, ffns: list[FFNWeights], samples: dict[tuple
     return {"agreement": agreement, "top1_share_by_source": shares, "expert_vs_source_max_abs_diff": expert_diff}
 
 
-def _probe_texts(cfg: ConvertConfig) -> tuple[list[str] | None, str]:
-    if cfg.check.text is not None:
-        return _texts(cfg.check.text, "check.text"), f"text file {cfg.check.text}"
-    try:
-        return wikipedia_split()[1], "held-out Wikipedia (embedded)"
-    except (FileNotFoundError, OSError):
-        return None, "random token ids"
+@dataclass
+class SourceLayers:
+    """Builds a target's MoE layer from the sources' FFNs of that block (read from their checkpoints, only those
+    tensors) and the replay groups' FFN inputs (`blockwise.LayerBuilder`), with the layer's agreement facts."""
+
+    cfg: ConvertConfig
+    method: Method
+    args: dict
+    model: nn.Module
+    base: Source
+    sources: list[Source]
+    names: dict[str, str]
+    storage: torch.dtype
+    device: torch.device | None
+
+    def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
+                 timings: dict) -> tuple[MoELayer, LayerEntry]:
+        t = time.perf_counter()
+        cfg, target, family = self.cfg, visit.target, family_of(self.model.config)
+        samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
+        prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
+        ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.names, self.storage, self.device)
+                for src in self.sources]
+        shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.names, self.storage, self.device)
+                  if cfg.sources.shared_expert else None)
+        layer, info, experts = build_layer(cfg, self.method, self.args, target, ffns, shared, samples,
+                                           storage=self.storage, output_dropout=family.output_dropout(tcfg))
+        names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
+        facts = info.pop("method_facts")
+        entry = LayerEntry(target.name, target.path, facts, expert_similarity(experts), diversity(experts),
+                           sources={**info, **layer_agreement(layer, ffns, samples, names_of,
+                                                              [e.count for e in cfg.sources.experts]),
+                                    "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0])
+                                               for (i, kind), x in samples.items()}})
+        for src in self.sources:
+            src.reader.close()
+        timings["upcycle"] += time.perf_counter() - t
+        return layer, entry
 
 
-def merge_sources(cfg: ConvertConfig, claim: Claim, *, progress: bool = True) -> dict:
-    """Merge `cfg.sources.experts` on the base `cfg.model` into the claimed output (module docstring); returns
-    the report."""
+def merge_groups(cfg: ConvertConfig, tokenizer) -> list[ReplayGroup]:
+    """Every source's replay groups (GROUPS), each reservoir-sampled at a target with a seed of its own."""
+    groups = []
+    for i in range(len(cfg.sources.experts)):
+        for kind, batches in source_batches(cfg, tokenizer, i).items():
+            def reservoir(target: Target, i=i, kind=kind) -> Reservoir:
+                return Reservoir(cfg.calibration.tokens, _key(cfg.seed, "reservoir", i, kind, target.name))
+
+            groups.append(ReplayGroup((i, kind), batches, reservoir))
+    return groups
+
+
+def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Path, *, texts: list[str] | None,
+                  text_source: str, progress: bool = True) -> tuple[Converted, dict]:
+    """Merge `cfg.sources.experts` on the base `cfg.model` into `directory` (module docstring; `cfg` checked
+    by `pipeline.validate`); returns what it measured and what it wrote. `texts`: the probe of the stock
+    export's check."""
     t_start = time.perf_counter()
-    method, args = validate_sources(cfg)
     s = cfg.sources
     base, sources = open_sources(cfg)          # configs and headers only: a mismatch is refused here
     family = family_of(base.config)
     if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
         raise UpcycleError(f"several-source merges take text models; {cfg.model} ({base.config.model_type}) has an "
                            f"image tower")
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, base.config))
     storage, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
     tokenizer = load_tokenizer(base.path)
     if tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
         raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
-    groups = [_Group(i, kind, batches) for i in range(len(s.experts))
-              for kind, batches in source_batches(cfg, tokenizer, i).items()]
-    names_of = [f"{i}:{e.model}" for i, e in enumerate(s.experts)]
+    groups = merge_groups(cfg, tokenizer)
 
     def layout_of(dense: FFNWeights) -> LayerLayout:
         layout = method.layout(dense.intermediate_size, args)
@@ -298,16 +279,7 @@ def merge_sources(cfg: ConvertConfig, claim: Claim, *, progress: bool = True) ->
         return LayerLayout(dense.intermediate_size, shared_width=dense.intermediate_size if s.shared_expert else None)
 
     planned, targets = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=storage)
-    stock = why_not_hf = None
-    if cfg.export == "hf":
-        try:
-            stock = export_target(planned, cfg.export_class)      # decided before a weight is read
-        except UpcycleError as e:
-            if cfg.export_class != "auto":
-                raise
-            why_not_hf = str(e)
-            tqdm.write(f"[upcycle] not exported to a stock class: {e}")
-    texts, text_source = _probe_texts(cfg) if stock is not None else (None, None)
+    stock, why_not_hf = choose_export(planned, cfg)      # decided before a weight is read
 
     unique = {id(src.reader): src.reader for src in sources}
     reader = base.reader if s.non_ffn == "base" else AveragedReader(list(unique.values()))
@@ -316,120 +288,42 @@ def merge_sources(cfg: ConvertConfig, claim: Claim, *, progress: bool = True) ->
     if missing:
         raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                            f"({len(missing)} not found, e.g. {missing[:3]})")
-    timings = {"open": time.perf_counter() - t_start}
-    with claim.directory() as tmp:
-        folder = tmp / "upcycle-format" if stock is not None else tmp
-        folder.mkdir(exist_ok=True)
+    timings = Timings(load=time.perf_counter() - t_start)
+    folder = directory / "upcycle-format" if stock is not None else directory
+    folder.mkdir(exist_ok=True)
+    source = StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device)
+    builder = SourceLayers(cfg, method, args, model, base, sources, names, storage, device)
+    result, targets, planned = stream_convert(source, cfg, folder, groups, builder, layout_of=layout_of,
+                                              max_shard_bytes=parse_size(cfg.shard_size), progress=progress,
+                                              desc="merging blocks")
+    save_configs(planned, folder, moe_spec(planned), tokenizer)
+    timings.calibration, timings.upcycle = result.timings["calibration"], result.timings["upcycle"]
+    export = {"format": "upcycle", "streamed": True}
+    if why_not_hf:
+        export["why_not_hf"] = why_not_hf
+    if stock is not None:
         t = time.perf_counter()
-        layers = _stream(cfg, method, args, model, family, targets, planned, reader, names, base, sources, groups,
-                         names_of, folder, storage, device, progress, timings)
-        save_configs(planned, folder, moe_spec(planned), tokenizer)
-        timings["merge"] = time.perf_counter() - t
-        export = {"format": "upcycle", "streamed": True}
-        if why_not_hf:
-            export["why_not_hf"] = why_not_hf
-        if stock is not None:
-            t = time.perf_counter()
-            export_streamed(folder, tmp, planned, stock, tokenizer=tokenizer,
-                            max_shard_bytes=parse_size(cfg.shard_size))
-            reader_model, _ = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=COMPUTE_DTYPE)
-            probe = make_probe(reader_model, tokenizer, texts, cfg.check, cfg.seed, text_source)
-            # the stock model is loaded whole for this (transformers renames and fuses its tensors as it loads):
-            # check.end_to_end false keeps the export within the merge's streaming memory
-            check = (check_export(folder, tmp, reader_model, probe, cfg.check.export_tolerance, family.outputs)
-                     if cfg.check.end_to_end is not False else
-                     {"checked": False, "why_not": "check.end_to_end: false"})
-            shutil.rmtree(folder)
-            export = {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, "streamed": True,
-                      "check": check}
-            timings["export"] = time.perf_counter() - t
-        report = _report(cfg, base, sources, planned, targets, layers, export, timings)
-        (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
-        text = json_text(report, indent=2, where="upcycle_report.json")
-        (tmp / "upcycle_report.json").write_text(text)    # last file written
-    return report
-
-
-@torch.no_grad()     # without it every block's replay stays in one autograd graph: memory grows with depth
-def _stream(cfg, method, args, model, family, targets, planned, reader, names, base: Source, sources: list[Source],
-            groups: list[_Group], names_of, folder: Path, storage, device, progress, timings) -> list[dict]:
-    """Steps 2-4 of the module docstring: the per-block replay, the layers built and every tensor written."""
-    s = cfg.sources
-    counts = [e.count for e in s.experts]
-    specs = tensor_specs(planned)
-    planned_dtype = {name: dt for name, _, dt in specs}
-    plan = visits(model, family, targets, replay=bool(groups))
-    computed = [v.path for v in plan if v.needs_compute]
-    writer = ShardedWriter(folder, specs, max_shard_bytes=parse_size(cfg.shard_size),
-                           max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, computed)))
-    towers = {v.tower: model.get_submodule(v.path.rsplit(".", 1)[0]) for v in plan if v.needs_compute}
-    tower = family.towers_of(model.config)
-    entries = []
-    t_replay = 0.0
-    try:
-        with eval_mode(model):
-            if groups:
-                t = time.perf_counter()
-                materialize_trunk(model, reader, names, COMPUTE_DTYPE, storage, device)
-                for group in groups:
-                    group.states = _first_block_inputs(model, towers, group.batches, device=device)
-                release(model)
-                reader.close()
-                t_replay += time.perf_counter() - t
-            for visit in tqdm(plan, desc="merging blocks", unit="block", disable=not progress, leave=False):
-                prefix = visit.path + "."
-                if not visit.needs_compute:
-                    for name in (n for n in planned_dtype if n.startswith(prefix)):
-                        writer.write(name, reader.get(names[name]).to(planned_dtype[name]))
-                    reader.close()
-                    continue
-                block = model.get_submodule(visit.path)
-                materialize(block, prefix, reader, names, COMPUTE_DTYPE, storage, device)
-                target = visit.target
-                ffn = family.ffn_input(block) if target is not None else None
-                samples = {}
-                t = time.perf_counter()
-                for group in groups:
-                    states = group.states[visit.tower]
-                    masks = [b.get("attention_mask") if tower[visit.tower].padding_mask else None
-                             for b in group.batches]
-                    reservoir = (Reservoir(cfg.calibration.tokens, _key(cfg.seed, "reservoir", group.source,
-                                                                        group.kind, target.name))
-                                 if target is not None else None)
-                    _replay(block, states, masks, ffn, reservoir)
-                    if reservoir is not None and reservoir.seen:
-                        samples[(group.source, group.kind)] = reservoir.sample()
-                t_replay += time.perf_counter() - t
-                ffn = None          # the dense FFN leaves with the block once the MoE layer replaces it
-                if target is not None:
-                    tcfg = tower_cfg(model, family, target)
-                    ffns = [read_ffn(family, block, prefix, tcfg, src.reader, names, storage, device)
-                            for src in sources]
-                    shared = (read_ffn(family, block, prefix, tcfg, base.reader, names, storage, device)
-                              if s.shared_expert else None)
-                    layer, info = build_layer(cfg, method, args, target, ffns, shared, samples, storage=storage,
-                                              output_dropout=family.output_dropout(tcfg))
-                    entry = {"name": target.name, "block": target.path, **info,
-                             **layer_agreement(layer, ffns, samples, names_of, counts),
-                             "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0]) for (i, kind), x in samples.items()}}
-                    entries.append(entry)
-                    del ffns, shared, samples
-                    family.install(block, layer)
-                for name, tensor in block.state_dict().items():
-                    writer.write(prefix + name, tensor.to(planned_dtype[prefix + name]))
-                release(block)
-                reader.close()
-                for src in sources:
-                    src.reader.close()
-        for name in planned_dtype:
-            if not any(name.startswith(p + ".") for p in (v.path for v in plan)):
-                writer.write(name, reader.get(names[name]).to(planned_dtype[name]))
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    timings["replay"] = t_replay
-    return entries
+        export_streamed(folder, directory, planned, stock, tokenizer=tokenizer,
+                        max_shard_bytes=parse_size(cfg.shard_size))
+        reader_model, _ = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=COMPUTE_DTYPE)
+        probe = make_probe(reader_model, tokenizer, texts, cfg.check, cfg.seed, text_source)
+        # the stock model is loaded whole for this (transformers renames and fuses its tensors as it loads):
+        # check.end_to_end false keeps the export within the merge's streaming memory
+        check = (check_export(folder, directory, reader_model, probe, cfg.check.export_tolerance, family.outputs)
+                 if cfg.check.end_to_end is not False else
+                 {"checked": False, "why_not": "check.end_to_end: false"})
+        shutil.rmtree(folder)
+        export = {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, "streamed": True,
+                  "check": check}
+        timings.write = time.perf_counter() - t
+    done = Converted(
+        model_class=type(planned).__name__, model_type=planned.config.model_type,
+        moe_layers=[t.name for t in targets], before=count_parameters(model), after=count_parameters(planned),
+        layers=result.layers, promised=False, measured=None, noise=None, compute_dtype=COMPUTE_DTYPE, probe=None,
+        calibration=None, timings=timings, streamed=True,
+        why_not_promised="experts from several models: nothing reproduces one dense model",
+        sources=_sources_record(cfg, base, sources), router_source_agreement=_agreement_summary(result.layers))
+    return done, export
 
 
 def _absolute(path: str | None) -> str | None:
@@ -446,32 +340,23 @@ def _held_out_record(cfg: ConvertConfig, entry, index: int) -> dict | None:
     return None
 
 
-def _report(cfg, base, sources, planned, targets, layers, export, timings) -> dict:
+def _sources_record(cfg: ConvertConfig, base: Source, sources: list[Source]) -> dict:
+    """The report's `sources`: each source's model, data and held-out documents (`upcycle analyze` reads them
+    back), and which source each expert came from."""
     s = cfg.sources
-    counts = [e.count for e in s.experts]
-    groups = expert_groups(counts).tolist()
-    params = count_parameters(planned)
+    return {"router": s.router, "non_ffn": s.non_ffn, "shared_expert": s.shared_expert,
+            "experts": [{"name": source_name(e.model, i), "model": e.model, "path": src.path,
+                         "count": e.count, "data": _absolute(e.data), "eval_data": _absolute(e.eval_data),
+                         "held_out": _held_out_record(cfg, e, i), "prompts": len(e.prompts),
+                         "negative_prompts": len(e.negative_prompts)}
+                        for i, (e, src) in enumerate(zip(s.experts, sources, strict=True))],
+            # expert e was made from source expert_source[e]: the routing analysis's groups
+            "expert_source": expert_groups([e.count for e in s.experts]).tolist(), "base": base.path}
+
+
+def _agreement_summary(layers: list[LayerEntry]) -> dict:
     agreement = {}
-    for name in (layers[0]["agreement"] if layers else {}):
-        values = [layer["agreement"][name] for layer in layers]
+    for name in (layers[0].sources["agreement"] if layers else {}):
+        values = [layer.sources["agreement"][name] for layer in layers]
         agreement[name] = {"mean": sum(values) / len(values), "min": min(values)}
-    return {
-        "upcycle_version": __version__, "method": f"sources ({cfg.method})", "source_model": cfg.model,
-        "source_path": recorded_location(cfg.model),
-        "model_type": planned.config.model_type, "model_class": type(planned).__name__,
-        "num_moe_layers": len(targets), "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
-        "moe_layers": [t.name for t in targets], "moe": dataclasses.asdict(cfg.moe),
-        "sources": {"router": s.router, "non_ffn": s.non_ffn, "shared_expert": s.shared_expert,
-                    "experts": [{"name": source_name(e.model, i), "model": e.model, "path": src.path,
-                                 "count": e.count, "data": _absolute(e.data), "eval_data": _absolute(e.eval_data),
-                                 "held_out": _held_out_record(cfg, e, i), "prompts": len(e.prompts),
-                                 "negative_prompts": len(e.negative_prompts)}
-                                for i, (e, src) in enumerate(zip(s.experts, sources, strict=True))],
-                    # expert e was made from source expert_source[e]: the routing analysis's groups
-                    "expert_source": groups, "base": base.path},
-        "router_source_agreement": agreement,
-        "parameters": {"after": params}, "max_abs_logit_diff": None, "kl_to_dense": None,
-        "preservation": {"promised": False, "passed": None,
-                         "why": "experts from several models: nothing reproduces one dense model"},
-        "layers": layers, "export": export, "seed": cfg.seed, "dtype": cfg.dtype, "timings": timings,
-        "streamed": True}
+    return agreement

@@ -1,6 +1,6 @@
 """Function preservation: compare the upcycled model with the dense one on a fixed held-out batch.
 
-DESIGN principle 5 and METHODS §5 ("Function preservation and drift"): the conversion records the dense
+docs/design.md principle 5 and docs/methods.md §5 ("Function preservation and drift"): the conversion records the dense
 model's outputs before any weight changes, converts in place (no second model in memory), runs the same batch
 again and reports
 
@@ -28,6 +28,7 @@ A real break (a wrong weight, a wrong scale) is not rounding and stays orders of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -224,3 +225,13 @@ def count_parameters(model: nn.Module) -> dict:
         per_expert = layer.experts.weights().num_params()
         inactive += (layer.num_experts - layer.top_k) * per_expert
     return {"total": total, "active_per_token": total - inactive}
+
+
+@torch.no_grad()
+def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype, outputs: tuple) -> ProbeOutput:
+    """The probe through the written stock checkpoint, loaded whole with plain transformers (only run when
+    the output fits in memory: check.end_to_end)."""
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=False).eval()
+    return probe_output(stock, probe, outputs)

@@ -1,4 +1,4 @@
-"""The conversion report (`upcycle_report.json`; README "Quickstart"), typed, written as the JSON it always was.
+"""The conversion report (`upcycle_report.json`), typed, written as JSON.
 
     ConversionReport      what was converted, how, and what the conversion measured
       parameters          Parameters: ParameterCount before and after (total, active per token)
@@ -7,19 +7,25 @@
       calibration         CalibrationSummary, or None without calibration data
       timings             Timings: seconds per phase
 
-`to_dict()` gives the JSON: the same keys in the same order with the same values as before the report was
-typed (derived keys such as `num_moe_layers` and `folded_scales` are computed there). `report["key"]` reads
-that JSON form, so code that reads the report as a mapping keeps working; attributes are the typed form.
+Every conversion (in memory, streamed, merged) makes its report through `conversion_report`, from what the
+conversion measured (`Converted`). `to_dict()` gives the JSON (derived keys such as `num_moe_layers` and
+`folded_scales` are computed there); attributes are the typed form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import MoEConfig, to_dict
 from ..data.assets import recorded_location
 from ..errors import UpcycleError
+from ..version import __version__
+
+if TYPE_CHECKING:
+    import torch
+
+    from .preservation import Probe
 
 
 @dataclass
@@ -54,22 +60,25 @@ class Allowance:
 class Preservation:
     promised: bool              # the method (with these MoE options) promises the dense function
     tolerance: float
-    relative_logit_diff: float
+    relative_logit_diff: float | None    # None when no whole-model comparison ran
     relative_tolerance: float
     passed: bool | None         # None when nothing was promised
     allowance: Allowance | None  # None when nothing was promised
     compared_output: str
     compared_rows: int
-    probe_source: str
-    probe_shape: list[int]
+    probe_source: str | None
+    probe_shape: list[int] | None
     end_to_end: bool = True     # whether the whole-model comparison ran (else only the per-layer checks)
+    why: str | None = None      # why nothing is promised, when no method could promise it (a merge)
 
     def to_dict(self) -> dict:
+        if self.why is not None:
+            return {"promised": self.promised, "passed": self.passed, "why": self.why}
         return {"promised": self.promised, "tolerance": self.tolerance,
                 "relative_logit_diff": self.relative_logit_diff, "relative_tolerance": self.relative_tolerance,
                 "passed": self.passed, **(vars(self.allowance) if self.allowance is not None else {}),
                 "compared_output": self.compared_output, "compared_rows": self.compared_rows,
-                "probe_source": self.probe_source, "probe_shape": list(self.probe_shape),
+                "probe_source": self.probe_source, "probe_shape": self.probe_shape,
                 "end_to_end": self.end_to_end}
 
 
@@ -99,7 +108,7 @@ class LayerCalibration:
 
 @dataclass
 class LayerCheck:
-    """The layer against the dense FFN on the probe's FFN inputs (`layer_check.py`, issue 13)."""
+    """The layer against the dense FFN on the probe's FFN inputs (`layer_check.py`)."""
 
     max_abs_diff: float | None
     relative_diff: float | None
@@ -126,8 +135,12 @@ class LayerEntry:
     diversity: float
     calibration: LayerCalibration | None = None
     check: LayerCheck | None = None
+    sources: dict | None = None  # a merge's facts about the layer (`merge.SourceLayers`): agreement, tokens
 
     def to_dict(self) -> dict:
+        if self.sources is not None:     # a merge: each source's method facts in a list, beside the sources'
+            return {"name": self.name, "block": self.block, "method_facts": self.method_facts or None,
+                    "expert_similarity": self.expert_similarity, "diversity": self.diversity, **self.sources}
         out = {"name": self.name, "block": self.block, **self.method_facts,
                "expert_similarity": self.expert_similarity, "diversity": self.diversity}
         if self.calibration is not None:
@@ -169,7 +182,7 @@ class Timings:
 
 
 @dataclass(eq=False)
-class ConversionReport(Mapping):
+class ConversionReport:
     upcycle_version: str
     method: str
     paper: str
@@ -180,7 +193,7 @@ class ConversionReport(Mapping):
     moe_layers: list[str]
     moe: MoEConfig
     parameters: Parameters
-    max_abs_logit_diff: float
+    max_abs_logit_diff: float | None
     kl_to_dense: float | None
     preservation: Preservation
     calibration: CalibrationSummary | None
@@ -188,13 +201,15 @@ class ConversionReport(Mapping):
     seed: int
     dtype: str
     timings: Timings = field(default_factory=Timings)
-    export: dict | None = None  # what was written (`converter.write_output`); None until written
+    export: dict | None = None  # what was written (the pipeline's writer); None until written
     streamed: bool = False      # converted block by block from the checkpoint on disk (`streaming.py`)
+    sources: dict | None = None  # a merge's sources (`merge.py`): their models, data, and expert_source
+    router_source_agreement: dict | None = None   # a merge's per-source agreement over the layers
 
     def folded_scales(self) -> list[dict]:
-        """Scales a method folded into the expert weights (METHODS §2.8), per layer."""
+        """Scales a method folded into the expert weights (docs/methods.md §2.8), per layer."""
         return [{"layer": layer.name, "scale": layer.method_facts["folded_scale"]} for layer in self.layers
-                if "folded_scale" in layer.method_facts]
+                if layer.sources is None and "folded_scale" in layer.method_facts]
 
     def to_dict(self) -> dict:
         out = {"upcycle_version": self.upcycle_version, "method": self.method, "paper": self.paper,
@@ -208,19 +223,11 @@ class ConversionReport(Mapping):
                "calibration": None if self.calibration is None else vars(self.calibration).copy(),
                "layers": [layer.to_dict() for layer in self.layers], "seed": self.seed, "dtype": self.dtype,
                "timings_s": self.timings.to_dict(), "streamed": self.streamed}
+        if self.sources is not None:
+            out |= {"sources": self.sources, "router_source_agreement": self.router_source_agreement}
         if self.export is not None:
             out["export"] = self.export
         return out
-
-    # The JSON form as a read-only mapping (report["preservation"]["passed"], as before the report was typed).
-    def __getitem__(self, key: str):
-        return self.to_dict()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
 
 
 class PreservationError(UpcycleError):
@@ -245,10 +252,75 @@ def refuse_if_broken(report: ConversionReport, noise_factor: float) -> None:
             f"{c.allowed_max_abs_diff:.3g} = {noise_factor:g} x that layer's rounding noise "
             f"{c.rounding_noise:.3g} on the probe's hidden states; refusing to write", report)
     p = report.preservation
-    if p.promised and p.passed is False:
+    if p.promised and p.passed is False and report.max_abs_logit_diff is not None:
         a = p.allowance
         raise PreservationError(
             f"method {report.method!r} promises to preserve the dense model's function, but max |logit difference| "
             f"is {report.max_abs_logit_diff:.3g} > allowed {a.allowed_max_abs_logit_diff:.3g} = {noise_factor:g} x "
             f"the rounding noise {a.rounding_noise:.3g} of the dense model computed in another order on the same "
             f"probe; refusing to write (check.tolerance=X accepts up to X anyway)", report)
+
+
+@dataclass
+class Converted:
+    """What one conversion measured, whichever way its blocks were read (`conversion_report` makes the report)."""
+
+    model_class: str
+    model_type: str
+    moe_layers: list[str]
+    before: dict                 # `preservation.count_parameters` of the dense model
+    after: dict                  # and of the MoE model
+    layers: list[LayerEntry]
+    promised: bool
+    measured: dict | None        # `preservation.compare` of the whole model; None when it did not run
+    noise: float | None          # the dense model's rounding noise on the probe (when promised and measured)
+    compute_dtype: torch.dtype   # the dtype the check computed in
+    probe: Probe | None
+    calibration: CalibrationSummary | None
+    timings: Timings
+    streamed: bool = False
+    dtype: str | None = None     # the dtype converted in, when the config said auto (a model given in memory)
+    why_not_promised: str | None = None     # nothing could be promised (a merge of several models)
+    sources: dict | None = None
+    router_source_agreement: dict | None = None
+
+
+def conversion_report(cfg, method, args: dict, done: Converted, *, method_name: str | None = None
+                      ) -> ConversionReport:
+    """The report of a conversion: the preservation verdict from the whole-model comparison (when it ran)
+    and every layer's own check (`refuse_if_broken` then refuses a broken promise)."""
+    from .preservation import preservation_tolerance
+
+    measured, promised = done.measured, done.promised
+    allowed = passed = None
+    if measured is not None and promised:
+        allowed = preservation_tolerance(measured["output_scale"], done.noise, done.compute_dtype, cfg.check)
+        passed = measured["max_abs_logit_diff"] <= allowed["allowed_max_abs_logit_diff"]
+    if promised:
+        layer_results = [layer.check.passed for layer in done.layers if layer.check is not None]
+        passed = (passed is not False) and all(r is not False for r in layer_results)
+        if measured is None and not layer_results:
+            passed = None               # check.per_layer and check.end_to_end both off: nothing was checked
+    probe = done.probe
+    shape = None
+    if probe is not None:
+        shape = list((probe.inputs["input_ids"] if "input_ids" in probe.inputs else probe.inputs["pixel_values"]).shape)
+    preservation = Preservation(
+        promised=promised, tolerance=cfg.check.tolerance,
+        relative_logit_diff=measured["relative_logit_diff"] if measured else None,
+        relative_tolerance=cfg.check.relative_tolerance, passed=passed if promised else None,
+        allowance=Allowance(**allowed) if allowed else None,
+        compared_output=measured["compared_output"] if measured else "per-layer only",
+        compared_rows=measured["compared_rows"] if measured else 0,
+        probe_source=probe.source if probe is not None else None, probe_shape=shape,
+        end_to_end=measured is not None, why=done.why_not_promised)
+    return ConversionReport(
+        upcycle_version=__version__, method=method_name or method.name, paper=method.paper, method_args=args,
+        source_model=cfg.model, model_class=done.model_class, model_type=done.model_type,
+        moe_layers=done.moe_layers, moe=cfg.moe,
+        parameters=Parameters(ParameterCount(**done.before), ParameterCount(**done.after)),
+        max_abs_logit_diff=measured["max_abs_logit_diff"] if measured else None,
+        kl_to_dense=measured["kl_to_dense"] if measured else None, preservation=preservation,
+        calibration=done.calibration, layers=done.layers, seed=cfg.seed, dtype=done.dtype or cfg.dtype,
+        timings=done.timings, streamed=done.streamed, sources=done.sources,
+        router_source_agreement=done.router_source_agreement)

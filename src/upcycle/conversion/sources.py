@@ -1,5 +1,5 @@
 """The fine-tuned source models of a multi-source merge, opened and checked against the base before any weight is
-read (issue 16, item 1).
+read.
 
 A merge takes attention, embeddings and norms from one model and FFNs from others, so every source must be the
 base's architecture with the base's shapes. Two checks, both on metadata only:
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.loading import dense_config
+from ..checkpoint.reader import CheckpointReader
 from ..config import ConvertConfig
 from ..data.assets import resolve_model_name
 from ..errors import UpcycleError
-from .loading import dense_config
-from .shards import CheckpointReader
 
 # config keys that decide the tensors' shapes or the FFN's function (the experts compute with the source's FFN)
 ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_act", "hidden_activation", "activation_function",

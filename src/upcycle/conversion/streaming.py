@@ -1,10 +1,10 @@
 """Streaming conversion: a dense checkpoint on disk to an upcycled checkpoint on disk, one block in memory.
 
-Issue 13, item 1 (mergekit streams checkpoints the same way, without data-aware methods or a check). The dense
-model is built without weights (`skeleton.py`); its trunk (embeddings, norms, head) is read when the probe or
-calibration batches must run through it; each block is read when its turn comes in the block-by-block
-conversion (`blockwise.py`), converted, written into the output's shards at their planned offsets
-(`shards.ShardedWriter`) and released. A block after the last one that has to run is copied tensor by tensor.
+mergekit streams checkpoints the same way, without data-aware methods or a check. The dense model is built
+without weights (`checkpoint/skeleton.py`); its trunk (embeddings, norms, head) is read when the replayed
+batches must run through it; each block is read when its turn comes in the block-by-block conversion
+(`blockwise.py`), converted, written into the output's shards at their planned offsets
+(`checkpoint/writer.ShardedWriter`) and released. A block after the last one that has to run is copied tensor by tensor.
 Memory: the trunk, one dense block and its MoE layer, the method's working set for that layer, and (for
 data-aware methods) the calibration batches' hidden states at one depth; never the whole model or output.
 
@@ -30,26 +30,37 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.heap import trim_heap
+from ..checkpoint.lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
+from ..checkpoint.loading import DTYPES, resolve_device
+from ..checkpoint.reader import CheckpointReader, NoWeights
+from ..checkpoint.skeleton import bytes_by_block, empty_model, tensor_specs
+from ..checkpoint.writer import ShardedWriter
 from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
+from ..export.protocol import StockClass
 from ..methods import Method
-from .blockwise import BlockVisit, BlockwiseResult, convert_blocks, visits
-from .calibration import _first_block_inputs
-from .heap import trim_heap
+from .blockwise import (
+    BlockVisit,
+    BlockwiseResult,
+    LayerBuilder,
+    MethodLayers,
+    ReplayGroup,
+    convert_blocks,
+    method_groups,
+    visits,
+)
+from .calibration import first_block_inputs, real_tokens
 from .layer_check import layer_probe
-from .lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
-from .loading import DTYPES
-from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output
-from .shards import CheckpointReader, NoWeights, ShardedWriter
-from .skeleton import bytes_by_block, empty_model, layout_function, planned_model, tensor_specs
+from .planned import layout_function, planned_model
+from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output, stock_probe_output
+from .report import CalibrationSummary, Converted, Timings
 
 COMPUTE_DTYPE = torch.float32
-# Bytes the background writer may hold queued: half the largest block's output (the next block's reading and
-# replay overlap the end of this one's writing; a whole block queued put the 2B benchmark 26 MB over its memory
-# target of 1.5 GB + 2 x the largest layer), at least 64 MiB, at most 2 GiB (a 70B model's MoE block is 11 GB:
-# the disk then catches up between blocks rather than holding a second block in memory).
+# Bytes the background writer may hold queued: half the largest block's output, so the next block's reading
+# overlaps this one's writing without a second block in memory (docs/large-models.md has the measurements).
 WRITE_QUEUE_FLOOR, WRITE_QUEUE_CAP = 64 * 2**20, 2 * 2**30
 
 
@@ -120,21 +131,28 @@ class StreamSource:
         check_shapes(model, reader, names, path)
         return cls(reader, model, names, dtype, storage, device)
 
-    def first_inputs(self, towers: dict, batches: list[dict]) -> dict:
-        """The inputs of each tower's first block, running whatever blocks come before it from disk."""
-        with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage,
-                              self.device):
-            return _first_block_inputs(self.model, towers, batches, device=self.device)
+    def first_inputs(self, towers: dict, batch_lists: list[list[dict]]) -> list[dict]:
+        """The inputs of each tower's first block for each list of batches, running whatever blocks come
+        before it from disk; the trunk (embeddings, head: a large share of a small model) is in memory only for
+        this: the blocks take the hidden states from here on."""
+        materialize_trunk(self.model, self.reader, self.names, self.dtype, self.storage, self.device)
+        try:
+            with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage, self.device):
+                return [first_block_inputs(self.model, towers, batches, device=self.device)
+                        for batches in batch_lists]
+        finally:
+            release(self.model)
+            self.reader.close()
 
 
-def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
-                   layout_of, promised: bool, probe: Probe | None, calibration: list[dict] | None,
-                   max_shard_bytes: int, export=None, progress: bool = True
-                   ) -> tuple[BlockwiseResult, list[Target], nn.Module]:
+def stream_convert(source: StreamSource, cfg: ConvertConfig, directory: Path, groups: list[ReplayGroup],
+                   build_layer: LayerBuilder, *, layout_of, max_shard_bytes: int, export=None, progress: bool = True,
+                   desc: str = "upcycling blocks") -> tuple[BlockwiseResult, list[Target], nn.Module]:
     """Convert block by block into `directory`: the upcycle layout (the model's own tensor names), or with
-    `export` (an `export.Target`) the stock class's layout. Returns the per-layer results, the targets and the
-    planned (weightless) MoE model."""
-    from .export import export_specs, export_state_dict
+    `export` (a `StockClass`) the stock class's layout. `groups` are replayed through the blocks and
+    `build_layer` makes each target's layer (`blockwise.py`). Returns the per-layer results, the targets and
+    the planned (weightless) MoE model."""
+    from ..export.layout import export_specs, export_state_dict
 
     model, reader, names, dtype = source.model, source.reader, source.names, source.dtype
     family = family_of(model.config)
@@ -142,25 +160,13 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
     planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
     specs = tensor_specs(planned) if export is None else export_specs(planned, export)
     planned_dtype = {name: dt for name, _, dt in specs}
-    probe_batches = [layer_probe(probe.inputs)] if probe is not None and cfg.check.per_layer else None
-    replay = bool(probe_batches or calibration)
-    block_paths = [v.path for v in visits(model, family, targets, replay=replay)]
+    block_paths = [v.path for v in visits(model, family, targets, replay=any(g.batches for g in groups))]
     # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
     writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
                            max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, block_paths)))
 
     def write(name: str, tensor: torch.Tensor) -> None:
         writer.write(name, tensor.to(planned_dtype[name]))
-
-    def first_inputs(towers: dict, batches: list[dict]) -> dict:
-        # the trunk (embeddings, head: a large share of a small model) is in memory only for this: the blocks
-        # take the hidden states from here on
-        materialize_trunk(model, reader, names, dtype, source.storage, source.device)
-        try:
-            return source.first_inputs(towers, batches)
-        finally:
-            release(model)
-            reader.close()
 
     def before_block(path: str, block: nn.Module) -> None:
         materialize(block, path + ".", reader, names, dtype, source.storage, source.device)
@@ -190,10 +196,9 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, method: Method, arg
         reader.close()
 
     try:
-        result = convert_blocks(model, family, targets, method, args, cfg, promised=promised,
-                                probe_batches=probe_batches, calibration=calibration, before_block=before_block,
-                                after_block=after_block, first_inputs=first_inputs,
-                                layer_dtype=DTYPES[cfg.dtype], progress=progress)
+        result = convert_blocks(model, family, targets, groups, build_layer, before_block=before_block,
+                                after_block=after_block, first_inputs=source.first_inputs, progress=progress,
+                                desc=desc)
         for name in planned_dtype:
             if not any(name.startswith(p + ".") for p in block_paths):
                 write(name, reader.get(names[name]))
@@ -257,17 +262,20 @@ def _end_to_end_wanted(setting, output_bytes: int) -> bool:
 
 
 def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
-                      tokenizer, probe: Probe, calibration: list[dict] | None, promised: bool,
-                      progress: bool = True) -> dict:
-    """The streaming conversion into `directory` (an atomic temporary folder): configs, shards, and what the
-    report needs (the converter assembles it). With `export: hf` the shards are in the stock class's layout and
-    the end-to-end check loads that checkpoint with plain transformers."""
-    from .io import moe_spec, save_configs
+                      promised: bool, tokenizer, probe: Probe, calibration: list[dict] | None,
+                      calibration_source: str | None, progress: bool = True) -> tuple[Converted, dict]:
+    """The streaming conversion into `directory` (an atomic temporary folder): configs and shards, with `export:
+    hf` in the stock class's layout (the end-to-end check then loads that checkpoint with plain transformers).
+    Returns what it measured and what it wrote (the report's `export`)."""
+    from ..checkpoint.skeleton import output_bytes
+    from ..checkpoint.upcycle_format import moe_spec, save_configs
+    from ..checkpoint.writer import parse_size
+    from ..export.layout import choose_export
     from .preservation import compare, count_parameters
-    from .shards import parse_size
-    from .skeleton import output_bytes
 
-    timings = {"dense_probe": 0.0, "rounding_noise": 0.0}
+    if method.needs_calibration and not calibration:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE")
+    timings = Timings()
     layout_of = layout_function(method, args)
     targets = plan_targets(source.model, cfg.placement)
     planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
@@ -276,40 +284,30 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
     if end_to_end:
         t = time.perf_counter()
         dense_out = lazy_probe_output(source, probe)
-        timings["dense_probe"] = time.perf_counter() - t
+        timings.dense_probe = time.perf_counter() - t
         if promised:
             t = time.perf_counter()
             reordered = lazy_probe_output(source, probe, reordered=[t_.path for t_ in targets])
             noise = (dense_out.values_NC - reordered.values_NC).abs().max().item()
-            timings["rounding_noise"] = time.perf_counter() - t
+            timings.rounding_noise = time.perf_counter() - t
     before = count_parameters(source.model)
-    export = why_not_hf = None
-    if cfg.export == "hf":
-        from tqdm.auto import tqdm
-
-        from .export import export_target
-
-        try:
-            export = export_target(planned, cfg.export_class)      # decided here, before a tensor is written
-        except UpcycleError as e:
-            if cfg.export_class != "auto":
-                raise                      # a class the user named that does not fit is an error
-            why_not_hf = str(e)
-            tqdm.write(f"[upcycle] not exported to a stock class: {e}")
-    result, targets, planned = stream_convert(source, cfg, method, args, directory, layout_of=layout_of,
-                                              promised=promised, probe=probe, calibration=calibration,
-                                              max_shard_bytes=parse_size(cfg.shard_size), export=export,
+    stock, why_not = choose_export(planned, cfg)          # decided here, before a tensor is written
+    groups = method_groups(cfg, [layer_probe(probe.inputs)] if cfg.check.per_layer else None, calibration)
+    builder = MethodLayers(source.model, family_of(source.model.config), method, args, cfg, promised,
+                           layer_dtype=DTYPES[cfg.dtype])
+    result, targets, planned = stream_convert(source, cfg, directory, groups, builder, layout_of=layout_of,
+                                              max_shard_bytes=parse_size(cfg.shard_size), export=stock,
                                               progress=progress)
-    if export is None:
+    if stock is None:
         save_configs(planned, directory, moe_spec(planned), tokenizer)
     else:
-        from .export import write_stock_configs
+        from ..export.layout import write_stock_configs
 
-        write_stock_configs(planned, export, directory, tokenizer)
+        write_stock_configs(planned, stock, directory, tokenizer)
     measured = None
     if end_to_end:
         t = time.perf_counter()
-        if export is None:
+        if stock is None:
             # read back in the compute dtype, as the dense model ran: the skeleton in the storage dtype would
             # run its experts in bfloat16 and compare two precisions
             reader_model, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of,
@@ -320,17 +318,53 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
         else:
             measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype,
                                                              family_of(source.model.config).outputs))
-        timings["end_to_end_check"] = time.perf_counter() - t
-    return {"result": result, "targets": targets, "before": before, "after": count_parameters(planned),
-            "planned": planned, "measured": measured, "noise": noise, "timings": timings, "export": export,
-            "why_not_hf": why_not_hf}
+        timings.check = time.perf_counter() - t
+    steps = result.timings
+    timings.calibration, timings.upcycle = steps["calibration"], steps["upcycle"]
+    timings.check += steps["check"]
+    done = Converted(
+        model_class=type(planned).__name__, model_type=planned.config.model_type,
+        moe_layers=[t.name for t in targets], before=before, after=count_parameters(planned), layers=result.layers,
+        promised=promised, measured=measured, noise=noise, compute_dtype=source.dtype, probe=probe, timings=timings,
+        calibration=None if not calibration else CalibrationSummary(
+            calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
+        streamed=True)
+    return done, _written(directory, planned, stock, why_not, end_to_end)
 
 
-@torch.no_grad()
-def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype, outputs: tuple) -> ProbeOutput:
-    """The probe through the written stock checkpoint, loaded whole with plain transformers (only run when
-    the output fits in memory: check.end_to_end)."""
-    from transformers import AutoModelForCausalLM
+def _written(directory: Path, planned: nn.Module, stock: StockClass | None, why_not: str | None,
+             end_to_end: bool) -> dict:
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if stock is None:
+        return {"format": "upcycle", "streamed": True, "files": files} | ({"why_not_hf": why_not} if why_not else {})
+    import json
 
-    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=False).eval()
-    return probe_output(stock, probe, outputs)
+    from ..export.layout import folded_scales
+
+    config = json.loads((directory / "config.json").read_text())
+    return {"format": "hf", "class": stock.architecture, "model_type": stock.model_type,
+            "folded_scales": folded_scales(planned, stock), "dense_layers": config.get("mlp_only_layers", []),
+            "streamed": True, "files": files, "checked_against": "the dense model" if end_to_end else None}
+
+
+def stream_source(cfg: ConvertConfig, path: str, config) -> StreamSource | None:
+    """The checkpoint opened for streaming, or None when the in-memory path runs (streaming: false; a hub id; a
+    folder without safetensors; names that do not match)."""
+    if cfg.streaming is False:
+        return None
+    why = None
+    if not Path(path).is_dir():
+        why = f"{cfg.model} is not a local folder"
+    elif cfg.export == "hf" and cfg.streaming == "auto":
+        # in memory, the export is checked against the upcycled model itself; streamed (streaming: true), against
+        # the dense model, since the upcycled model is never whole
+        return None
+    else:
+        try:
+            return StreamSource.open(path, config, COMPUTE_DTYPE, storage=DTYPES[cfg.dtype],
+                                     device=resolve_device(cfg.device))
+        except NotStreamable as e:
+            why = str(e)
+    if cfg.streaming is True:
+        raise UpcycleError(f"streaming: true, but the conversion cannot stream: {why}")
+    return None

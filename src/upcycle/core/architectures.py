@@ -1,7 +1,7 @@
 """Architecture adapters: where each model family keeps its FFNs, how to read and replace them, and what else the
 pipeline must know about the family.
 
-DESIGN principle 1: methods never see model classes. An adapter maps a family's FFN module to the canonical
+docs/design.md principle 1: methods never see model classes. An adapter maps a family's FFN module to the canonical
 `FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row: the
 rest of the package reads what it needs about a family from its row (tests/test_architectures.py adds two
 families at test time that way). A row states
@@ -80,9 +80,6 @@ class Family:
     # the module of a block whose output is the FFN's output (the per-layer check compares the MoE layer with it,
     # so an extraction that does not compute the model's own MLP is caught)
     ffn_output: Callable[[nn.Module], nn.Module] = lambda block: block.mlp
-    # stock transformers MoE classes that compute an upcycled model of each source model type (`--export hf`),
-    # the first being `auto`'s choice; a type not listed has none (the upcycle format is its output)
-    stock_exports: dict[str, tuple[str, ...]] | None = None
     # the transformers Auto class a dense checkpoint without a known architecture class loads with
     auto_class: str = "AutoModelForCausalLM"
     # the outputs the preservation check compares, in order of preference: the first one the model returns counts
@@ -166,9 +163,7 @@ def _set_mlp(block, moe) -> None:
 
 FAMILIES = (
     Family("gated-decoder", ("llama", "mistral", "qwen2", "qwen3"), {"text": Tower("layers", 1)},
-           _gated_extract, _set_mlp,
-           stock_exports={"llama": ("qwen2_moe", "mixtral"), "mistral": ("qwen2_moe", "mixtral"),
-                          "qwen2": ("qwen2_moe",), "qwen3": ("qwen3_moe",)}),
+           _gated_extract, _set_mlp),
     # Gemma 3: norms around the FFN and a scaled embedding that no stock MoE class has, so no export
     Family("gemma", ("gemma3_text",), {"text": Tower("layers", 1)}, _gemma_extract, _set_mlp),
     # Phi-3: fused qkv attention, which the stock MoE classes lack, so no export

@@ -1,7 +1,7 @@
-"""Canonical feed-forward weights, independent of any model class (DESIGN principle 1).
+"""Canonical feed-forward weights, independent of any model class (docs/design.md principle 1).
 
 Every architecture adapter extracts its FFN into `FFNWeights`, every method maps `FFNWeights` to expert
-weights, and the MoE layer is built from them. Two FFN forms (METHODS "Notation"):
+weights, and the MoE layer is built from them. Two FFN forms (docs/methods.md §1):
 
   plain MLP (CLIP, ViT, BERT, GPT-2):   FFN(x) = W_down act(W_up x + b_up) + b_down
   gated MLP (Llama, Qwen, Mistral):      FFN(x) = W_down( act(W_gate x + b_gate) * (W_up x + b_up) ) + b_down

@@ -1,9 +1,9 @@
-"""The Mixture-of-Experts layer that replaces a dense FFN (METHODS §1).
+"""The Mixture-of-Experts layer that replaces a dense FFN (docs/methods.md §1).
 
 Routing follows Switch/GShard top-k routing (Fedus et al. 2021; Lepikhin et al. 2020) with the choices the
 upcycling papers need: renormalized or raw top-k weights (CLIP-UP eq. 4), optional shared experts, optional
 expert capacity with first-come-first-serve dropping, and a selection-only bias (DeepSeek-V3 aux-loss-free
-balancing, METHODS §4.5) that changes which experts are chosen but never the combine weights.
+balancing, docs/methods.md §4.5) that changes which experts are chosen but never the combine weights.
 
 Shape suffixes (torchtitan's legend):
   T tokens (batch x sequence flattened)   D model width      F expert intermediate width
@@ -33,7 +33,7 @@ from .router import Router, RoutingRecord, capacity_keep, count_ids, router_logi
 
 class _CurrentMask:
     """The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
-    `track_padding_mask`, so layers record it without any model's forward being rewritten (DESIGN principle 3).
+    `track_padding_mask`, so layers record it without any model's forward being rewritten (docs/design.md principle 3).
     A plain attribute rather than a ContextVar: torch.compile traces an attribute read, and breaks the graph at
     ContextVar.get."""
 

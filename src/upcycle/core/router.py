@@ -1,4 +1,4 @@
-"""Routing, a module of its own so a routing variant is a change in one place (METHODS §1; issue 12):
+"""Routing, a module of its own so a routing variant is a change in one place (docs/methods.md §1):
 
     scores -> top-k selection (optionally biased) -> combine weights -> capacity
 

@@ -1,7 +1,7 @@
 """Stock transformers MoE classes (Qwen2-MoE, Qwen3-MoE, Mixtral) trained and evaluated as they are.
 
 `upcycle convert --export hf` writes these classes; `upcycle train` and `upcycle eval` load them back with
-`AutoModelForCausalLM` (no conversion to the upcycle format). Their router losses (METHODS §4) come from the
+`AutoModelForCausalLM` (no conversion to the upcycle format). Their router losses (docs/methods.md §4) come from the
 same routing records as upcycle's own layers: a forward hook on each stock router (`*TopKRouter`, whose forward
 returns router logits [T, E], the combine weights and the selected experts [T, k]) keeps them, with the batch's
 padding mask. The class's own `output_router_logits` auxiliary loss stays off, so the router losses are the
@@ -18,12 +18,15 @@ from torch import nn
 
 from .moe import MoELayer, RoutingRecord
 
-STOCK_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
-
 
 def is_stock_moe(model_or_config) -> bool:
+    """Whether a model (or its config, or config.json as a dict) is a stock transformers MoE class: its config
+    routes each token to `num_experts_per_tok` experts (Qwen2-MoE, Qwen3-MoE, Mixtral and any class the export
+    registry adds; no dense model's config has that key)."""
     config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, "model_type", None) in STOCK_MOE_TYPES
+    value = config.get("num_experts_per_tok") if isinstance(config, dict) else \
+        getattr(config, "num_experts_per_tok", None)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class StockRouting:

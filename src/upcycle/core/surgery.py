@@ -1,6 +1,6 @@
 """Find the FFNs to convert, install MoE layers in their place, and feed padding masks to the layers.
 
-Validation comes first (DESIGN principle 4, after huggingface/peft): `plan_targets` resolves the placement
+Validation comes first (docs/design.md principle 4, after huggingface/peft): `plan_targets` resolves the placement
 into concrete blocks and refuses bad input before any weight is touched; `install` then only mutates.
 """
 

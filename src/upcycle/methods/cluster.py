@@ -1,4 +1,4 @@
-"""`cluster`: Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508; METHODS §2.5).
+"""`cluster`: Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508; docs/methods.md §2.5).
 
 From the layer's calibration activations X ([N, D], one row per real token):
   1. optional PCA of X to D / pca_factor dimensions (paper: factor 8), centered;

@@ -1,4 +1,4 @@
-"""`copy`: Sparse Upcycling (Komatsuzaki et al., arXiv 2212.05055; METHODS §2.1).
+"""`copy`: Sparse Upcycling (Komatsuzaki et al., arXiv 2212.05055; docs/methods.md §2.1).
 
 Every expert is the dense FFN; only the router is new. With renormalized top-k weights (they sum to 1) and no
 capacity dropping, sum_k g_k E(x) = E(x): the MoE model computes exactly the dense model's function.

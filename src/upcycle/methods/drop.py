@@ -1,4 +1,4 @@
-"""`drop`: Drop-Upcycling (Nakamura et al., arXiv 2502.19261, ICLR 2025; METHODS §2.3).
+"""`drop`: Drop-Upcycling (Nakamura et al., arXiv 2502.19261, ICLR 2025; docs/methods.md §2.3).
 
 Each expert draws its own random subset of round(r * F) intermediate neurons. For those neurons the rows of
 W_up / W_gate and the columns of W_down are re-initialized from N(mu, sigma^2), where mu and sigma are the mean

@@ -1,5 +1,5 @@
 """`drop_svd`: structured (spectral) drop-upcycling (Cluster-aware Upcycling, CVPR 2026, arXiv 2604.13508,
-supplementary; METHODS §2.4).
+supplementary; docs/methods.md §2.4).
 
 For every expert and every weight matrix W (w_up, w_gate, w_down), with W = U S V^T:
 

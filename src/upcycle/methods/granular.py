@@ -1,4 +1,4 @@
-"""`granular`: fine-grained upcycling with virtual groups (He et al., arXiv 2410.07524; METHODS §2.7).
+"""`granular`: fine-grained upcycling with virtual groups (He et al., arXiv 2410.07524; docs/methods.md §2.7).
 
 The dense FFN is split along its intermediate dimension into G shards of width F/G (rows of W_gate/W_up and
 the matching columns of W_down), so that sum_g shard_g(x) = FFN(x); the set of shards is replicated R times,

@@ -1,4 +1,4 @@
-"""Linear algebra behind Cluster-aware Upcycling (arXiv 2604.13508, steps 2-4; METHODS §2.5).
+"""Linear algebra behind Cluster-aware Upcycling (arXiv 2604.13508, steps 2-4; docs/methods.md §2.5).
 
   pca                   step 2: optional dimension reduction of the calibration activations before clustering.
   spherical_kmeans      step 3: spherical k-means (Dhillon & Modha 2001, "Concept decompositions for large sparse
@@ -254,7 +254,7 @@ def whitening_factor(gram_DD: torch.Tensor, *, damping: float = 0.0) -> tuple[to
 
 def truncated_svd_rank(s: torch.Tensor, tau: float = 0.95, min_rank: int | None = None) -> int:
     """Smallest r with sum_{j<=r} s_j^2 / sum_j s_j^2 >= tau for descending singular values s, clamped to
-    [min_rank, len(s)]; min_rank defaults to ceil(len(s) / 2) (METHODS §2.5: never below half the full rank)."""
+    [min_rank, len(s)]; min_rank defaults to ceil(len(s) / 2) (docs/methods.md §2.5: never below half the full rank)."""
     if s.dim() != 1 or s.numel() == 0:
         raise ValueError(f"expected a non-empty 1-D tensor of singular values, got shape {tuple(s.shape)}")
     if not 0 < tau <= 1:

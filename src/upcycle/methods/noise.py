@@ -1,4 +1,4 @@
-"""`noise`: noise upcycling (Qwen2 technical report; as described by OLMoE and Drop-Upcycling; METHODS §2.2).
+"""`noise`: noise upcycling (Qwen2 technical report; as described by OLMoE and Drop-Upcycling; docs/methods.md §2.2).
 
     W_i = W + (1 - M_i) * eps_i,   eps_i ~ N(0, sigma^2),
 

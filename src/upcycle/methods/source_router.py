@@ -1,4 +1,4 @@
-"""Router rows for an MoE merged from several fine-tuned models of one base (issue 16).
+"""Router rows for an MoE merged from several fine-tuned models of one base.
 
 Branch-Train-MiX (Sukhbaatar et al. 2024, arXiv:2403.07816) makes one routed expert of each fine-tune's FFN and
 learns the router from scratch; mergekit-moe's `gate_mode: hidden` instead starts each expert's router row from

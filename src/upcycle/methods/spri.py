@@ -1,4 +1,4 @@
-"""`spri`: SVD-Partitioned Residual Initialization (Shan et al., 2026; METHODS §2.6).
+"""`spri`: SVD-Partitioned Residual Initialization (Shan et al., 2026; docs/methods.md §2.6).
 
 Shared expert <- the dense FFN (always on). Routed experts: every projection is a dense copy except the
 residual-carrying one (`placement`: down by default, or gate, or up) of weight W = U diag(s) V^T (rank r):
@@ -10,7 +10,7 @@ residual-carrying one (`placement`: down by default, or gate, or up) of weight W
 so at init the layer is the dense FFN plus a residual of relative size about rho (a plain MLP reads W1 as up,
 W2 as down; `gate` is refused for it).
 
-Choices where METHODS / the paper are silent:
+Choices where the paper is silent:
 - Blocks: the first r mod G blocks get one index more (numpy.array_split); G > r is refused.
 - eps_i ~ N(0, sigma^2) i.i.d. per entry, sigma = perturbation * rho * ||W||_F / sqrt(numel(W)), i.e. relative
   to the entry RMS of the residual (||alpha R_g||_F ~ rho ||W||_F). It scales with rho, so rho = 0 gives exactly

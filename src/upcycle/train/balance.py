@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free load balancing (DeepSeek-V3; Wang et al. 2024, arXiv 2408.15664; METHODS §4.5).
+"""Auxiliary-loss-free load balancing (DeepSeek-V3; Wang et al. 2024, arXiv 2408.15664; docs/methods.md §4.5).
 
 Each MoE layer holds a per-expert `selection_bias` b_e (a persistent buffer, so it is saved with the model)
 that is added to the routing scores for top-k *selection only*; the combine weights stay the router's own

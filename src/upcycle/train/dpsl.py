@@ -1,5 +1,5 @@
 """Dirichlet-Prior Shaping Loss (DPSL, "Dirichlet-Prior Shaping: Guiding Expert Specialization in Upcycled MoEs";
-METHODS §4.4), with a Beta CDF that runs on the tensor's own device.
+docs/methods.md §4.4), with a Beta CDF that runs on the tensor's own device.
 
 A batch of probability vectors p_BK (router softmaxes, or any categorical head) is pushed towards Dir(alpha):
 each marginal p_k ~ Beta(alpha_k, A - alpha_k), A = sum alpha. For each k the B probabilities are sorted and the
@@ -19,7 +19,7 @@ scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1] (tests/test_dpsl.py 
 betainc; the DPSL paper's implementation copied to the CPU for SciPy.
 
 Which backend (`backend="auto"`): tensors on an accelerator use the continued fraction on the device (no copy to
-the host, METHODS §4.4); CPU tensors call scipy.special.betainc directly, which is the faster of the two there
+the host, docs/methods.md §4.4); CPU tensors call scipy.special.betainc directly, which is the faster of the two there
 (73,728 x 16, float64: 0.045 s against 0.49 s at alpha = 1, 0.30 s against 0.80 s at alpha = 0.75; the two agree
 to 3e-15). The gradient is the Beta density either way.
 """

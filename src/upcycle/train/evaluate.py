@@ -1,4 +1,4 @@
-"""Evaluation (METHODS §6). Causal LMs: held-out perplexity = exp(mean next-token negative log-likelihood over
+"""Evaluation (docs/methods.md §6). Causal LMs: held-out perplexity = exp(mean next-token negative log-likelihood over
 every real predicted token), summed over batches before dividing, so batch sizes and padding do not weight it.
 CLIP: zero-shot classification with class-name prompts and image<->text retrieval Recall@K (Radford et al. 2021).
 """
@@ -115,7 +115,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
     the embedded held-out Wikipedia split, CLIP models to the digits test split."""
     from pathlib import Path
 
-    from ..conversion.loading import check_sequence_length, load_model, task_of
+    from ..checkpoint.loading import check_sequence_length, load_model, task_of
     from ..data.clip_pairs import load_pairs
     from ..data.packing import pack_documents
     from ..data.text import read_texts, wikipedia_split

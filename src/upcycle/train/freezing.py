@@ -1,6 +1,6 @@
 """Which parameters train, and when: named parameter groups, a trainable set, and timed freezing rules.
 
-SPRI (Shan et al. 2026; METHODS §2.6) trains in two stages: for the first tau*T steps only the routed experts'
+SPRI (Shan et al. 2026; docs/methods.md §2.6) trains in two stages: for the first tau*T steps only the routed experts'
 residual-carrying projection and the router train (the copied gate/up stay frozen), then all routed-expert
 parameters and the router. That is `train: [routed]` plus the rule `{params: [experts_in], until: 0.1}`;
 any other "freeze these groups for the first fraction of steps" schedule is written the same way.

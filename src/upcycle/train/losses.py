@@ -1,4 +1,4 @@
-"""Router regularizers and the self-distillation loss (METHODS §4), pure functions of one layer's routing.
+"""Router regularizers and the self-distillation loss (docs/methods.md §4), pure functions of one layer's routing.
 
   load_balance   Switch Transformer / CLIP-UP eq. 5: sum_e R_e P_e, R_e = E/(k T) #{top-k slots on e},
                  P_e = mean_t g_e(x_t). 1 under uniform routing, E/k when every token picks the same k experts
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.router import token_entropy  # noqa: F401  (public name: upcycle.losses.token_entropy)
-from .dpsl import dpsl  # noqa: F401  (public name: upcycle.losses.dpsl)
+from .dpsl import dpsl  # noqa: F401  (the losses in one place: upcycle.train.losses.dpsl)
 
 
 def _per_group(fn: Callable[[torch.Tensor], torch.Tensor], T: int, device, mask_T: torch.Tensor | None,

@@ -2,8 +2,8 @@
 
     L = L_task + sum_r lambda_r mean_layers L_r(routing record of the layer) + lambda_EESD L_EESD
 
-Router losses are read from each MoE layer's `last_record` (DESIGN principle 3: no model forward is
-rewritten); coefficients come from `RegularizerConfig` (METHODS §3 gives each paper's values). The stateful
+Router losses are read from each MoE layer's `last_record` (docs/design.md principle 3: no model forward is
+rewritten); coefficients come from `RegularizerConfig` (docs/methods.md §3 gives each paper's values). The stateful
 parts, the EMA teacher (EESD) and the aux-free selection bias, are updated after the optimizer step
 (`after_optimizer_step`). The one training step that uses this objective is `upcycle.train.step.train_step`.
 """
@@ -38,8 +38,9 @@ def routing_records(model: nn.Module) -> dict[str, RoutingRecord | None]:
     return {name: layer.last_record for name, layer in moe_layers(model).items()}
 
 
-# The router regularizers (METHODS §4), one row each: (name = the RegularizerConfig coefficient key, the pure loss
-# of one layer's routing record, its mask and token groups). A new router loss is one row here and one key there.
+# The router regularizers (docs/methods.md §4), one row each: (name = the RegularizerConfig coefficient key, the
+# pure loss of one layer's routing record, its mask and token groups). A new router loss is one row here and one
+# key there.
 RouterLoss = Callable[[RoutingRecord, torch.Tensor | None, torch.Tensor | None, RegularizerConfig], torch.Tensor]
 ROUTER_LOSSES: tuple[tuple[str, RouterLoss], ...] = (
     # balance_logits: softmax of these = the router's probabilities (sigmoid routers' normalized affinities too)
@@ -126,4 +127,3 @@ class Objective:
             self.balancer.step()
 
 
-Regularized = Objective     # the name before issue 12 (scripts written against it keep working)

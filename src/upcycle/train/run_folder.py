@@ -1,4 +1,4 @@
-"""A training run's folder OUT, and what a run may and may not do to it (issue 11; README "What `--overwrite`
+"""A training run's folder OUT, and what a run may and may not do to it (docs/training.md, "What `--overwrite`
 and `--resume` may and may not do"):
 
   run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.train.checkpoint`)   model/
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import yaml
 
+from ..checkpoint.folders import GROWING, write_marker
 from ..config import TrainConfig, build, to_dict
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix
-from ..outputs import GROWING, write_marker
 from . import checkpoint
 
 RUN_CONFIG = "run_config.yaml"
@@ -79,7 +79,7 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
 
 def check_fresh_out(out: Path, overwrite: bool) -> None:
     """A new run into an existing, non-empty OUT needs --resume or --overwrite (the rest of the output checks are
-    `upcycle.outputs.claim_output`'s)."""
+    `upcycle.checkpoint.folders.claim_output`'s)."""
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
                            f"replace it)")

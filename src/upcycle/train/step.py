@@ -1,4 +1,5 @@
-"""One training step: the step `upcycle train`'s loop runs and the one the public API exposes (DESIGN principle 9).
+"""One training step: the step `upcycle train`'s loop runs and the one the public API exposes (docs/design.md
+principle 9).
 
     for each micro-batch:  loss = task loss + sum_r lambda_r L_r + lambda_EESD L_EESD   (objective.Objective)
                            backward(loss / micro-batches)      # DDP syncs the gradients on the last one only

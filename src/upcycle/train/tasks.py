@@ -2,7 +2,7 @@
 
 - causal_lm: next-token cross-entropy on packed documents (`data.pack_documents`), padding masked; evaluated by
   held-out perplexity.
-- clip: symmetric InfoNCE with CLIP's learned temperature, L = (L_I->T + L_T->I) / 2 (METHODS §3), computed by
+- clip: symmetric InfoNCE with CLIP's learned temperature, L = (L_I->T + L_T->I) / 2 (docs/methods.md §3), computed by
   transformers' CLIPModel over the batch; evaluated by zero-shot classification and retrieval. The two towers are
   separate backbones, so each MoE layer sees one modality and its router losses are per modality (CLIP-UP).
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.loading import check_sequence_length, task_of
 from ..config import TASKS, TrainConfig  # noqa: F401  (TASKS: upcycle.train.tasks.TASKS)
-from ..conversion.loading import check_sequence_length, task_of
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import PackedBatches, SeededBatches, pack_documents
 from ..errors import UpcycleError

@@ -1,4 +1,4 @@
-"""The EMA teacher of Expert-Ensemble Self-Distillation (EESD; Cluster-aware Upcycling, METHODS §4.6).
+"""The EMA teacher of Expert-Ensemble Self-Distillation (EESD; Cluster-aware Upcycling, docs/methods.md §4.6).
 
 The teacher is a float32 exponential moving average of every MoE layer (router, routed and shared experts):
 theta_ema <- beta theta_ema + (1 - beta) theta, applied after each optimizer step as one fused

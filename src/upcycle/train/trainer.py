@@ -1,6 +1,7 @@
-"""`upcycle train`: the one explicit training loop (DESIGN principle 9), on Hugging Face Accelerate.
+"""`upcycle train`: the one explicit training loop (docs/design.md principle 9), on Hugging Face Accelerate.
 
-    train():  validate -> Accelerator -> check OUT, the checkpoint to resume, the model, the data -> run folder
+    train():  Accelerator -> check OUT, the checkpoint to resume, the model, the data -> run folder
+              (the config checked its keys when it was built)
     _Training: set-up (optimizer, schedule, freezing, regularizers, resume) -> evaluate -> loop -> finish
         for step in steps:             # the global batch of a step depends on (seed, step) only
             one_step: this process's micro-batches -> `upcycle.train.step.train_step` -> one JSONL log line
@@ -39,14 +40,14 @@ import yaml
 from torch import nn
 
 from ..analysis.routing import record_stats
+from ..checkpoint.folders import Input, claim_output, inputs
+from ..checkpoint.loading import load_model
+from ..checkpoint.upcycle_format import save
 from ..config import TrainConfig, to_dict
-from ..conversion.io import save
-from ..conversion.loading import load_model
 from ..core.moe import moe_layers
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import atomic_directory, json_text
-from ..outputs import Input, claim_output, inputs
 from . import checkpoint, sharding
 from .freezing import Freezer
 from .objective import Objective
@@ -81,12 +82,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     progress = (step - warmup) / max(1, cfg.steps - warmup)
     shape = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Checks a TrainConfig cannot make itself: every key's range and choices are checked when the config is
-    built (`upcycle.config.check_fields`), so a config that exists is in range. Kept as the trainer's one place
-    for checks that need more than the config."""
 
 
 class StopFlag:
@@ -124,7 +119,6 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
     new run replace an existing OUT that upcycle wrote, only once the new run holds a checkpoint. `recipe`: the
     recipe file the config came from, an input like the others."""
-    validate(cfg)
     if resume and overwrite:
         raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
     if stop_after is not None and stop_after < 1:

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UpcycleError
-from .files import atomic_directory, atomic_write_text, check_writable_output
+from ..errors import UpcycleError
+from ..files import atomic_directory, atomic_write_text, check_writable_output
 
 MARKER = ".upcycle-output.json"
 MARKER_FORMAT = "upcycle-output"
@@ -239,7 +239,7 @@ class Claim:
 
 def write_marker(folder: Path, kind: str, entries: Iterable[str] | None = None) -> None:
     """The record that `folder` is upcycle's output of `kind`, listing its entries (default: what it holds)."""
-    from .version import __version__
+    from ..version import __version__
 
     names = sorted(entries) if entries is not None else sorted(p.name for p in folder.iterdir() if p.name != MARKER)
     record = {"format": MARKER_FORMAT, "kind": kind, "upcycle": __version__, "entries": names}

@@ -1,4 +1,4 @@
-"""`upcycle convert --dry-run`: what a conversion would do, from `config.json` alone (issue 13, item 4).
+"""`upcycle convert --dry-run`: what a conversion would do, from `config.json` alone.
 
 The dense and the upcycled models are built on the meta device (`skeleton.py`), so the plan needs no weight and
 works for any size (a Llama-3-70B config plans in a second). It reports the placement, the parameters before and
@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.lazy import block_paths
+from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, tensor_specs
 from ..config import ConvertConfig
 from ..core.moe import moe_layers
 from ..methods import Method
-from .lazy import block_paths
+from .planned import layout_function, planned_model
 from .preservation import count_parameters
-from .skeleton import bytes_by_block, empty_model, layout_function, output_bytes, planned_model, tensor_specs
 from .streaming import write_queue_bytes
+from .validate import validate
 
 GB = 10**9
 OVERHEAD_BYTES = int(0.6 * GB)
@@ -103,8 +105,7 @@ def dry_run(cfg: ConvertConfig) -> dict:
     checks them, then the plan; no weight is read."""
     import dataclasses
 
-    from .converter import validate
-    from .loading import dense_config, resolve_dtype
+    from ..checkpoint.loading import dense_config, resolve_dtype
 
     method, args = validate(cfg)
     _, config = dense_config(cfg.model)

@@ -1,6 +1,6 @@
 """The upcycle checkpoint format: save a converted model of any architecture, load it back.
 
-An upcycle folder holds (DESIGN principle 7, for any architecture):
+An upcycle folder holds (docs/design.md principle 7, for any architecture):
   config.json            the dense base model's transformers config (unchanged)
   upcycle_config.json    the MoE config: model class, and per MoE layer its block path and constructor spec
   model.safetensors      all weights (tied tensors stored once)
@@ -25,11 +25,12 @@ import transformers
 from torch import nn
 
 from ..core.moe import MoELayer, moe_layers
-from ..core.stock_moe import STOCK_MOE_TYPES
+from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
-from .shards import DEFAULT_MAX_SHARD_BYTES, CheckpointReader, ShardedWriter, check_finite  # noqa: F401
+from .reader import CheckpointReader
 from .skeleton import tensor_specs
+from .writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 
 FORMAT_VERSION = 1
 MOE_CONFIG = "upcycle_config.json"
@@ -130,11 +131,10 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     path = Path(path)
     spec_file = path / MOE_CONFIG
     if not spec_file.exists():
-        model_type = _read_json(path / "config.json", "config").get("model_type") \
-            if (path / "config.json").is_file() else None
-        if model_type in STOCK_MOE_TYPES:
-            raise UpcycleError(f"{path} is a stock transformers {model_type} checkpoint (upcycle --export hf): "
-                               "load it with transformers.AutoModelForCausalLM.from_pretrained")
+        config = _read_json(path / "config.json", "config") if (path / "config.json").is_file() else {}
+        if is_stock_moe(config):
+            raise UpcycleError(f"{path} is a stock transformers {config.get('model_type')} checkpoint (upcycle "
+                               "--export hf): load it with transformers.AutoModelForCausalLM.from_pretrained")
         raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")
     spec = _read_json(spec_file, "MoE spec")
     if spec.get("format_version") != FORMAT_VERSION:

@@ -2,7 +2,7 @@
 
   dense folder / hub id / 'default' / 'minilm'   -> `load_dense` (config first, so a missing model or an
                                                     unsupported architecture fails before any weight is read)
-  upcycle folder (upcycle_config.json)           -> `upcycle.conversion.io.load`
+  upcycle folder (upcycle_config.json)           -> `upcycle.checkpoint.upcycle_format.load`
   stock MoE checkpoint (`--export hf`)           -> transformers' own class, as it is (`upcycle.core.stock_moe`)
 
 `load_model` picks among them for `train` and `eval`; `task_of` says which task a model trains on, and refuses
@@ -29,9 +29,9 @@ from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
 from ..data.assets import resolve_model_name
 from ..errors import UpcycleError
-from .io import MOE_CONFIG, check_finite
-from .io import load as load_upcycled
-from .shards import INDEX_FILE, SINGLE_FILE, check_index
+from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
+from .upcycle_format import MOE_CONFIG
+from .upcycle_format import load as load_upcycled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == STORAGE_DTYPES, "the config's dtype choices are these dtypes"

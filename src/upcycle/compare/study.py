@@ -23,15 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..analyze.command import machine
+from ..checkpoint.folders import GROWING, MARKER, claim_output, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..errors import UpcycleError
 from ..files import atomic_write_text, clean_stale_temporaries, temp_prefix
-from ..outputs import GROWING, MARKER, claim_output, write_marker
+from ..machine import machine
 from ..version import __version__
 from .cell import finished, run_cell, write_json
-from .figures import write_figures
-from .plan import FORMAT, KEEP, STUDY, CompareRequest, Plan, compare_inputs, make_plan
+from .plan import FORMAT, STUDY, CompareRequest, Plan, compare_inputs, make_plan
+from .study_figures import write_figures
 from .table import markdown, rows
 
 VERSION = 1
@@ -111,7 +111,7 @@ def _record_start(plan: Plan, command: str | None, started: float) -> Path:
 
 def _write_pairs(plan: Plan, say) -> None:
     """CLIP: the recipe's training image-caption pairs as model inputs, the calibration of data-aware methods."""
-    from ..conversion.loading import dense_config, load_tokenizer
+    from ..checkpoint.loading import dense_config, load_tokenizer
 
     path, source = plan.calibration_pairs
     if path.is_file():
@@ -171,70 +171,3 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     finally:
         shutil.rmtree(figures, ignore_errors=True)
     return names
-
-
-def add_arguments(parser, whole_number=int, comma_list=lambda text: text.split(",")) -> None:
-    """The `upcycle compare` flags (cli.py mounts them with its number and list rules)."""
-    parser.add_argument("model", help="the dense model: 'default' (embedded SmolLM2-135M), a folder, or an id")
-    parser.add_argument("out", help="the study folder (created, or an earlier compare folder to continue)")
-    parser.add_argument("--methods", type=comma_list, required=True,
-                        help="comma-separated methods (`upcycle methods`); the dense-continued baseline is added")
-    parser.add_argument("--eesd", type=comma_list, help="comma-separated EESD settings: none or a coefficient, e.g. "
-                                                        "none,1.0 (default: the recipe's own)")
-    parser.add_argument("--seeds", type=comma_list, default=["0"], help="comma-separated seeds (default 0)")
-    parser.add_argument("--config", required=True, help="the training recipe every cell uses (configs/train/)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a training key")
-    parser.add_argument("--convert-config", dest="convert_config",
-                        help="conversion recipe (placement, E, k, capacity; configs/convert/)")
-    parser.add_argument("--convert-set", dest="convert_set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a conversion key for every method, e.g. calibration.tokens=16384")
-    for flag, key in (("--num-experts", "moe.num_experts"), ("--top-k", "moe.top_k"), ("--every", "placement.every"),
-                      ("--calibration", "calibration.data"), ("--calibration-tokens", "calibration.tokens")):
-        parser.add_argument(flag, dest=key, metavar=flag.lstrip("-").replace("-", "_").upper(),
-                            help=f"the conversion key {key} for every method")
-    parser.add_argument("--layers", dest="placement.layers", type=comma_list, metavar="LAYERS",
-                        help="the conversion key placement.layers (comma-separated blocks)")
-    parser.add_argument("--towers", dest="placement.towers", type=comma_list, metavar="TOWERS",
-                        help="the conversion key placement.towers (CLIP: text,vision)")
-    parser.add_argument("--method-set", dest="method_set", action="append", default=[], metavar="METHOD.KEY=VALUE",
-                        help="a conversion key for one method, e.g. drop.method_args.ratio=0.25")
-    parser.add_argument("--method-config", dest="method_config", action="append", default=[],
-                        metavar="METHOD=RECIPE", help="one method's own training recipe (SPRI's two stages: "
-                        "spri=configs/train/smollm2-spri.yaml); --set applies on top")
-    parser.add_argument("--keep", choices=KEEP, default="models",
-                        help="what a finished cell keeps: all, models (default: the converted and the trained "
-                             "model, not the checkpoints), results (JSON and logs only)")
-    parser.add_argument("--stop-after", dest="stop_after", type=whole_number,
-                        help="stop a cell's training at this step with a checkpoint (run again to resume)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars (the cell lines stay)")
-
-
-CONVERT_FLAG_KEYS = ("moe.num_experts", "moe.top_k", "placement.every", "calibration.data", "calibration.tokens",
-                     "placement.layers", "placement.towers")
-
-
-def request_from_args(args) -> CompareRequest:
-    """The flags as a request; a conversion flag is a --convert-set of its key (so its value is read by the
-    key's type, as everywhere)."""
-    sets = []
-    for key in CONVERT_FLAG_KEYS:
-        value = getattr(args, key)
-        if value is not None:
-            sets.append(f"{key}={json.dumps(value) if isinstance(value, list) else value}")
-    return CompareRequest(model=args.model, methods=tuple(args.methods), train_recipe=args.config,
-                          seeds=tuple(args.seeds), eesd=None if args.eesd is None else tuple(args.eesd),
-                          train_sets=tuple(args.set), convert_recipe=args.convert_config,
-                          convert_sets=tuple(sets) + tuple(args.convert_set), method_sets=tuple(args.method_set),
-                          method_recipes=tuple(args.method_config), keep=args.keep)
-
-
-def run_command(args, argv: list[str] | None = None) -> int:
-    if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
-    summary = compare(request_from_args(args), args.out, progress=not args.quiet, stop_after=args.stop_after,
-                      command=command)
-    print(json.dumps(summary, indent=2))
-    return 130 if summary["interrupted"] else 0

@@ -1,4 +1,4 @@
-"""Named data sources for specialization analysis (METHODS §5: "share of each expert's tokens per data source").
+"""Named data sources for specialization analysis (docs/methods.md §5: "share of each expert's tokens per data source").
 
 The default three exist on every machine upcycle installs on, with no download:
   wikipedia  the held-out split of the embedded English Wikipedia sample (`text.wikipedia_split`): encyclopedic

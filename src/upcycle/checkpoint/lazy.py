@@ -1,4 +1,4 @@
-"""A model whose weights stay on disk until a block needs them (issue 13: conversion within memory).
+"""A model whose weights stay on disk until a block needs them (a conversion within bounded memory).
 
 The model is built with its parameters on the meta device (`skeleton.empty_model`). `materialize` reads one
 module's parameters from a checkpoint (`shards.CheckpointReader`) in the compute dtype; `release` sends them
@@ -20,7 +20,7 @@ from torch import nn
 
 from ..core.architectures import family_of, find_tower_layers
 from ..errors import UpcycleError
-from .shards import CheckpointReader
+from .reader import CheckpointReader
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""`upcycle analyze TARGET OUT`: every METHODS §5 metric of every MoE layer, as JSON, PNG figures and one HTML page.
+"""Analyzing a target: every docs/methods.md §5 metric of every MoE layer, as JSON, PNG figures and one HTML page.
 
     validate (TARGET, OUT, sources) -> tokenize the sources -> per snapshot: one forward (+ the dense model's)
     -> `analysis.layer_metrics` per layer -> OUT/analysis.json, OUT/*.png, OUT/report.html (written atomically)
@@ -9,22 +9,18 @@ Nothing is written until every number is computed; OUT appears whole or not at a
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
-from ..conversion.loading import dense_config, load_dense
+from ..checkpoint.folders import Input, claim_output, inputs
+from ..checkpoint.loading import dense_config, load_dense
 from ..conversion.sources import held_out_split
 from ..data.assets import model_inputs
-from ..data.sources import (
+from ..data.source_texts import (
     DEFAULT_SOURCES,
     SourceRows,
     default_source_texts,
@@ -34,8 +30,7 @@ from ..data.sources import (
 )
 from ..errors import UpcycleError
 from ..files import json_text
-from ..outputs import Input, claim_output, inputs
-from ..version import __version__
+from ..machine import machine
 from .collect import capture, moe_modules, snapshot_metrics
 from .target import RecordedSources, resolve_target, snapshot_models
 
@@ -70,27 +65,6 @@ def check_options(options: AnalyzeOptions) -> None:
         value = getattr(options, name)
         if not low <= value <= high:
             raise UpcycleError(f"{flag} must be from {low} to {high:,}, got {value:,}")
-
-
-def machine(device: torch.device | str | None = None) -> dict:
-    """The machine a result was measured on (its CPU, and the GPU when `device` is one), for results' JSON."""
-    import transformers
-
-    processor = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            processor = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    out = {"platform": platform.platform(), "processor": processor, "cpus": os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "upcycle": __version__}
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
-                   capability=list(torch.cuda.get_device_capability(device)))
-    return out
 
 
 @dataclass(frozen=True)
@@ -244,44 +218,3 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
         (tmp / "analysis.json").write_text(json_text(result, indent=1, where="analysis.json") + "\n")
     say(f"wrote {out}: analysis.json, {len(figures)} figures, report.html ({timings['total']:.0f} s)")
     return result
-
-
-def add_arguments(parser, whole_number=int) -> None:
-    """The `upcycle analyze` flags (cli.py mounts them, with its number rule as `whole_number`)."""
-    d = AnalyzeOptions()
-    parser.add_argument("target", help="an upcycle folder, an exported stock MoE folder, or a training run folder")
-    parser.add_argument("out", help="output folder: analysis.json, *.png, report.html (written atomically)")
-    parser.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
-                        help="a named data source (.txt: blank-line separated documents; .jsonl: 'text' fields); "
-                             "repeatable. Default: a merged model's own sources (their held-out text, as its "
-                             "report records), else " + ", ".join(DEFAULT_SOURCES))
-    parser.add_argument("--data", action="append", default=[], metavar="FILE",
-                        help="a data source named after its file name (same as --source STEM=FILE)")
-    parser.add_argument("--dense", help="the dense model for KL(dense || model) (default: the dense source the "
-                                        "target records; 'default' is the embedded SmolLM2)")
-    parser.add_argument("--tokens", type=whole_number, default=d.tokens, help=f"tokens per source (default {d.tokens})")
-    parser.add_argument("--sequence-length", dest="sequence_length", type=whole_number, default=d.sequence_length)
-    parser.add_argument("--checkpoints", default=d.checkpoints,
-                        help="for a run folder: all (default), last, or every:N")
-    parser.add_argument("--output-tokens", dest="output_tokens", type=whole_number, default=d.output_tokens,
-                        help=f"tokens each expert runs on for output similarity and RC (default {d.output_tokens})")
-    parser.add_argument("--seed", type=whole_number, default=d.seed)
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def run_command(args, argv: list[str] | None = None) -> int:
-    if args.quiet:                      # transformers' own weight-loading bars too
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    options = AnalyzeOptions(sources=tuple(args.source), data=tuple(args.data), dense=args.dense, tokens=args.tokens,
-                             sequence_length=args.sequence_length, checkpoints=args.checkpoints,
-                             output_tokens=args.output_tokens, seed=args.seed)
-    command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
-    result = analyze(args.target, args.out, options, overwrite=args.overwrite, progress=not args.quiet,
-                     command=command)
-    print(json.dumps({"out": args.out, "snapshots": len(result["snapshots"]),
-                      "moe_layers": len(result["snapshots"][-1]["layers"]), "seconds": result["seconds"]}, indent=2))
-    print(f"wrote {args.out}: open {args.out}/report.html")
-    return 0

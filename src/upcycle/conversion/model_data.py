@@ -1,0 +1,108 @@
+"""The data a conversion reads beside the weights, read and checked before the weights load: the probe's text
+(the preservation check) and the calibration data (data-aware methods such as cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConvertConfig
+from ..core.architectures import PIXELS, TOKEN_IDS, family_of
+from ..data.assets import DEFAULT_MODEL_NAMES
+from ..errors import UpcycleError
+from ..methods import get_method
+from .calibration import tensor_batches, text_batches
+
+
+def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
+    """Refuse, before the weights load, data the model cannot take (each tower's input is in its row of the
+    architecture table): text for a model with an image tower (it calibrates on image-caption pairs), text
+    without a tokenizer, model inputs lacking a tower's input, and a probe text file that would silently be
+    replaced by random ids."""
+    family = family_of(config)
+    towers = family.towers_of(config)
+    reads = list(dict.fromkeys(tower.input for tower in towers.values()))     # each input once, in tower order
+    name = cfg.model
+    if cfg.check.text is not None and tokenizer is None:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} has no tokenizer to read "
+                           f"it with (add the tokenizer files to the model folder, or leave out --probe-text to "
+                           f"probe with seeded random token ids)")
+    if cfg.check.text is not None and TOKEN_IDS not in reads:
+        raise UpcycleError(f"check.text (--probe-text) {cfg.check.text}: model {name!r} is a vision model and "
+                           f"takes no text")
+    if calibration_data is None:
+        return
+    if isinstance(calibration_data[0], dict):      # model inputs from a .safetensors file
+        missing = [key for key in reads if key not in calibration_data[0]]
+        if missing:
+            raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} ({config.model_type}, "
+                               f"towers {', '.join(towers)}) needs {' and '.join(missing)} in every batch")
+        return
+    if PIXELS in reads:
+        text = TOKEN_IDS in reads
+        kind = f"a two-tower {family.display_name} model" if text else "a vision model"
+        raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} is {kind}, which calibrates "
+                           f"on images, not text: pass image-caption pairs as a .safetensors file of model inputs "
+                           f"({PIXELS}{f', {TOKEN_IDS}, attention_mask' if text else ''})")
+    if tokenizer is None:
+        raise UpcycleError(f"model {name!r} has no tokenizer, so calibration text cannot be tokenized; "
+                           f"pass model inputs as a .safetensors file (input_ids, attention_mask)")
+
+
+def probe_texts(cfg: ConvertConfig) -> list[str] | None:
+    """The user's probe text file, else the embedded held-out Wikipedia split (None if not installed)."""
+    from ..data.text import read_texts, wikipedia_split
+
+    if cfg.check.text is not None:
+        try:
+            return read_texts(cfg.check.text)
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"check.text: {e}") from None
+    try:
+        return wikipedia_split()[1]
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def probe_source(cfg: ConvertConfig) -> str:
+    """Where the probe's text comes from, as the report says it."""
+    return f"text file {cfg.check.text}" if cfg.check.text else "held-out Wikipedia (embedded)"
+
+
+def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | None, str | None]:
+    """(data, source) for calibration, read before the model loads: documents from the user's text/JSONL file,
+    or ready model-input batches from a .safetensors file; else the embedded Wikipedia train split on the
+    default model when the method needs data; (None, None) when none is needed."""
+    from ..data.text import read_texts, wikipedia_split
+
+    method = get_method(cfg.method)
+    data = cfg.calibration.data
+    if data is not None:
+        if not Path(data).is_file():
+            raise UpcycleError(f"calibration data: no file {data}")
+        if Path(data).suffix.lower() == ".safetensors":
+            return tensor_batches(data, batch_size=cfg.calibration.batch_size), f"model inputs {data}"
+        try:
+            return read_texts(data), f"text file {data}"
+        except (FileNotFoundError, ValueError) as e:
+            raise UpcycleError(f"calibration data: {e}") from None
+    if not method.needs_calibration:
+        return None, None
+    if cfg.model not in DEFAULT_MODEL_NAMES:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, JSONL "
+                           f"with a \"text\" field, or .safetensors of model inputs) representative of the data "
+                           f"the model will be trained on")
+    try:
+        return wikipedia_split()[0], "Wikipedia train split (embedded)"
+    except (FileNotFoundError, OSError) as e:
+        raise UpcycleError(f"method {method.name!r} needs calibration data and the embedded corpus is missing ({e});"
+                           f" pass --calibration FILE") from None
+
+
+def calibration_batches(cfg: ConvertConfig, tokenizer, data: list | None) -> list[dict] | None:
+    """Model-input batches from `calibration_corpus`'s data: the user's prepared batches as they are, or the
+    text tokenized into the configured budget."""
+    if data is None or isinstance(data[0], dict):
+        return data
+    c = cfg.calibration
+    return text_batches(tokenizer, data, tokens=c.tokens, sequence_length=c.sequence_length,
+                        batch_size=c.batch_size, seed=cfg.seed)

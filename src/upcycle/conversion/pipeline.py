@@ -1,0 +1,211 @@
+"""`upcycle convert`: a dense model (or several fine-tunes of one) becomes an MoE model, checked, written atomically.
+
+Every conversion runs these steps, each in one place:
+
+    validate (the method, its arguments, the device, the sources; once)
+    -> claim OUT (`checkpoint.folders`: never an input, replaced only when upcycle wrote it)
+    -> read the probe's text and the calibration data (`model_data.py`), before any weight
+    -> the blocks, from one of three block sources, through one block loop (`blockwise.py`):
+         in memory   the dense model loaded whole, converted in place (`in_memory.py`)
+         streaming   a local safetensors checkpoint read block by block, written shard by shard (`streaming.py`)
+         merge       several fine-tunes of one base, streamed the same way (`merge.py`)
+    -> the report (`report.conversion_report`) and the preservation verdict (`report.refuse_if_broken`:
+       a method that promised the dense function and broke it writes nothing)
+    -> the weights (upcycle format, or a stock transformers class where one fits: `export.layout.choose_export`)
+    -> run_config.yaml and upcycle_report.json, the last file written; the folder renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoint.folders import Claim, Input, claim_output, inputs
+from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
+from ..config import ConvertConfig, MoEConfig, to_dict
+from ..data.assets import model_inputs
+from ..errors import UpcycleError
+from ..export.layout import choose_export
+from ..files import json_text
+from ..methods import Method
+from .in_memory import convert_in_memory, write_model
+from .model_data import calibration_batches, calibration_corpus, check_model_inputs, probe_source, probe_texts
+from .report import ConversionReport, Converted, PreservationError, conversion_report, refuse_if_broken
+from .validate import validate
+
+__all__ = ["Conversion", "PreservationError", "convert", "upcycle_model", "validate"]
+
+
+@dataclass
+class Conversion:
+    """What `convert` returns. After a streamed conversion the model was never in memory: `model` then loads
+    the written folder when first asked for."""
+
+    _model: nn.Module | None
+    tokenizer: object | None
+    report: ConversionReport
+    out: Path | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        if self._model is None and self.out is not None:      # an upcycle folder, or a stock export
+            self._model = load_model(str(self.out))[0]
+        return self._model
+
+
+def promises_dense_function(method: Method, args: dict, moe: MoEConfig) -> bool:
+    """Whether the conversion must reproduce the dense model: the method promises it for these MoE options
+    (dropless, top-k renormalization as it needs), and no route scale other than 1 scales the routed output
+    (no method's construction undoes one)."""
+    return (method.preserves(args, moe.normalize_topk, moe.capacity_factor_eval is None)
+            and moe.route_scale == 1.0)
+
+
+def conversion_inputs(cfg: ConvertConfig, recipe: str | None = None) -> list[Input]:
+    """Every path a conversion reads, for the output checks: the model (the embedded model's cache and wheel
+    too), the recipe, the probe and calibration files, and a merge's sources and their text."""
+    found = [Input(what, path) for what, path in model_inputs(cfg.model)]
+    for i, source in enumerate(cfg.sources.experts):
+        found += [Input(f"source {i}'s {what}", path) for what, path in model_inputs(source.model)]
+        found += inputs((f"source {i}'s data", source.data), (f"source {i}'s held-out data", source.eval_data))
+    return found + inputs(("recipe", recipe), ("probe text", cfg.check.text),
+                          ("calibration data", cfg.calibration.data))
+
+
+def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
+                  text_source: str = "held-out text", calibration: list[dict] | None = None,
+                  calibration_source: str = "batches", progress: bool = True) -> ConversionReport:
+    """Convert `model` (in memory) in place as `cfg` says and return the report; nothing is written.
+    `calibration`: model-input batches (e.g. `calibration.text_batches`) whose FFN inputs data-aware methods
+    use; when given, the report adds each layer's routing of those tokens at init."""
+    if cfg.sources.experts:
+        raise UpcycleError("a merge of several source models reads them from disk: use convert(cfg, out)")
+    method, args = validate(cfg)
+    done = convert_in_memory(model, cfg, method, args, promised=promises_dense_function(method, args, cfg.moe),
+                             tokenizer=tokenizer, texts=texts, text_source=text_source, calibration=calibration,
+                             calibration_source=calibration_source, progress=progress)
+    return _checked_report(cfg, method, args, done)
+
+
+def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: bool = False,
+            progress: bool = True, recipe: str | None = None) -> Conversion:
+    """Convert `cfg.model` as `cfg` says (module docstring) and, when `out` is given, write the folder
+    atomically; `overwrite` lets it replace an existing `out` that upcycle wrote (never an input, a folder
+    holding one or inside one, the current directory). `recipe`: the recipe file the config came from."""
+    method, args = validate(cfg)
+    if out is None:
+        if cfg.sources.experts:
+            raise UpcycleError("a merge of several source models is streamed to a folder: give OUT")
+        return _convert(cfg, method, args, None, progress)
+    with claim_output(out, kind="convert", given=conversion_inputs(cfg, recipe), overwrite=overwrite) as claim:
+        return _convert(cfg, method, args, claim, progress)
+
+
+def _checked_report(cfg: ConvertConfig, method: Method, args: dict, done: Converted, **kw) -> ConversionReport:
+    report = conversion_report(cfg, method, args, done, **kw)
+    refuse_if_broken(report, cfg.check.noise_factor)
+    return report
+
+
+def _convert(cfg: ConvertConfig, method: Method, args: dict, claim: Claim | None, progress: bool) -> Conversion:
+    phases = Phases(5 if claim is not None else 4, progress)
+    try:
+        if cfg.sources.experts:
+            return _merge(cfg, method, args, claim, progress, phases)
+        return _one_model(cfg, method, args, claim, progress, phases)
+    finally:
+        phases.close()
+
+
+def _merge(cfg, method, args, claim: Claim, progress: bool, phases: Phases) -> Conversion:
+    from .merge import merge_sources
+    from .sources import open_checkpoint
+
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, open_checkpoint(cfg.model).config))
+    texts = probe_texts(cfg) if cfg.export == "hf" else None
+    with claim.directory() as tmp:
+        done, export = merge_sources(cfg, method, args, tmp, texts=texts,
+                                     text_source=probe_source(cfg) if texts else "random token ids",
+                                     progress=progress)
+        phases(f"{len(done.moe_layers)} layers merged and written")
+        report = _checked_report(cfg, method, args, done, method_name=f"sources ({method.name})")
+        _finish(tmp, cfg, report, export, phases, claim)
+    return Conversion(None, None, report, claim.out)
+
+
+def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: Phases) -> Conversion:
+    calibration_data, calibration_source = calibration_corpus(cfg)
+    t = time.perf_counter()
+    path, config = dense_config(cfg.model)
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config))     # the report states the dtype used
+    tokenizer = load_tokenizer(path)
+    check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
+    texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
+    calibration = calibration_batches(cfg, tokenizer, calibration_data)
+    promised = promises_dense_function(method, args, cfg.moe)
+    from .streaming import convert_streaming, stream_source
+
+    stream = stream_source(cfg, path, config) if claim is not None else None
+    if stream is not None:
+        load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
+        from .preservation import make_probe
+
+        probe = make_probe(stream.model, tokenizer, texts, cfg.check, cfg.seed, probe_source(cfg))
+        phases("checkpoint opened (streaming)")
+        t = time.perf_counter()
+        with claim.directory() as tmp:
+            done, export = convert_streaming(stream, cfg, method, args, tmp, promised=promised, tokenizer=tokenizer,
+                                             probe=probe, calibration=calibration,
+                                             calibration_source=calibration_source, progress=progress)
+            phases(f"{len(done.moe_layers)} layers upcycled and written")
+            done.timings.load = load_s
+            report = _checked_report(cfg, method, args, done)
+            report.timings.write = time.perf_counter() - t - report.timings.upcycle - report.timings.check
+            _finish(tmp, cfg, report, export, phases, claim)
+        return Conversion(None, tokenizer, report, claim.out)
+    model = dense_weights(cfg.model, path, config, cfg.dtype).to(resolve_device(cfg.device))
+    load_s = time.perf_counter() - t
+    phases("model loaded")
+    done = convert_in_memory(model, cfg, method, args, promised=promised, tokenizer=tokenizer, texts=texts,
+                             text_source=probe_source(cfg), calibration=calibration,
+                             calibration_source=calibration_source, progress=progress, phase=phases)
+    done.timings.load = load_s
+    report = _checked_report(cfg, method, args, done)
+    if claim is None:
+        return Conversion(model, tokenizer, report)
+    t = time.perf_counter()
+    with claim.directory() as tmp:
+        export = write_model(model, tmp, cfg, *choose_export(model, cfg), tokenizer, done.probe.inputs)
+        report.timings.write = time.perf_counter() - t
+        _finish(tmp, cfg, report, export, phases, claim)
+    return Conversion(model, tokenizer, report)
+
+
+def _finish(tmp: Path, cfg: ConvertConfig, report: ConversionReport, export: dict, phases: Phases,
+            claim: Claim) -> None:
+    """The files every conversion ends with: its config, and its report, the last file written (a folder
+    holding a report is whole)."""
+    report.export = export
+    (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    (tmp / "upcycle_report.json").write_text(json_text(report.to_dict(), indent=2, where="upcycle_report.json"))
+    phases(f"written to {claim.out}")
+
+
+class Phases:
+    """A progress bar whose steps are the conversion's phases (the per-block phase has its own bar)."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = tqdm(total=total, desc="upcycle convert", unit="phase", disable=not progress)
+
+    def __call__(self, message: str) -> None:
+        self.bar.set_postfix_str(message)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,55 @@
+"""The checks of a conversion that need no model, made once before anything is read or written.
+
+A config checks its own keys' ranges and choices when it is built (`upcycle.config`); what is left needs a
+registry or the file system: the method and its arguments, the device, the shard size, the export class, the
+probe file, and a merge's sources.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint.loading import resolve_device
+from ..checkpoint.writer import parse_size
+from ..config import ConvertConfig
+from ..errors import UpcycleError
+from ..export.registry import STOCK_CLASSES
+from ..methods import Method, get_method
+
+
+def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
+    """The method and its resolved arguments, once everything the conversion will need is known to be there."""
+    method = get_method(cfg.method)
+    args = method.resolve_args(cfg.method_args)
+    resolve_device(cfg.device)
+    parse_size(cfg.shard_size)
+    if cfg.export_class != "auto" and cfg.export_class not in STOCK_CLASSES:
+        raise UpcycleError(f"export_class must be auto or one of {', '.join(STOCK_CLASSES)}, got {cfg.export_class!r}")
+    if cfg.check.text is not None and not Path(cfg.check.text).is_file():
+        raise UpcycleError(f"check.text: no file {cfg.check.text}")
+    if cfg.sources.experts:
+        _check_sources(cfg, method)
+    return method, args
+
+
+def _check_sources(cfg: ConvertConfig, method: Method) -> None:
+    """What a merge of several sources (`merge.py`) needs beyond its keys' own ranges."""
+    s = cfg.sources
+    counts = [e.count for e in s.experts]
+    if sum(counts) != cfg.moe.num_experts:
+        raise UpcycleError(f"moe.num_experts must be {sum(counts)}, the experts the sources make (counts {counts}), "
+                           f"got {cfg.moe.num_experts}")
+    for i, e in enumerate(s.experts):
+        where = f"sources.experts[{i}] ({e.model})"
+        for key in ("data", "eval_data"):
+            if getattr(e, key) is not None and not Path(getattr(e, key)).is_file():
+                raise UpcycleError(f"{where}: {key}: no file {getattr(e, key)}")
+        if s.router == "data" and e.data is None:
+            raise UpcycleError(f"{where}: sources.router data needs each source's text (data: FILE)")
+        if s.router == "prompts" and not e.prompts:
+            raise UpcycleError(f"{where}: sources.router prompts needs each source's prompts (prompts: [...])")
+        if method.needs_calibration and e.count > 1 and e.data is None:
+            raise UpcycleError(f"{where}: method {method.name!r} needs the source's text (data: FILE)")
+    if cfg.streaming is False:
+        raise UpcycleError("a several-source merge always streams (one block of one model in memory); "
+                           "streaming: false is not available for it")

@@ -1,0 +1,31 @@
+"""The machine a result was measured on, as results' JSON records it (benchmarks, analyses, comparisons)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from .version import __version__
+
+
+def machine(device: torch.device | str | None = None) -> dict:
+    """The machine a result was measured on (its CPU, and the GPU when `device` is one), for results' JSON."""
+    import transformers
+
+    processor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            processor = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    out = {"platform": platform.platform(), "processor": processor, "cpus": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "upcycle": __version__}
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                   capability=list(torch.cuda.get_device_capability(device)))
+    return out
