@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import make_tiny
 from upcycle import ConvertConfig, MoEConfig, convert
@@ -153,3 +154,17 @@ def test_a_checkpoint_without_router_keys_still_loads(tiny_lm, tmp_path):
                           for layer in layers.values())
     ids = torch.randint(0, 20, (2, 8))
     assert torch.equal(model(input_ids=ids).logits, upcycle.load(tiny_lm[1])(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_router_is_not_an_nn_linear_yet_initializes_and_saves_as_one(bias):
+    """Adapters that wrap every nn.Linear (peft's all-linear) must leave the router alone, so it is a module of its
+    own; its state dict names and its seeded initial weights are an nn.Linear's, draw for draw."""
+    torch.manual_seed(3)
+    router = Router(16, MoEConfig(num_experts=4, top_k=2), bias=bias)
+    torch.manual_seed(3)
+    linear = nn.Linear(16, 4, bias=bias)
+    assert not isinstance(router, nn.Linear)
+    assert router.state_dict().keys() == linear.state_dict().keys()
+    for name, tensor in linear.state_dict().items():
+        assert torch.equal(router.state_dict()[name], tensor) and router.state_dict()[name].dtype == torch.float32

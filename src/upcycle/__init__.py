@@ -2,7 +2,8 @@
 
     import upcycle
     result = upcycle.convert(upcycle.ConvertConfig(model="default", method="copy"), "out/smollm2-moe")
-    model = upcycle.load("out/smollm2-moe")
+    model = upcycle.load("out/smollm2-moe")          # or AutoModelForCausalLM.from_pretrained, after import upcycle
+    upcycle.save(model, "out/copy")                    # model.save_pretrained("out/copy") writes the same format
     from upcycle.train.trainer import train
     train(upcycle.TrainConfig(model="out/smollm2-moe", steps=40), "out/train-copy")
 
@@ -12,12 +13,18 @@ torch and transformers before they are needed.
 
 from importlib import import_module
 
+from .checkpoint.auto_registration import install as _install_auto_classes
 from .version import __version__
+
+# transformers' AutoConfig / AutoModel / AutoModelForCausalLM read upcycle folders once this package is imported
+# (checkpoint/auto_registration.py: at no cost until transformers' Auto classes are imported themselves)
+_install_auto_classes()
 
 _NAMES = {
     "ConvertConfig": "config", "MoEConfig": "config", "PlacementConfig": "config", "RegularizerConfig": "config",
     "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.pipeline",
-    "upcycle_model": "conversion.pipeline", "load": "checkpoint.upcycle_format", "MoELayer": "core.moe",
+    "upcycle_model": "conversion.pipeline", "load": "checkpoint.save_load", "save": "checkpoint.save_load",
+    "MoELayer": "core.moe",
     "RoutingRecord": "core.moe", "METHODS": "methods",
 }
 _MODULES = ("balance", "losses", "teacher")     # short public modules (upcycle/losses.py, ...)

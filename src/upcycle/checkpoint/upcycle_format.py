@@ -1,7 +1,7 @@
 """The upcycle checkpoint format: save a converted model of any architecture, load it back.
 
 An upcycle folder holds (docs/design.md principle 7, for any architecture):
-  config.json            the dense base model's transformers config (unchanged)
+  config.json            model type "upcycle", with the dense base model's transformers config under `base_config`
   upcycle_config.json    the MoE config: model class, and per MoE layer its block path and constructor spec
   model.safetensors      all weights (tied tensors stored once)
   run_config.yaml        the resolved run configuration        upcycle_report.json   what the run measured
@@ -9,6 +9,12 @@ An upcycle folder holds (docs/design.md principle 7, for any architecture):
 
 `load(path)` rebuilds the base model from its config, installs empty MoE layers where the spec says, and loads
 the weights strictly: a missing or unexpected tensor is an error, not a silent re-initialization.
+
+Why config.json is not the base model's own (format version 2): transformers would read such a folder as the dense
+model, find no tensors for its MLPs, initialise them at random and carry on. With model type "upcycle" it either
+refuses the folder (the type is unknown to it) or, once `import upcycle` has registered the type
+(`checkpoint/auto_classes.py`), loads it through `load`. Folders of format version 1 (config.json the base config
+itself) still load here.
 Callers write into a temporary folder from `upcycle.files.atomic_directory` (principle 4), so an interrupted
 or failed run leaves no partial output.
 """
@@ -28,11 +34,15 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
+from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
 from .skeleton import tensor_specs
 from .writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+HOW_TO_LOAD = ("an upcycle MoE checkpoint: load it with upcycle.load(folder) or, after `import upcycle`, with "
+               "transformers' AutoModelForCausalLM / AutoModel (pip install upcycle)")
 MOE_CONFIG = "upcycle_config.json"
 WEIGHTS = "model.safetensors"
 
@@ -46,13 +56,20 @@ def moe_spec(model: nn.Module) -> dict:
 
 def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write the upcycle format into an existing (temporary) directory: configs, the MoE spec, the weights as
-    safetensors shards of at most `max_shard_bytes` (one file when they fit) and the tokenizer."""
+    """`save_folder_files` (kept for the callers that write a temporary folder of their own)."""
+    save_folder_files(model, directory, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+
+
+def save_folder_files(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None, state_dict: dict | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write the upcycle format into an existing (temporary) directory: configs, the MoE spec, the weights (the
+    model's own, or `state_dict` when given, as transformers' save_pretrained takes it) as safetensors shards of at
+    most `max_shard_bytes` (one file when they fit) and the tokenizer."""
     directory = Path(directory)
     save_configs(model, directory, moe_spec(model), tokenizer)
     writer = ShardedWriter(directory, tensor_specs(model), max_shard_bytes=max_shard_bytes)
     try:
-        for name, tensor in model.state_dict().items():
+        for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
             if name in writer.slots:            # a tied tensor is written once, under its first name
                 writer.write(name, tensor)
         writer.close()
@@ -61,9 +78,40 @@ def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
         raise
 
 
+def folder_config(model: nn.Module) -> dict:
+    """config.json of an upcycle folder: model type "upcycle", the base config as `save_pretrained` writes it."""
+    base = json.loads(model.config.to_json_string(use_diff=True))
+    return {"model_type": FOLDER_MODEL_TYPE, "upcycle_format_version": FORMAT_VERSION, "base_config": base,
+            "architectures": [type(model).__name__], "how_to_load": HOW_TO_LOAD}
+
+
+def base_config(path: str | os.PathLike):
+    """The dense base model's transformers config of an upcycle folder (either format version); never code of
+    the folder's own: the base type must be one transformers ships."""
+    path = Path(path)
+    data = _read_json(path / "config.json", "config")
+    if data.get("model_type") != FOLDER_MODEL_TYPE:              # format version 1: config.json is the base
+        try:
+            return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        except Exception as e:
+            raise UpcycleError(f"{path}: config.json does not load ({type(e).__name__}: {e})") from None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    base = data.get("base_config")
+    model_type = base.get("model_type") if isinstance(base, dict) else None
+    if not isinstance(model_type, str) or model_type == FOLDER_MODEL_TYPE or model_type not in CONFIG_MAPPING \
+            or base.get("auto_map"):
+        raise UpcycleError(f"{path}: config.json's base_config must be a transformers config of a model type "
+                           f"transformers ships (got model type {model_type!r})")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(base))
+    except Exception as e:
+        raise UpcycleError(f"{path}: config.json's base_config does not load ({type(e).__name__}: {e})") from None
+
+
 def save_configs(model: nn.Module, directory: Path, spec: dict, tokenizer=None) -> None:
     """Everything of an upcycle folder but the weights (the streaming conversion writes those itself)."""
-    model.config.save_pretrained(directory)
+    (directory / "config.json").write_text(json.dumps(folder_config(model), indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
     (directory / MOE_CONFIG).write_text(json.dumps(spec, indent=2))
@@ -74,18 +122,42 @@ def save_configs(model: nn.Module, directory: Path, spec: dict, tokenizer=None) 
 # transformers 5 names its generic fast tokenizer "TokenizersBackend", a class transformers 4.x does not have;
 # both majors load the same tokenizer.json as PreTrainedTokenizerFast (5.x keeps that name as an alias)
 PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+# what a causal LM's forward takes from a tokenizer: 4.x's PreTrainedTokenizerFast also returns token_type_ids
+# unless told otherwise, and generate(**tok(prompt)) then refuses them ("model_kwargs are not used by the model")
+CAUSAL_LM_INPUTS = ["input_ids", "attention_mask"]
+# transformers' placeholder for "no limit" (VERY_LARGE_INTEGER = int(1e30)); anything this big is not a length
+NO_LENGTH = 10**20
+# loading arguments transformers 5 stores in tokenizer_config.json: they describe one load, not the tokenizer
+LOAD_ONLY_KEYS = ("is_local", "local_files_only")
 
 
-def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
-    """`tokenizer.save_pretrained`, with a `tokenizer_class` that transformers 4.x and 5.x both load."""
+def save_tokenizer(tokenizer, directory: str | os.PathLike, model_config: dict | None = None) -> None:
+    """`tokenizer.save_pretrained`, with a tokenizer_config.json that serves transformers 4.x and 5.x alike:
+    a `tokenizer_class` both load; for a causal LM, `model_input_names` ["input_ids", "attention_mask"]; and a
+    real `model_max_length`: the tokenizer's own when it has one, else the model's max_position_embeddings.
+    `model_config`: the model's config as a dict; by default the config.json already written in `directory`
+    (every caller writes it first)."""
     tokenizer.save_pretrained(directory)
     path = Path(directory) / "tokenizer_config.json"
     if not path.exists():
         return
+    if model_config is None:
+        config_file = Path(directory) / "config.json"
+        model_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     config = json.loads(path.read_text())
     if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
         config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]
-        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    for key in LOAD_ONLY_KEYS:
+        config.pop(key, None)
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in model_config.get("architectures") or []):
+        config["model_input_names"] = CAUSAL_LM_INPUTS
+    length = getattr(tokenizer, "model_max_length", None)
+    positions = model_config.get("max_position_embeddings")
+    if isinstance(length, int) and 0 < length < NO_LENGTH:
+        config["model_max_length"] = length
+    elif isinstance(positions, int) and positions > 0:
+        config["model_max_length"] = positions
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _saved_dtype(reader: CheckpointReader) -> torch.dtype:
@@ -137,16 +209,14 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
                                "--export hf): load it with transformers.AutoModelForCausalLM.from_pretrained")
         raise UpcycleError(f"{path} is not an upcycle checkpoint (no {MOE_CONFIG})")
     spec = _read_json(spec_file, "MoE spec")
-    if spec.get("format_version") != FORMAT_VERSION:
-        raise UpcycleError(f"{path}: format version {spec.get('format_version')} is not {FORMAT_VERSION}")
+    if spec.get("format_version") not in READABLE_VERSIONS:
+        raise UpcycleError(f"{path}: format version {spec.get('format_version')!r} is not one this upcycle reads "
+                           f"{READABLE_VERSIONS}")
     layers = spec.get("layers")
     if not isinstance(spec.get("model_class"), str) or not isinstance(layers, list) or \
             not all(isinstance(entry, dict) and isinstance(entry.get("block"), str) for entry in layers):
         raise UpcycleError(f"{spec_file}: model_class must name a class and layers must list blocks with their specs")
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-    except Exception as e:
-        raise UpcycleError(f"{path}: config.json does not load ({type(e).__name__}: {e})") from None
+    config = base_config(path)
     cls = getattr(transformers, spec["model_class"], None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UpcycleError(f"{path}: transformers has no model class {spec['model_class']}")

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.folders import Claim, Input, claim_output, inputs
 from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
+from ..checkpoint.save_load import mark_upcycled
 from ..config import ConvertConfig, MoEConfig, to_dict
 from ..data.assets import model_inputs
 from ..errors import UpcycleError
@@ -90,6 +91,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     done = convert_in_memory(model, cfg, method, args, promised=promises_dense_function(method, args, cfg.moe),
                              tokenizer=tokenizer, texts=texts, text_source=text_source, calibration=calibration,
                              calibration_source=calibration_source, progress=progress)
+    mark_upcycled(model)        # its save_pretrained now writes the upcycle format (upcycle.save too)
     return _checked_report(cfg, method, args, done)
 
 

@@ -22,6 +22,7 @@ before top-2 (Switch/GShard); dropped slots weigh 0, and `renormalize_after_drop
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from ..config import SCORES, MoEConfig  # noqa: F401  (SCORES: the score functions, listed with the config)
 
 
-def router_logits(router: nn.Linear, x_TD: torch.Tensor) -> torch.Tensor:
+def router_logits(router: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     """float32 router logits [T, E] under any autocast (ST-MoE, torchtitan: routing is precision-sensitive).
 
     Autocast would run the linear in bfloat16 even on float32 inputs, so it is switched off around it; the
@@ -107,13 +108,32 @@ def expert_counts(topk_ids_TK: torch.Tensor, num_experts: int, mask_T: torch.Ten
     return count_ids(topk_ids_TK, num_experts, weights)
 
 
-class Router(nn.Linear):
-    """The router: a float32 linear map to E scores (state dict `weight`, `bias` as an nn.Linear's), and the
-    routing rule of the module docstring, with the options of a `MoEConfig` (validated there)."""
+class Router(nn.Module):
+    """The router: a float32 linear map to E scores (state dict `weight` [E, D] and optional `bias` [E], the names
+    and initialization of an nn.Linear's), and the routing rule of the module docstring, with the options of a
+    `MoEConfig` (validated there).
+
+    Deliberately not an nn.Linear subclass: adapters that wrap every linear layer (peft's `all-linear` LoRA) would
+    replace it with a module that has no `route`, and a low-rank update of the router would change the routing the
+    model was converted with; as its own module type they leave it alone."""
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, bias: bool = False) -> None:
-        super().__init__(hidden_size, config.num_experts, bias=bias, dtype=torch.float32)
+        super().__init__()
+        self.in_features, self.out_features = hidden_size, config.num_experts
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(config.num_experts, dtype=torch.float32)) if bias else None
         self.config = config        # frozen: the options are read from it, never copied
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, draw for draw (a seeded conversion makes the same random router as before)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     @property
     def score(self) -> str:

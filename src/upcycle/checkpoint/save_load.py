@@ -1,0 +1,124 @@
+"""The public `upcycle.save` and `upcycle.load`, and `save_pretrained` on an upcycled model.
+
+A model with upcycle's MoE layers is still an instance of its transformers class (LlamaForCausalLM, BertModel, ...),
+whose `save_pretrained` would write a plain transformers folder: config.json of the dense model with the experts'
+tensors beside it, which transformers reads back as the dense model with random MLPs. `mark_upcycled` gives the model
+a subclass of its own class, with the same name, whose `save_pretrained` writes the upcycle format instead, so code
+that saves any transformers model (a notebook, transformers' Trainer, Accelerate) writes a folder `load` reads back.
+
+`save(model, folder)` follows the rules of every upcycle output (docs/design.md principle 4): the folder is written
+whole or not at all, never over a folder upcycle did not write, and over its own only with `overwrite=True`.
+`save_pretrained(folder)` keeps transformers' meaning instead: it writes its files into the folder, which may exist
+and hold other files (a Trainer checkpoint's), replacing only the model files of an earlier upcycle save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UpcycleError
+from .folders import claim_output
+from .reader import INDEX_FILE, SINGLE_FILE
+from .upcycle_format import MOE_CONFIG, save_folder_files
+from .upcycle_format import load as load_folder
+from .writer import DEFAULT_MAX_SHARD_BYTES, parse_size
+
+SAVE_KIND = "convert"       # a saved model is the same kind of output as a conversion's
+
+
+def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild the upcycled model of an upcycle folder (`upcycle_format.load`), ready to `save_pretrained` again."""
+    return mark_upcycled(load_folder(path, dtype=dtype))
+
+
+def save(model: nn.Module, folder: str | os.PathLike, *, tokenizer=None, overwrite: bool = False,
+         max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` (upcycled in memory, loaded, or trained) as an upcycle folder that `load` reads back exactly.
+
+    The folder must not exist, or be empty, or (with `overwrite=True`) be one upcycle wrote; it appears whole
+    when the weights are written, and a failure leaves what was there before."""
+    _check_upcycled(model)
+    folder = Path(folder).expanduser()
+    with claim_output(folder, kind=SAVE_KIND, overwrite=overwrite) as claim, claim.directory() as tmp:
+        save_folder_files(model, tmp, tokenizer=tokenizer, max_shard_bytes=parse_size(max_shard_size))
+    return folder
+
+
+def _check_upcycled(model: nn.Module) -> None:
+    from ..core.moe import moe_layers
+
+    if not moe_layers(model):
+        raise UpcycleError(f"{type(model).__name__} has no upcycle MoE layers; save a dense model with its own "
+                           f"save_pretrained")
+
+
+# Model files of an upcycle folder; what an in-place save may replace (shards: model-00001-of-00003.safetensors)
+def _model_files(folder: Path) -> list[str]:
+    fixed = ("config.json", MOE_CONFIG, "generation_config.json", SINGLE_FILE, INDEX_FILE)
+    shards = [p.name for p in folder.glob("model-*-of-*.safetensors")]
+    return [name for name in fixed if (folder / name).exists()] + sorted(shards)
+
+
+def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: dict | None = None,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """transformers' `save_pretrained` semantics for the upcycle format: the folder may exist and hold other
+    files; the model files of an earlier upcycle save there are replaced (stale shards removed), and model files
+    upcycle did not write are refused rather than overwritten."""
+    _check_upcycled(model)
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UpcycleError(f"save_pretrained: {folder} is a file")
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = _model_files(folder)
+    if existing and not (folder / MOE_CONFIG).is_file():
+        raise UpcycleError(f"save_pretrained: {folder} holds model files upcycle did not write "
+                           f"({', '.join(existing[:3])}); save into a new folder, or remove them yourself")
+    tmp = Path(tempfile.mkdtemp(prefix=".upcycle-save-", dir=folder))
+    try:
+        save_folder_files(model, tmp, state_dict=state_dict, max_shard_bytes=parse_size(max_shard_size))
+        written = sorted(p.name for p in tmp.iterdir())
+        # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
+        for name in sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)):
+            os.replace(tmp / name, folder / name)
+        for name in existing:
+            if name not in written:
+                (folder / name).unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class UpcycledModel:
+    """Mixed in before an upcycled model's transformers class: `save_pretrained` writes the upcycle format."""
+
+    _upcycle_marked = True
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, is_main_process: bool = True,
+                        state_dict: dict | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+                        push_to_hub: bool = False, **kwargs) -> None:
+        if push_to_hub:
+            raise UpcycleError("save_pretrained(push_to_hub=True) is not supported for upcycle folders: save, "
+                               "then upload the folder with huggingface_hub's upload_folder")
+        if is_main_process:
+            save_in_place(self, save_directory, state_dict=state_dict, max_shard_size=max_shard_size)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def mark_upcycled(model: nn.Module) -> nn.Module:
+    """Give `model` its class's upcycle subclass (same name and module, `UpcycledModel.save_pretrained`); the
+    model is otherwise untouched. Idempotent; returns the model."""
+    cls = type(model)
+    if getattr(cls, "_upcycle_marked", False) or not hasattr(cls, "save_pretrained"):
+        return model
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (UpcycledModel, cls),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    model.__class__ = _CLASSES[cls]
+    return model
