@@ -81,22 +81,38 @@ CASES = {  # name: (source, method, every, export class, shared expert)
 }
 
 
+def greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
+    """The upcycled model's own greedy continuation: what generate(do_sample=False) must return."""
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0].tolist()
+
+
 def test_exports_load_and_match_under_transformers_4(hf4_python, tmp_path):
+    from test_export_tokenizer import toy_tokenizer
+
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    text = "the cat sat on the"
     folders = []
     for name, (kind, method, every, cls, shared) in CASES.items():
         model = upcycled(kind, method, every, shared)
         folder = tmp_path / name
         folder.mkdir()
-        export_hf(model, folder, input_ids=ids, tolerance=1e-5, export_class=cls)
+        tokenizer = toy_tokenizer(None if kind == "qwen2" else 64)    # qwen2: the length comes from the config
+        export_hf(model, folder, input_ids=ids, tolerance=1e-5, export_class=cls, tokenizer=tokenizer)
+        text_ids = tokenizer(text, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits}, folder / "expected_logits.pt")
+            torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits, "text": text,
+                        "text_ids": text_ids[0].tolist(), "greedy": greedy(model, text_ids, 3)},
+                       folder / "expected_logits.pt")
         folders.append(str(folder))
     model, tokenizer, folder = tokenizer_folder(tmp_path)
-    text = "the cat sat on the"
+    text_ids = tokenizer(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         torch.save({"input_ids": ids, "logits": model(input_ids=ids).logits, "text": text,
-                    "text_ids": tokenizer(text)["input_ids"]}, folder / "expected_logits.pt")
+                    "text_ids": text_ids[0].tolist(), "greedy": greedy(model, text_ids, 3)},
+                   folder / "expected_logits.pt")
     folders.append(str(folder))
     script = Path(__file__).with_name("hf4_check.py")
     run = subprocess.run([str(hf4_python), str(script), *folders], capture_output=True, text=True, timeout=600)
@@ -110,7 +126,10 @@ def test_exports_load_and_match_under_transformers_4(hf4_python, tmp_path):
         # same weights; 4.57 sums the experts in its own order: measured at most 6e-8 on these logits of order 1
         assert r["max_abs_diff"] <= 1e-5, r
         assert r["generated_shape"] == [2, 7]
-    with_tokenizer = results[-1]
-    assert with_tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast" and with_tokenizer["ids_match"]
-    assert with_tokenizer["pipeline_text"].startswith("the cat sat on the")
+        # generate(**tok(prompt, return_tensors="pt")): no token_type_ids, the upcycled model's greedy tokens
+        assert r["tokenizer_class"] == "PreTrainedTokenizerFast" and r["ids_match"], r
+        assert r["tokenizer_outputs"] == ["attention_mask", "input_ids"], r
+        assert r["generate_from_tokenizer_matches"], r
+        assert r["model_max_length"] == 64, r
+        assert r["pipeline_text"].startswith("the cat sat on the"), r
     assert {r["class"] for r in results} == {"Qwen2MoeForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"}

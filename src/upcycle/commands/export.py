@@ -1,4 +1,5 @@
-"""`upcycle export IN OUT`: an upcycle folder written as a stock transformers MoE checkpoint, checked against it."""
+"""`upcycle export IN OUT`: an upcycle folder written as a stock transformers MoE checkpoint, checked against it,
+or (`--format gguf`) as a GGUF file for llama.cpp, checked by reading it back (docs/runtimes.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="folder written by `upcycle convert`")
     parser.add_argument("out", help="output folder (written atomically)")
     parser.add_argument("--export-class", dest="export_class", default="auto", choices=("auto", *STOCK_CLASSES))
+    parser.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                        help="hf: a stock transformers checkpoint; gguf: OUT/model.gguf for llama.cpp")
+    parser.add_argument("--gguf-type", dest="gguf_type", default="f16", choices=("f32", "f16", "bf16"),
+                        help="weight type of the GGUF file (quantize it with llama.cpp's llama-quantize)")
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..conversion.stock_export import export_folder
 
-    info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite)
+    info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite,
+                         format=args.format, gguf_type=args.gguf_type)
     print(dumps(info))
-    print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
+    if args.format == "gguf":
+        print(f"wrote {args.out}/model.gguf: runs with llama.cpp (llama-cli -m {args.out}/model.gguf)")
+    else:
+        print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
     return 0

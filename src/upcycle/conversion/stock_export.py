@@ -3,7 +3,8 @@
 The layout (which class, its config, its tensors) is `upcycle.export`'s; here it is written and checked:
   - `export_hf`: a model in memory, written with its stock config, loaded back with plain transformers and its
     logits compared with ours on a probe (`check.export_tolerance`);
-  - `export_folder`: `upcycle export IN OUT`, an upcycle folder loaded whole and exported that way;
+  - `export_folder`: `upcycle export IN OUT`, an upcycle folder loaded whole and exported that way, or with
+    `--format gguf` written as a GGUF file for llama.cpp (`upcycle.export.gguf`, checked by reading it back);
   - `export_streamed` + `check_export`: an upcycle folder rewritten as the stock class one block at a time (the
     several-source merge's `export: hf`), then the probe run through our folder (a block at a time) and through the
     stock checkpoint loaded whole, which is skipped, and said so, when that does not fit in memory.
@@ -67,17 +68,27 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
 
 
 def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto", overwrite: bool = False,
-                  tolerance: float = 1e-5) -> dict:
-    """`upcycle export IN OUT`: an upcycle-format folder -> a stock checkpoint, checked against the original."""
+                  tolerance: float = 1e-5, format: str = "hf", gguf_type: str = "f16") -> dict:
+    """`upcycle export IN OUT`: an upcycle-format folder -> a stock checkpoint, checked against the original;
+    with `format="gguf"`, OUT holds `model.gguf` (weights as `gguf_type`) for llama.cpp instead."""
     from ..checkpoint.loading import load_tokenizer
+    from ..export.gguf import DTYPES
 
+    if format not in ("hf", "gguf"):
+        raise UpcycleError(f"export format must be hf or gguf, got {format!r}")
+    if gguf_type not in DTYPES:
+        raise UpcycleError(f"GGUF weight type must be one of {sorted(DTYPES)}, got {gguf_type!r}")
     src, out = Path(src), Path(out)
     with claim_output(out, kind="export", given=inputs(("upcycle folder", src)), overwrite=overwrite) as claim:
         if not src.is_dir():
             raise UpcycleError(f"{src} is not a folder; export takes a folder written by `upcycle convert`")
         model = load(src)
-        export_target(model, export_class)          # refuse before writing anything
+        target = export_target(model, export_class)          # refuse before writing anything
         tokenizer = load_tokenizer(src)
+        if format == "gguf":
+            from ..export.gguf import gguf_plan
+
+            gguf_plan(model, target, tokenizer, gguf_type)
         probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
         report_file = src / "upcycle_report.json"
         try:
@@ -87,8 +98,14 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
         if not isinstance(report, dict):
             raise UpcycleError(f"{report_file} is not a conversion report (a JSON object)")
         with claim.directory() as tmp:
-            info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
-                             tokenizer=tokenizer)
+            if format == "gguf":
+                from ..export.gguf import write_gguf
+
+                info = write_gguf(model, target, tmp / "model.gguf", tokenizer,
+                                  out_type=gguf_type, name=src.resolve().name)
+            else:
+                info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
+                                 tokenizer=tokenizer)
             report["export"] = {**info, "source_folder": str(src.resolve())}
             (tmp / "upcycle_report.json").write_text(json_text(report, indent=2, where="upcycle_report.json"))
     return report["export"]

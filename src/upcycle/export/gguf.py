@@ -1,0 +1,209 @@
+"""An upcycled decoder as a GGUF file for llama.cpp (`upcycle export IN OUT --format gguf`).
+
+Built on the `gguf` package (llama.cpp's own writer and tensor-name tables), from the stock export's tensors
+(`layout.py`): the Mixtral export is llama.cpp's "llama" arch with experts, Qwen2-MoE "qwen2moe", Qwen3-MoE
+"qwen3moe". Each expert projection is stacked into one [E, out, in] tensor (`ffn_gate_exps`, ...), as llama.cpp's
+convert_hf_to_gguf.py does; the "llama" arch gets its q/k rows permuted to llama.cpp's rotary layout (the same
+permutation as that converter's). Weights are written as F32, F16 or BF16 (no quantization: llama.cpp's
+llama-quantize does that from this file), norms and routers always F32.
+
+What llama.cpp computes differently for these archs is refused before anything is written (docs/design.md
+principle 4), read from its model code: qwen2moe and qwen3moe have an MoE FFN in every block (no
+`mlp_only_layers`); qwen2moe never renormalizes the top-k weights, qwen3moe and llama always do; rope scaling and
+a sliding window shorter than the context are not written. After writing, the file is read back with
+`gguf.GGUFReader` and every tensor compared with what was meant (`check_gguf`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UpcycleError
+from .gguf_vocab import gguf_vocab
+from .layout import export_config, export_state_dict
+from .protocol import StockClass
+
+# stock class -> llama.cpp arch
+ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# whether llama.cpp's graph for the arch renormalizes the top-k weights (qwen2moe.cpp passes norm_w = false)
+RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# the keys llama.cpp reads for every one of these archs (tokenizer keys: gguf_vocab)
+REQUIRED_KEYS = ("general.architecture", "{arch}.context_length", "{arch}.embedding_length", "{arch}.block_count",
+                 "{arch}.feed_forward_length", "{arch}.attention.head_count", "{arch}.attention.head_count_kv",
+                 "{arch}.rope.freq_base", "{arch}.attention.layer_norm_rms_epsilon", "{arch}.expert_count",
+                 "{arch}.expert_used_count", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
+                 "tokenizer.ggml.token_type")
+
+
+def gguf_problems(config: dict, arch: str) -> list[str]:
+    """What llama.cpp's `arch` would compute differently from the stock config `config` (module docstring)."""
+    problems = []
+    if config.get("mlp_only_layers"):
+        problems.append(f"dense blocks {config['mlp_only_layers']} (llama.cpp's {arch} has an MoE FFN in every "
+                        "block: convert with every block MoE)")
+    renorm = config.get("norm_topk_prob", True)
+    if renorm != RENORMALIZES[arch]:
+        fix = ("--set moe.normalize_topk=false" if renorm else "moe.normalize_topk=true")
+        extra = "; or --export-class mixtral, llama.cpp's llama arch" if arch == "qwen2moe" else ""
+        problems.append(f"top-k weights {'renormalized' if renorm else 'raw'} (llama.cpp's {arch} always "
+                        f"{'renormalizes' if RENORMALIZES[arch] else 'uses them raw'}: convert with {fix}{extra})")
+    if config.get("rope_scaling"):
+        problems.append(f"rope scaling {config['rope_scaling']} (not written by upcycle's GGUF export)")
+    window = config.get("sliding_window")
+    if window is not None and window < config["max_position_embeddings"]:
+        problems.append(f"a sliding window of {window} < {config['max_position_embeddings']} positions "
+                        f"(llama.cpp's {arch} attends to the whole context)")
+    return problems
+
+
+def _permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (LlamaModel.permute of convert_hf_to_gguf.py)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model: nn.Module, target: StockClass, config: dict, dtype: torch.dtype
+                 ) -> dict[str, np.ndarray]:
+    """Every tensor of the GGUF file by its llama.cpp name, as numpy arrays in the order they are written."""
+    import gguf
+
+    arch = ARCHS[target.name]
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    hf, _ = export_state_dict(model, target)
+    if "lm_head.weight" not in hf:          # tied: qwen2moe needs `output` (llama.cpp loads it as required)
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for key in list(hf):                     # experts.{e}.gate_proj.weight -> one stacked experts.gate_proj.weight
+        parts = key.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            stacked = ".".join(parts[:i + 1] + parts[i + 2:])
+            experts.setdefault(stacked, {})[int(parts[i + 1])] = hf.pop(key)
+    for stacked, by_index in experts.items():
+        hf[stacked] = torch.stack([by_index[e] for e in range(len(by_index))])
+    out = {}
+    for key, tensor in hf.items():
+        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise UpcycleError(f"no llama.cpp {arch} tensor for {key}; nothing was written")
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
+            tensor = _permute_rotary(tensor, heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            tensor = tensor.reshape(-1)      # llama.cpp reads the shared expert's sigmoid gate as a vector
+        tensor = tensor.detach().contiguous()
+        # norms, biases and routers stay F32, as llama.cpp's converter keeps 1-D tensors and routers
+        if tensor.ndim == 1 or name.endswith("ffn_gate_inp.weight") or dtype == torch.float32:
+            out[name] = tensor.float().numpy()
+        elif dtype == torch.float16:
+            out[name] = tensor.half().numpy()
+        else:                                # numpy has no bfloat16: its bits, written as raw BF16
+            out[name] = tensor.bfloat16().view(torch.int16).numpy()
+    return out
+
+
+def gguf_plan(model: nn.Module, target: StockClass, tokenizer, out_type: str = "f16") -> tuple[str, dict, dict]:
+    """(llama.cpp arch, stock config, tokenizer values) of the GGUF file `write_gguf` would write, or the
+    UpcycleError that says why llama.cpp cannot run it; reads no weight, so it runs before any output exists."""
+    arch = ARCHS.get(target.name)
+    if arch is None:
+        raise UpcycleError(f"no llama.cpp arch for {target.architecture}")
+    if out_type not in DTYPES:
+        raise UpcycleError(f"GGUF weight type must be one of {sorted(DTYPES)}, got {out_type!r}")
+    config = export_config(model, target)
+    problems = gguf_problems(config, arch)
+    if problems:
+        raise UpcycleError(f"llama.cpp's {arch} cannot compute this model: {'; '.join(problems)}")
+    if tokenizer is None:
+        raise UpcycleError("GGUF export needs the model's tokenizer (llama.cpp loads none without one)")
+    return arch, config, gguf_vocab(tokenizer, config["vocab_size"])
+
+
+def write_gguf(model: nn.Module, target: StockClass, path: Path, tokenizer, *, out_type: str = "f16",
+               name: str = "upcycled") -> dict:
+    """Write `model` (upcycled, exportable as `target`) as a GGUF file at `path` and check it by reading it
+    back; returns what was written. Refuses (UpcycleError, `gguf_plan`) before writing what llama.cpp would
+    compute differently, and a tokenizer it cannot describe (gguf_vocab)."""
+    import gguf
+
+    arch, config, vocab = gguf_plan(model, target, tokenizer, out_type)
+    tensors = gguf_tensors(model, target, config, DTYPES[out_type])
+    head_dim = config["head_dim"]
+    # Mixtral's intermediate_size is its experts' width (mixtral.py); the Qwen classes name it apart
+    expert_width = config.get("moe_intermediate_size", config["intermediate_size"])
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[out_type])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    # llama's experts take their width from feed_forward_length; the Qwen archs from expert_feed_forward_length
+    writer.add_feed_forward_length(expert_width if arch == "llama" else config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(expert_width)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_tokenizer_model(vocab["model"])
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["token_type"])
+    writer.add_token_merges(vocab["merges"])
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):
+        if vocab[key] is not None:
+            add(vocab[key])
+    writer.add_add_bos_token(vocab["add_bos_token"])
+    writer.add_add_eos_token(vocab["add_eos_token"])
+    if vocab["chat_template"]:
+        writer.add_chat_template(vocab["chat_template"])
+    for tensor_name, array in tensors.items():
+        raw = gguf.GGMLQuantizationType.BF16 if out_type == "bf16" and array.dtype == np.int16 else None
+        writer.add_tensor(tensor_name, array, raw_dtype=raw)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    check_gguf(path, arch, tensors, vocab)
+    return {"format": "gguf", "arch": arch, "file": path.name, "weight_type": out_type, "tensors": len(tensors),
+            "tokenizer_pre": vocab["pre"], "via": target.architecture}
+
+
+def check_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], vocab: dict) -> None:
+    """Read the file back with gguf.GGUFReader: every tensor there with its shape and bytes, nothing else, and
+    the keys llama.cpp requires; an UpcycleError otherwise."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    found = {t.name: t for t in reader.tensors}
+    if set(found) != set(tensors):
+        raise UpcycleError(f"{path}: tensors read back differ (missing {sorted(set(tensors) - set(found))[:5]}, "
+                           f"extra {sorted(set(found) - set(tensors))[:5]})")
+    for tensor_name, array in tensors.items():
+        t = found[tensor_name]
+        # ggml lists dimensions innermost first: reversed, they are the numpy shape written
+        if tuple(int(n) for n in reversed(t.shape)) != array.shape or \
+                np.asarray(t.data).tobytes() != np.ascontiguousarray(array).tobytes():
+            raise UpcycleError(f"{path}: tensor {tensor_name} reads back different")
+    keys = [k.format(arch=arch) for k in REQUIRED_KEYS]
+    missing = [k for k in keys if k not in reader.fields]
+    if missing:
+        raise UpcycleError(f"{path}: llama.cpp's keys {missing} are missing")
+    if len(reader.fields["tokenizer.ggml.tokens"].data) != len(vocab["tokens"]):
+        raise UpcycleError(f"{path}: the vocabulary reads back with another length")
