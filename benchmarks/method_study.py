@@ -1,6 +1,6 @@
 """The LM method study through `upcycle compare`: the embedded SmolLM2-135M on the embedded
 Wikipedia, 8 experts, top-2, every other block, each method trained with the budget of
-`configs/train/smollm2-copy.yaml` (40 steps x 8 x 256 tokens), against the dense model continued the same way.
+the `smollm2-copy` train recipe (40 steps x 8 x 256 tokens), against the dense model continued the same way.
 
     .venv/bin/python benchmarks/method_study.py                  # every part in turn, then --collect
     .venv/bin/python benchmarks/method_study.py --part seed-0    # one part
@@ -10,13 +10,13 @@ The parts are these `upcycle compare` commands into one WORK/study (rerunning on
 skipped, an interrupted one resumes from its checkpoint):
 
     seed-0:          upcycle compare default WORK/study --methods copy,cluster --eesd none,1.0 --seeds 0
-                       --config configs/train/smollm2-copy.yaml --num-experts 8 --top-k 2 --every 2 --quiet
+                       --config smollm2-copy --num-experts 8 --top-k 2 --every 2 --quiet
     seed-1:          the same with --eesd none --seeds 1
     seed-1-eesd:     the same with --eesd 1.0 --seeds 1
     others-a:        upcycle compare default WORK/study --methods noise,drop,drop_svd --eesd none --seeds 0
                        --config ... (as above) --keep results
     others-b:        upcycle compare default WORK/study --methods spri,granular --eesd none --seeds 0
-                       --method-config spri=configs/train/smollm2-spri.yaml
+                       --method-config spri=smollm2-spri
                        --method-set granular.method_args.granularity=2 --method-set granular.moe.num_experts=16
                        --method-set granular.moe.top_k=4
                        --config ... (as above) --keep results
@@ -54,7 +54,7 @@ from upcycle.train.run_folder import LOG, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "method_study"
-COMMON = ["--config", "configs/train/smollm2-copy.yaml", "--num-experts", "8", "--top-k", "2", "--every", "2",
+COMMON = ["--config", "smollm2-copy", "--num-experts", "8", "--top-k", "2", "--every", "2",
           "--quiet"]
 # granular: 16 experts half as wide, top-4 (granularity 2): the same total and active parameters as 8 experts
 # top-2 of the other methods (its default granularity 4 needs E and k multiples of 4)
@@ -72,7 +72,7 @@ def parts(study: Path) -> dict[str, list[str]]:
         "seed-1": compare("copy,cluster", "none", "1"),
         "seed-1-eesd": compare("copy,cluster", "1.0", "1"),
         "others-a": compare("noise,drop,drop_svd", "none", "0", "--keep", "results"),
-        "others-b": compare("spri,granular", "none", "0", "--method-config", "spri=configs/train/smollm2-spri.yaml",
+        "others-b": compare("spri,granular", "none", "0", "--method-config", "spri=smollm2-spri",
                             *GRANULAR, "--keep", "results"),
         "eesd-small": compare("cluster", "0.0001", "0", "--keep", "results"),
     }

@@ -7,8 +7,8 @@ lower held-out perplexity, and what do the router regularizers and routing stati
 Runs (each recipe's header has its command):
     upcycle convert default out/smollm2-moe  --method copy --num-experts 8 --top-k 2 --every 2
     upcycle convert default out/smollm2-spri --method spri --num-experts 8 --top-k 2 --every 2
-    upcycle train out/smollm2-moe  out/train-copy --config configs/train/smollm2-copy.yaml
-    upcycle train out/smollm2-spri out/train-spri --config configs/train/smollm2-spri.yaml
+    upcycle train out/smollm2-moe  out/train-copy --config smollm2-copy
+    upcycle train out/smollm2-spri out/train-spri --config smollm2-spri
 Writes benchmarks/results/smollm2_train.json and .png.
 """
 
@@ -23,11 +23,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from upcycle.config import recipe_path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(sys.executable).parent
-RUNS = {"copy": ("out/smollm2-moe", "out/train-copy", "configs/train/smollm2-copy.yaml"),
-        "spri": ("out/smollm2-spri", "out/train-spri", "configs/train/smollm2-spri.yaml")}
+RUNS = {"copy": ("out/smollm2-moe", "out/train-copy", "smollm2-copy"),         # packaged recipes, by name
+        "spri": ("out/smollm2-spri", "out/train-spri", "smollm2-spri")}
 
 
 def run_all() -> None:
@@ -90,7 +92,7 @@ def main() -> None:
     if args.run:
         run_all()
     result = {"runs": {m: summarize(ROOT / run) for m, (_, run, _) in RUNS.items()},
-              "recipes": {m: (ROOT / recipe).read_text() for m, (_, _, recipe) in RUNS.items()},
+              "recipes": {m: recipe_path(recipe, "train").read_text() for m, (_, _, recipe) in RUNS.items()},
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count()}}
     RESULTS.mkdir(parents=True, exist_ok=True)

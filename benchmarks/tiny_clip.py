@@ -23,14 +23,13 @@ from pathlib import Path
 import torch
 
 from upcycle import ConvertConfig, MoEConfig, PlacementConfig, convert
-from upcycle.config import TrainConfig, build, load_recipe
+from upcycle.config import RECIPES, TrainConfig, build, load_recipe
 from upcycle.data.clip_pairs import caption_tokenizer, digits_pairs
 from upcycle.data.tiny_clip import tiny_clip
 from upcycle.files import atomic_directory
 from upcycle.train.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FULL = {"pretrain_steps": 400, "continue_steps": 200, "batch_size": 128}
 QUICK = {"pretrain_steps": 100, "continue_steps": 20, "batch_size": 64}
 
@@ -45,7 +44,7 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
     stages: dict[str, dict] = {}
 
     def stage(name: str, model: Path, steps: int, recipe: str, **changes) -> Path:
-        data = {**load_recipe(CONFIGS / "train" / recipe), **changes}
+        data = {**load_recipe(RECIPES / "train" / recipe), **changes}
         data.update(model=str(model), steps=steps, batch_size=batch_size, seed=seed)
         cfg = build(TrainConfig, data)
         started = time.perf_counter()
@@ -58,7 +57,7 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
 
     # Dense pretraining: CLIP-UP's dense recipe shape (AdamW, weight decay 0.2, cosine with warmup).
     dense = stage("pretrain", root / "init", pretrain_steps, "tiny-clip-pretrain.yaml")
-    # Upcycle both towers with CLIP-UP's placement (configs/convert/clip-up.yaml).
+    # Upcycle both towers with CLIP-UP's placement (the `clip-up` convert recipe).
     started = time.perf_counter()
     conversion = convert(ConvertConfig(model=str(dense), method="copy", seed=seed,
                                        moe=MoEConfig(num_experts=8, top_k=2, capacity_factor_train=2.0,
@@ -68,7 +67,7 @@ def run(root: Path, *, pretrain_steps: int, continue_steps: int, batch_size: int
     report = conversion.report.to_dict()
     upcycled = {"seconds": round(time.perf_counter() - started, 2), "parameters": report["parameters"],
                 "num_moe_layers": report["num_moe_layers"], "max_abs_logit_diff": report["max_abs_logit_diff"]}
-    # Continue (configs/train/clip-up.yaml): learning rate 10x lower, weight decay 0.2 -> 0.05, fresh AdamW,
+    # Continue (the `clip-up` train recipe): learning rate 10x lower, weight decay 0.2 -> 0.05, fresh AdamW,
     # router losses per modality; the dense baseline takes the same recipe without router losses.
     stage("continue_moe", root / "moe", continue_steps, "clip-up.yaml")
     stage("continue_dense", dense, continue_steps, "clip-up.yaml", regularizers={})

@@ -1,5 +1,5 @@
 """What `pip install` of the project asks of the environment: a range of torch that leaves a GPU user's CUDA build
-(or another package's pin) in place, never one exact release."""
+(or another package's pin) in place, never one exact release; and what a wheel of it carries beside the code."""
 
 from __future__ import annotations
 
@@ -42,3 +42,36 @@ def test_pip_install_keeps_the_installed_torch(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert installs == ["upcycle"], installs
+
+
+def test_the_wheel_carries_the_recipes_the_license_and_py_typed(tmp_path):
+    """A wheel built from the project's files (copied, so the checkout gets no build/ folder) holds every packaged
+    recipe byte for byte, `py.typed` and the Apache-2.0 LICENSE that its metadata names."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "src" / "upcycle", source / "src" / "upcycle",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--quiet", str(source), "-w", str(tmp_path / "dist")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("upcycle-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        recipes = sorted((ROOT / "src" / "upcycle" / "recipes").rglob("*.yaml"))
+        assert len(recipes) >= 6
+        for recipe in recipes:
+            inside = recipe.relative_to(ROOT / "src").as_posix()
+            assert archive.read(inside) == recipe.read_bytes(), inside
+        assert "upcycle/py.typed" in names
+        info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        assert archive.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        metadata = archive.read(f"{info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text[:200] and "Version 2.0, January 2004" in license_text[:200]
+    assert "END OF TERMS AND CONDITIONS" in license_text          # the full text, not a one-line notice

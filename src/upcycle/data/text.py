@@ -41,7 +41,8 @@ _DUMP_RELPATH = (
     "test_data",
     "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
 )
-_INSTALL_HINT = "pip install --no-deps gensim==4.4.0"
+GENSIM_REQUIREMENT = "gensim==4.4.0"     # the wheel that carries the dump (data/assets.py lists it with the others)
+_INSTALL_HINT = f"upcycle assets install (or pip install --no-deps {GENSIM_REQUIREMENT})"
 _CACHE_NAME = "enwiki-articles.jsonl"
 # Articles shorter than this after stripping are stubs, disambiguation pages
 # or near-empty leftovers; they add noise rather than prose.
