@@ -19,6 +19,7 @@ from upcycle.config import (
     EXPORTS,
     MIXED_PRECISIONS,
     NON_FFN,
+    REPORT_TO,
     ROUTER_INITS,
     SCHEDULES,
     STORAGE_DTYPES,
@@ -40,7 +41,7 @@ RUN_FLAGS = {"convert": convert.RUN_FLAGS, "train": train.RUN_FLAGS}
 # and refuse others, checked below)
 ALLOWED = {"export": EXPORTS, "export_class": ("auto", *STOCK_CLASSES), "schedule": SCHEDULES,
            "mixed_precision": MIXED_PRECISIONS, "task": TASKS, "sources.router": ROUTER_INITS,
-           "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES)}
+           "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES), "report_to": REPORT_TO}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers as T
 
+import upcycle
 from conftest import TOY_WORDS, make_tiny
-from upcycle.checkpoint.upcycle_format import save
 from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import upcycle_model
@@ -159,14 +159,14 @@ def test_gguf_weight_types_read_back_bit_for_bit(tmp_path):
 
 def test_gguf_command_and_refusals(tmp_path, capsys):
     tokenizer = byte_level_tokenizer()
-    save((tmp_path / "up").mkdir() or upcycled("qwen3"), tmp_path / "up", tokenizer=tokenizer)
+    upcycle.save(upcycled("qwen3"), tmp_path / "up", tokenizer=tokenizer)
     assert main(["export", str(tmp_path / "up"), str(tmp_path / "out"), "--format", "gguf", "--gguf-type", "bf16"]) == 0
     assert "llama-cli" in capsys.readouterr().out
     assert {"model.gguf", "upcycle_report.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
     report = json.loads((tmp_path / "out" / "upcycle_report.json").read_text())
     assert report["export"]["arch"] == "qwen3moe" and report["export"]["weight_type"] == "bf16"
     # what llama.cpp computes differently is refused before OUT exists: dense blocks, qwen2moe's raw top-k
-    save((tmp_path / "dense").mkdir() or upcycled("qwen3", every=2), tmp_path / "dense", tokenizer=tokenizer)
+    upcycle.save(upcycled("qwen3", every=2), tmp_path / "dense", tokenizer=tokenizer)
     assert main(["export", str(tmp_path / "dense"), str(tmp_path / "x"), "--format", "gguf"]) == 2
     assert "dense blocks [0, 2]" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

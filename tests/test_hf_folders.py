@@ -174,3 +174,19 @@ def test_a_format_1_folder_loads_and_saves_as_a_folder_transformers_cannot_misre
     assert json.loads((tmp_path / "new" / "upcycle_config.json").read_text())["format_version"] == 2
     auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "new")
     assert torch.equal(logits(auto, x), logits(model, x))
+
+
+def test_an_upcycle_folders_tokenizer_serves_generate_with_the_models_length(tmp_path):
+    """The tokenizer of an upcycle folder, whose config.json nests the model's: causal-LM inputs only (no
+    token_type_ids for generate to refuse) and, for a tokenizer without a length, the model's positions."""
+    from test_export_tokenizer import toy_tokenizer
+
+    model = upcycled("llama")
+    upcycle.save(model, tmp_path / "m", tokenizer=toy_tokenizer(max_length=None))
+    written = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert written["model_input_names"] == ["input_ids", "attention_mask"]
+    assert written["model_max_length"] == model.config.max_position_embeddings == 64
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    out = auto.generate(**tokenizer("the cat sat", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == tokenizer("the cat sat", return_tensors="pt")["input_ids"].shape[1] + 3

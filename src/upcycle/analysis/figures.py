@@ -8,6 +8,8 @@
   router_probs.png    per-expert histograms of the router probability (DPSL's figures), same layers
   simplex.png         for three experts: each token's router probabilities on the 2-simplex
   steps.png           for a training run: the layer means of the metrics over the steps
+  training.png        for a training run: its log's curves (loss, regularizers, held-out metric, learning rate,
+                      per-layer routing entropy and load CoV, tokens/s, gradient norm; `upcycle.analyze.curves`)
 
 Figures read only the dict, so they can be redrawn from a saved analysis.json. matplotlib is imported here
 alone (the metrics do not need it).
@@ -325,6 +327,82 @@ def steps_figure(snapshots: list[dict], path: Path) -> None:
         plt.close(fig)
 
 
+# held-out results that are counts, not curves worth a panel
+EVAL_COUNTS = ("tokens", "pairs", "distinct_captions", "zero_shot/classes")
+
+
+def _points(xs: list, ys: list) -> tuple[list, list]:
+    """The (x, y) pairs whose y was logged (a null is a step without that value, not a zero)."""
+    kept = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def _per_layer(ax, steps: list, routing: dict, stat: str) -> None:
+    """One thin line per MoE layer and their mean in black."""
+    cmap = _plt().get_cmap("viridis")
+    names = list(routing)
+    for i, name in enumerate(names):
+        ax.plot(*_points(steps, routing[name][stat]), lw=0.8, alpha=0.7, color=cmap(i / max(1, len(names) - 1)),
+                label=layer_title(name) if len(names) <= 6 else None)
+    means = [_mean([routing[n][stat][i] for n in names]) for i in range(len(steps))]
+    ax.plot(*_points(steps, [None if math.isnan(m) else m for m in means]), lw=1.6, color="black", label="mean")
+    ax.legend(ncol=2, fontsize=7, loc="best", framealpha=0.6)
+
+
+def training_figure(curves: dict, path: Path) -> None:
+    """A training run's curves over its steps (the dict `upcycle.analyze.curves.run_curves` reads from log.jsonl)."""
+    plt = _plt()
+    steps = curves["steps"]
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(2, 4, figsize=(WIDTH, 5.0))
+        _margins(fig, left=0.6, wspace=0.4, hspace=0.55)
+        ax = axes[0, 0]
+        for term, color in (("total", "#333333"), ("task", "#1f77b4")):
+            if term in curves["loss"]:
+                ax.plot(*_points(steps, curves["loss"][term]), lw=1.2, color=color, label=term)
+        for step in curves["skipped"]:
+            ax.axvline(step, color="#d62728", lw=0.8, alpha=0.6)
+        ax.set(title="training loss" + (" (red: skipped steps)" if curves["skipped"] else ""))
+        ax.legend()
+        ax = axes[0, 1]
+        regularizers = {t: v for t, v in curves["loss"].items() if t not in ("total", "task")}
+        for term, values in regularizers.items():
+            ax.plot(*_points(steps, values), lw=1.2, label=term)
+        if regularizers:
+            ax.legend(fontsize=7, loc="best", framealpha=0.6)
+            values = [v for series in regularizers.values() for v in series if v is not None]
+            if values and min(values) > 0 and max(values) > 10 * min(values):
+                ax.set_yscale("log")       # load balance near 1, z-loss near 1e-3: one axis shows both
+        ax.set(title="regularizers (unweighted)")
+        ax = axes[0, 2]
+        evals, metrics = curves["eval"]["steps"], curves["eval"]["metrics"]
+        shown = ["perplexity"] if "perplexity" in metrics else [m for m in metrics if m not in EVAL_COUNTS]
+        for name in shown:
+            ax.plot(*_points(evals, metrics[name]), "o-", ms=4, label=name)
+        if len(shown) > 1:
+            ax.legend()
+        ax.set(title="held-out " + ("perplexity" if shown == ["perplexity"] else "metrics"))
+        ax = axes[0, 3]
+        ax.plot(*_points(steps, curves["lr"]), color="#2ca02c")
+        ax.set(title="learning rate")
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        if curves["routing"]:
+            _per_layer(axes[1, 0], steps, curves["routing"], "entropy")
+            _per_layer(axes[1, 1], steps, curves["routing"], "load_cov")
+        axes[1, 0].set(title="routing entropy (nats)")
+        axes[1, 1].set(title="load CoV over experts")
+        ax = axes[1, 2]
+        ax.plot(*_points(steps, curves["tokens_per_s"]), color="#8c564b")
+        ax.set(title="tokens/s", ylim=(0, None))
+        ax = axes[1, 3]
+        ax.plot(*_points(steps, curves["grad_norm"]), color="#9467bd")
+        ax.set(title="gradient norm (before clipping)")
+        for ax in axes.flat:
+            ax.set_xlabel("step")
+        fig.savefig(path)
+        plt.close(fig)
+
+
 FIGURES = (("layers.png", "Per MoE layer: expert weight similarity per projection and diversity; expert output "
             "similarity; routing entropy over its maximum log E; load CoV; relative compactness; specialization "
             "by source against the shuffled-source baseline (grey)."),
@@ -345,6 +423,11 @@ def write_figures(analysis: dict, folder: Path) -> list[tuple[str, str]]:
     snapshots = analysis["snapshots"]
     last = snapshots[-1]
     drawn = []
+    if analysis.get("training") and analysis["training"]["steps"]:
+        training_figure(analysis["training"], folder / "training.png")
+        drawn.append(("training.png", "The run's log (log.jsonl) over its steps: training loss, each regularizer "
+                                      "unweighted, the held-out evaluations, learning rate, per-layer routing "
+                                      "entropy and load CoV (black: their mean), tokens/s and gradient norm."))
     steps = [s for s in snapshots if s["step"] is not None]
     if len(steps) >= 2:
         steps_figure(steps, folder / "steps.png")

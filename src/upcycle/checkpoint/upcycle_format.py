@@ -54,12 +54,6 @@ def moe_spec(model: nn.Module) -> dict:
             "layers": [{"block": path.rsplit(".", 1)[0], **layer.spec()} for path, layer in moe_layers(model).items()]}
 
 
-def save(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """`save_folder_files` (kept for the callers that write a temporary folder of their own)."""
-    save_folder_files(model, directory, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
-
-
 def save_folder_files(model: nn.Module, directory: str | os.PathLike, *, tokenizer=None, state_dict: dict | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write the upcycle format into an existing (temporary) directory: configs, the MoE spec, the weights (the
@@ -144,6 +138,8 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, model_config: dict |
     if model_config is None:
         config_file = Path(directory) / "config.json"
         model_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if model_config.get("model_type") == FOLDER_MODEL_TYPE:        # an upcycle folder's: the base config inside
+        model_config = {**model_config.get("base_config", {}), "architectures": model_config.get("architectures")}
     config = json.loads(path.read_text())
     if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
         config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]

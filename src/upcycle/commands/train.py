@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import TrainConfig, build, load_recipe, refuse_overwrite_key
+from ..config import TrainConfig, build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
 from .flags import ConfigFlag, add_config_flags, apply_sets, dumps, flag_values, nested, whole_number
 
 CONFIG_FLAGS = (
@@ -27,6 +27,8 @@ CONFIG_FLAGS = (
                "experts, dense, ...)", split=True),
     ConfigFlag("--checkpoint-every", "checkpoint_every", "steps between checkpoints (0: only at the end)"),
     ConfigFlag("--eval-every", "eval_every", "steps between evaluations (0: only before and after training)"),
+    ConfigFlag("--report-to", "report_to", "also send every log line to TensorBoard (OUT/tensorboard/) or "
+               "Weights & Biases (OUT/wandb/; WANDB_MODE=offline needs no network)"),
     ConfigFlag("--mixed-precision", "mixed_precision", "auto: bf16 where the GPU has it, else no"),
     ConfigFlag("--seed", "seed", "seed of the run"),
 )
@@ -38,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="an upcycle folder, a dense transformers folder or id, or 'default'")
     parser.add_argument("out", help="run folder: run_config.yaml, log.jsonl, checkpoints/, model/")
     add_config_flags(parser, TrainConfig, CONFIG_FLAGS)
-    parser.add_argument("--config", help="YAML training recipe (configs/train/)")
+    parser.add_argument("--config", help=f"YAML training recipe: a file, or a packaged recipe by name "
+                                         f"({', '.join(recipe_names('train'))})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any key, e.g. --set regularizers.load_balance=0.01")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
@@ -56,7 +59,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
         data = saved_config(Path(args.out))
     else:
-        data = load_recipe(args.config)
+        data = load_recipe(recipe_path(args.config, "train"))
         refuse_overwrite_key(data, f"recipe {args.config}")
     data["model"] = args.model
     nested(data, flag_values(args, CONFIG_FLAGS))
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     cfg = train_config(args)
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
-                    progress=not args.quiet, recipe=args.config)
+                    progress=not args.quiet,
+                    recipe=None if args.config is None else str(recipe_path(args.config, "train")))
     if summary["interrupted"]:
         print(f"upcycle: interrupted at step {summary['step']}; checkpoint {summary['checkpoint']} "
               f"(continue with --resume)", file=sys.stderr)

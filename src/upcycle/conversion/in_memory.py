@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..checkpoint.upcycle_format import save
+from ..checkpoint.upcycle_format import save_folder_files
 from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.moe import MoELayer
@@ -95,5 +95,5 @@ def write_model(model: nn.Module, directory: Path, cfg: ConvertConfig, stock: St
     if stock is not None:
         return export_hf(model, directory, input_ids=probe_inputs["input_ids"],   # exports are decoders
                          tolerance=cfg.check.export_tolerance, export_class=stock.name, tokenizer=tokenizer)
-    save(model, directory, tokenizer=tokenizer)
+    save_folder_files(model, directory, tokenizer=tokenizer)
     return {"format": "upcycle"} | ({"why_not_hf": why_not} if why_not else {})

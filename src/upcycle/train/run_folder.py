@@ -33,7 +33,7 @@ INPUTS = "inputs.json"           # the run's model and data as absolute paths (t
 LOG = "log.jsonl"
 CHECKPOINTS = "checkpoints"
 # keys that may differ when resuming: they change what is written, not what is computed
-RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every"}
+RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every", "report_to"}
 
 
 def checkpoints(out: Path) -> list[Path]:

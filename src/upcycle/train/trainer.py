@@ -18,9 +18,11 @@ checkpoint is either complete or absent. Resuming restores all of it and the dat
 as if never stopped.
 
 What OUT may and may not do (validation first, staging, verified resume) is `upcycle.train.run_folder`'s job.
+Each log line also goes to TensorBoard or W&B with `report_to` (`upcycle.train.trackers`), and every evaluation
+shows a progress bar (`upcycle.train.evaluate.progress_bars`).
 
 Output folder OUT:  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/   model/ (the final model; an upcycle
-folder for MoE models, a plain transformers folder for dense ones)
+folder for MoE models, a plain transformers folder for dense ones)   tensorboard/ or wandb/ (with report_to)
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from torch import nn
 from ..analysis.routing import record_stats
 from ..checkpoint.folders import Input, claim_output, inputs
 from ..checkpoint.loading import load_model
-from ..checkpoint.upcycle_format import save
+from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import atomic_directory, json_text
 from . import checkpoint, sharding
+from .evaluate import progress_bars
 from .freezing import Freezer
 from .objective import Objective
 from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config: the trainer's public names)
@@ -65,6 +68,7 @@ from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config:
 )
 from .step import StepResult, any_process, train_step
 from .tasks import make_task
+from .trackers import Trackers, check_available
 
 
 class TrainingStopped(UpcycleError):
@@ -126,6 +130,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     out = Path(out).expanduser()
     if not resume:
         check_fresh_out(out, overwrite)
+    check_available(cfg.report_to)
     accelerator = _accelerator(cfg)
     with claim_output(out, kind="train", given=train_inputs(cfg, recipe), overwrite=overwrite,
                       existing="continue" if resume else "refuse", lock=accelerator.is_main_process):
@@ -237,6 +242,9 @@ class _Training:
         self.router_steps = round(cfg.regularizers.router_until * cfg.steps)
         self.skipped = 0
         self.log = self._open_log(resumed=resume_from is not None)
+        # started in `run`, or for a run staged beside an existing OUT once it is OUT (`save_checkpoint`)
+        self.trackers = Trackers(cfg.report_to, to_dict(cfg), enabled=self.is_main, resumed_at=self.state["step"])
+        self.progress = False
 
     def _prepare(self, model: nn.Module) -> None:
         """Optimizer and schedule; model and optimizer through Accelerate. Under FSDP the model is sharded first
@@ -279,12 +287,18 @@ class _Training:
 
         cfg = self.cfg
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-        first_eval = self.evaluate(0) if self.state["step"] == 0 else None
-        self.bar = tqdm(total=cfg.steps, initial=self.state["step"], disable=not (progress and self.is_main),
-                        desc="train", unit="step")
-        interrupted = self.loop(end)
-        self.bar.close()
-        return self.finish(first_eval, interrupted)
+        self.progress = progress and self.is_main
+        try:
+            if not self.folder.staged:
+                self.trackers.start(self.folder.path)
+            first_eval = self.evaluate(0) if self.state["step"] == 0 else None
+            self.bar = tqdm(total=cfg.steps, initial=self.state["step"], disable=not self.progress,
+                            desc="train", unit="step")
+            interrupted = self.loop(end)
+            self.bar.close()
+            return self.finish(first_eval, interrupted)
+        finally:
+            self.trackers.close()          # also when the run fails: the event file is closed, wandb finishes
 
     def loop(self, end: int) -> bool:
         """Steps up to `end`, with checkpoints and evaluations on their schedules; True if stopped by a signal."""
@@ -339,13 +353,16 @@ class _Training:
         self.bar.update(1)
 
     def write(self, record: dict) -> None:
+        """One log line (main process), and the same record to the tracker (`report_to`)."""
         if self.log is not None:
             self.log.write(json_text(record) + "\n")
             self.log.flush()
+        self.trackers.log(record)
 
     def evaluate(self, step: int) -> dict | None:
         # a sharded model runs only with every process: each evaluates the whole set, the main one writes it
-        result = self.task.evaluate(self.inner) if self.is_main or self.sharded else None
+        with progress_bars(f"eval at step {step}" if self.progress else None):
+            result = self.task.evaluate(self.inner) if self.is_main or self.sharded else None
         self.acc.wait_for_everyone()
         if result is not None:
             self.write({"step": step, "eval": result})
@@ -374,6 +391,7 @@ class _Training:
             for old in checkpoints(self.folder.path)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         self.folder.committed()
+        self.trackers.start(self.folder.path)      # a staged run is OUT now (a no-op once started)
 
     def _whole_state(self) -> tuple[dict | None, dict | None, dict | None]:
         """(model, optimizer, teacher) state for the main process to write: the optimizer's and teacher's own
@@ -431,11 +449,11 @@ class _Training:
         with self._whole_model(state, self.dtypes) as model, \
                 atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
             if self.layers:
-                save(model, tmp, tokenizer=self.tokenizer)
+                save_folder_files(model, tmp, tokenizer=self.tokenizer)
             else:
                 model.save_pretrained(tmp)
                 if self.tokenizer is not None:
-                    self.tokenizer.save_pretrained(tmp)
+                    save_tokenizer(self.tokenizer, tmp)
 
 
 def _absolute(path: str | None) -> str | None:
