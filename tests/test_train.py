@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
+from upcycle.config import RECIPES, FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.errors import UpcycleError
 from upcycle.train.freezing import Freezer
 from upcycle.train.trainer import checkpoints, lr_factor, train
@@ -218,7 +218,7 @@ def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
     assert all(any(n.endswith(suffix) for n in trainable) for suffix in expected)
 
 
-@pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.yaml")),
+@pytest.mark.parametrize("recipe", sorted((RECIPES / "train").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_train_recipes_are_valid(recipe):
     from upcycle.config import build, load_recipe

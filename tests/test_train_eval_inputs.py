@@ -73,15 +73,19 @@ def bert_mlm(tiny_lm, tmp_path) -> Path:
     return folder
 
 
-def test_encoders_are_refused_by_train_and_eval(tiny_lm, bert_mlm, tmp_path, capsys):
+def test_encoders_are_refused_next_token_tasks_and_text_without_pairs(tiny_lm, bert_mlm, tmp_path, capsys):
     from upcycle import ConvertConfig, MoEConfig, convert
 
     moe = tmp_path / "bert-moe"
     convert(ConvertConfig(model=str(bert_mlm), moe=MoEConfig(num_experts=2, top_k=1)), moe, progress=False)
     for model in (bert_mlm, moe):
+        # an encoder's task is the contrastive one (tests/test_contrastive.py), which takes pairs, not plain text
         assert main(["train", str(model), str(tmp_path / "run"), "--data", str(tiny_lm[2]), *RUN]) == 2
+        assert "expected a .jsonl or .jsonl.gz file" in capsys.readouterr().err
+        assert main(["train", str(model), str(tmp_path / "run"), "--data", str(tiny_lm[2]), "--task", "causal_lm",
+                     *RUN]) == 2
         assert "masked-LM training" in capsys.readouterr().err
-        assert main(["eval", str(model), "--data", str(tiny_lm[3])]) == 2
+        assert main(["eval", str(model), "--data", str(tiny_lm[3]), "--task", "causal_lm"]) == 2
         assert "not a causal language model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 

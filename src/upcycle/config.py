@@ -38,7 +38,11 @@ MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")      # TrainConfig.mixed_preci
 ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
 NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")     # ConvertConfig.dtype (besides auto)
-TASKS = ("causal_lm", "clip")                          # TrainConfig.task
+TASKS = ("causal_lm", "clip", "contrastive")           # TrainConfig.task
+REPORT_TO = ("tensorboard", "wandb")                  # TrainConfig.report_to
+# Held-out tokens of one causal-LM evaluation: training's (TrainConfig.eval_tokens) and `upcycle eval`'s
+# default alike, so the same model reads the same perplexity in both (docs/training.md, "Watching a run").
+EVAL_TOKENS = 16384
 
 
 # Every bounded key declares its range (or choices) beside its default, and each config checks its own keys when
@@ -311,10 +315,12 @@ class FreezeRule:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: str = "default"      # an upcycle folder, a dense Hugging Face folder or id, or "default"
-    task: str | None = choice(None, TASKS)    # causal_lm | clip; None: from the model (CLIP models: clip)
+    # causal_lm | clip | contrastive; None: from the model (CLIP models: clip; encoders such as BERT: contrastive)
+    task: str | None = choice(None, TASKS)
     # causal_lm: .txt / .jsonl ("text") file; None on the embedded model = the Wikipedia train split.
     # clip: "digits" (scikit-learn's 8x8 digits with templated captions), a JSONL file of
     # {"image", "caption"[, "label"]}, or a folder of images with same-name .txt captions.
+    # contrastive: a .jsonl(.gz) of {"query", "document"[, "source", "doc_id"]}; None = the packaged pairs.
     data: str | None = None
     eval_data: str | None = None   # None: the held-out Wikipedia split / the digits test split, when they apply
     steps: int = ranged(100, 1, BIG)                # optimizer steps
@@ -336,7 +342,10 @@ class TrainConfig:
     checkpoint_every: int = ranged(0, 0, BIG)       # steps between checkpoints (0: only at the end and on Ctrl-C)
     keep_checkpoints: int = ranged(2, 1, 10**6)
     eval_every: int = ranged(0, 0, BIG)             # steps between evaluations (0: only before and after training)
-    eval_tokens: int = ranged(32768, 1, 2**31)      # causal_lm: held-out tokens per evaluation
+    eval_tokens: int = ranged(EVAL_TOKENS, 1, 2**31)   # causal_lm: held-out tokens per evaluation (whole rows)
+    eval_pairs: int = ranged(2048, 1, BIG)          # contrastive: held-out pairs per evaluation (a fixed sample)
+    temperature: float = ranged(0.05, 0, 100, low_open=True)   # contrastive: InfoNCE temperature (fixed)
+    report_to: str | None = choice(None, REPORT_TO)  # also send the log to TensorBoard or W&B (Accelerate)
     # A step whose loss or gradient norm is NaN/inf: "stop" the run (OUT keeps its last good checkpoint), or
     # "skip" it (no update; the schedule moves on) and stop only once more than max_skipped_steps were skipped.
     on_nonfinite: str = choice("stop", ("stop", "skip"))
@@ -524,6 +533,35 @@ def set_override(data: dict, assignment: str) -> None:
         if not isinstance(node, dict):
             raise UpcycleError(f"--set {key}: {part!r} is not a section")
     node[parts[-1]] = value
+
+
+# The recipes that ship inside the package (package data, so a wheel has them too): one folder per command kind.
+RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPE_KINDS = ("convert", "train")
+# A recipe *name* is one word of letters, digits, '-' and '_': no folder part and no suffix. Anything else is a
+# path, so `./smollm2-copy` or `my.yaml` always reads the file, and a name never depends on the current directory.
+_RECIPE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def recipe_names(kind: str) -> tuple[str, ...]:
+    """The packaged recipes of a command kind ('convert' or 'train'), by name."""
+    if kind not in RECIPE_KINDS:
+        raise ValueError(f"recipe kind {kind!r}: one of {RECIPE_KINDS}")
+    return tuple(sorted(p.stem for p in (RECIPES / kind).glob("*.yaml")))
+
+
+def recipe_path(text: str | Path | None, kind: str) -> Path | None:
+    """What `--config TEXT` reads: a name (`smollm2-copy`) is the packaged `kind` recipe of that name, anything
+    else a path (as given). An unknown name is refused with the names there are."""
+    if text is None or isinstance(text, Path) or not _RECIPE_NAME.fullmatch(text):
+        return None if text is None else Path(text)
+    names = recipe_names(kind)
+    if text not in names:
+        hint = f"; to read the file {text!r} here, write ./{text}" if Path(text).is_file() else \
+            "; a recipe file is given by its path (with a '/' or a .yaml suffix)"
+        raise UpcycleError(f"--config {text}: no packaged {kind} recipe of that name (the {kind} recipes: "
+                           f"{', '.join(names)}){hint}")
+    return RECIPES / kind / f"{text}.yaml"
 
 
 def load_recipe(path: str | Path | None) -> dict:

@@ -7,6 +7,13 @@ dense model, the token-level KL(dense || model) of the output distributions at t
 forcing on the same rows; `conversion.preservation.compare`, the conversion report's own KL).
 `snapshot_metrics` turns that into `analysis.layer_metrics` per layer.
 
+An encoder (docs/contrastive.md) predicts no token, so it has no NLL and no output distribution to take a KL
+of: its forward is the hidden-state one its task uses (`upcycle.train.embedding`), one text per row, each batch
+cut to its longest row, and beside the dense model it reports what its task reads instead: the cosine of each
+text's sentence embedding (mean-pooled, normalized) to the dense encoder's embedding of the same text
+(`embedding_cosine_to_dense`: 1 = the same direction, as a function-preserving conversion gives; retrieval
+ranks by these directions), per source, and its minimum over the texts.
+
 Shape suffixes: B rows, S sequence length, D model width, T real tokens, V vocabulary.
 """
 
@@ -24,6 +31,8 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
+from ..train.contrastive import is_encoder
+from ..train.embedding import last_hidden, mean_pool, trim
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -38,6 +47,14 @@ class Capture:
     nll: dict[str, list[float]] = field(default_factory=dict)               # source -> [sum, count]
     kl: dict[str, list[float]] = field(default_factory=dict)                # source -> [sum, rows]
     max_abs_logit_diff: float = 0.0
+    encoder: bool = False
+    cosine: dict[str, list[float]] = field(default_factory=dict)            # encoder: source -> [sum, texts]
+    min_cosine: float = 1.0
+
+
+def _embeddings(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """An encoder's unit-norm sentence embeddings [B, D] (mean pooling, as its task computes them)."""
+    return F.normalize(mean_pool(last_hidden(model, ids, mask).float(), mask), dim=-1)
 
 
 def _forward_logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -50,7 +67,7 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
     modules = moe_modules(model)
     if not modules:
         raise UpcycleError(f"{type(model).__name__} has no MoE layer to analyze")
-    cap = Capture(inputs={name: [] for name in modules})
+    cap = Capture(inputs={name: [] for name in modules}, encoder=is_encoder(model))
     current_mask: list[torch.Tensor] = []
 
     def keep(name: str):
@@ -67,9 +84,17 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
         for index, source in enumerate(rows):
             nll_sum, nll_count, kl_sum, kl_rows = 0.0, 0, 0.0, 0
             for start in range(0, source.input_ids_NS.shape[0], batch_size):
-                ids = source.input_ids_NS[start:start + batch_size].to(device)
-                mask = source.attention_mask_NS[start:start + batch_size].to(device)
+                ids = source.input_ids_NS[start:start + batch_size]
+                mask = source.attention_mask_NS[start:start + batch_size]
+                if cap.encoder:
+                    ids, mask = trim(ids, mask)
+                ids, mask = ids.to(device), mask.to(device)
                 current_mask[:] = [mask]
+                if cap.encoder:
+                    _encoder_batch(cap, model, dense, ids, mask, index, source.name)
+                    if progress is not None:
+                        progress.update(int(mask.sum()))
+                    continue
                 logits = _forward_logits(model, ids, mask)
                 real = mask.bool()
                 cap.sources.append(torch.full((int(real.sum()),), index, dtype=torch.long))
@@ -89,6 +114,8 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
                     cap.max_abs_logit_diff = max(cap.max_abs_logit_diff, result["max_abs_logit_diff"])
                 if progress is not None:
                     progress.update(int(real.sum()))
+            if cap.encoder:
+                continue
             cap.nll[source.name] = [nll_sum, nll_count]
             if dense is not None:
                 cap.kl[source.name] = [kl_sum, kl_rows]
@@ -96,6 +123,24 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
         for handle in handles:
             handle.remove()
     return cap
+
+
+def _encoder_batch(cap: Capture, model: nn.Module, dense: nn.Module | None, ids: torch.Tensor,
+                   mask: torch.Tensor, index: int, name: str) -> None:
+    """One batch of an encoder: the hooks keep the layers' inputs; with the dense model, the embeddings' cosine."""
+    embedding_BD = _embeddings(model, ids, mask)
+    cap.sources.append(torch.full((int(mask.sum()),), index, dtype=torch.long))
+    if dense is None:
+        return
+    reference_BD = _embeddings(dense, ids, mask)
+    if reference_BD.shape != embedding_BD.shape:
+        raise UpcycleError(f"the dense model's embeddings {tuple(reference_BD.shape)} do not match the model's "
+                           f"{tuple(embedding_BD.shape)}: is --dense the encoder it came from?")
+    cosine_B = (embedding_BD * reference_BD).sum(-1).clamp(-1.0, 1.0)
+    total = cap.cosine.setdefault(name, [0.0, 0])
+    total[0] += float(cosine_B.double().sum())
+    total[1] += len(cosine_B)
+    cap.min_cosine = min(cap.min_cosine, float(cosine_B.min()))
 
 
 def _ratio(pairs: dict[str, list[float]]) -> dict:
@@ -119,6 +164,11 @@ def snapshot_metrics(model: nn.Module, cap: Capture, source_names: list[str], *,
         cap.inputs[name] = []                  # the layer's inputs are no longer needed
         if progress is not None:
             progress.update(1)
+    if cap.encoder:      # no next-token NLL or KL for an encoder (module docstring): the embeddings' cosine
+        out = {"layers": layers, "nll": {"all": None, "per_source": dict.fromkeys(source_names)},
+               "kl_to_dense": None,
+               "embedding_cosine_to_dense": ({**_ratio(cap.cosine), "min": cap.min_cosine} if cap.cosine else None)}
+        return out
     out = {"layers": layers, "nll": _ratio(cap.nll), "kl_to_dense": _ratio(cap.kl) if cap.kl else None}
     if cap.kl:
         out["max_abs_logit_diff"] = cap.max_abs_logit_diff

@@ -3,7 +3,11 @@
     validate (TARGET, OUT, sources) -> tokenize the sources -> per snapshot: one forward (+ the dense model's)
     -> `analysis.layer_metrics` per layer -> OUT/analysis.json, OUT/*.png, OUT/report.html (written atomically)
 
-For a training run every checkpoint is one snapshot, and the figures add the metrics over the steps.
+An encoder (the BERT family) is analyzed on one text per row, by default on the texts of its held-out pairs with
+one data source per pair source and role (`upcycle.analyze.encoder_sources`), and reports its embeddings'
+cosine to the dense encoder instead of NLL and KL (`upcycle.analyze.collect`).
+For a training run every checkpoint is one snapshot, and the figures add the metrics over the steps and the
+run's own curves from its log.jsonl (analysis.json "training", training.png: `upcycle.analyze.curves`).
 Nothing is written until every number is computed; OUT appears whole or not at all.
 """
 
@@ -17,7 +21,7 @@ from pathlib import Path
 from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
 from ..checkpoint.folders import Input, claim_output, inputs
-from ..checkpoint.loading import dense_config, load_dense
+from ..checkpoint.loading import check_sequence_length, dense_config, load_dense
 from ..conversion.sources import held_out_split
 from ..data.assets import model_inputs
 from ..data.source_texts import (
@@ -32,6 +36,8 @@ from ..errors import UpcycleError
 from ..files import json_text
 from ..machine import machine
 from .collect import capture, moe_modules, snapshot_metrics
+from .curves import run_curves
+from .encoder_sources import PairData, encoder_pairs, is_encoder_folder, pair_rows, text_rows
 from .target import RecordedSources, resolve_target, snapshot_models
 
 FORMAT = "upcycle-analysis"
@@ -51,6 +57,7 @@ class AnalyzeOptions:
     bins: int = 40
     shuffles: int = 20
     seed: int = 0
+    pairs: str | None = None               # encoders: a pair file whose texts are the sources (by source and role)
 
 
 # (flag, low, high) of each number option: beyond these a typo would allocate for minutes, not analyze more
@@ -127,12 +134,18 @@ def _texts(spec: SourceSpec) -> tuple[list[str], str]:
     return texts, origin
 
 
-def _sources(specs: list[SourceSpec], tokenizer, options: AnalyzeOptions) -> list[SourceRows]:
+def _sources(specs: list[SourceSpec], tokenizer, options: AnalyzeOptions, encoder: bool = False,
+             pairs: PairData | None = None) -> list[SourceRows]:
+    """Each source's rows: packed documents, or for an encoder one text per row (its pairs' texts by default)."""
+    if pairs is not None:
+        return pair_rows(pairs, tokenizer, tokens=options.tokens, sequence_length=options.sequence_length,
+                         seed=options.seed)
     rows = []
     for spec in specs:
         texts, origin = _texts(spec)
-        rows.append(source_rows(spec.name, texts, origin, tokenizer, tokens=options.tokens,
-                                sequence_length=options.sequence_length, seed=options.seed))
+        rows.append((text_rows if encoder else source_rows)(
+            spec.name, texts, origin, tokenizer, tokens=options.tokens, sequence_length=options.sequence_length,
+            seed=options.seed))
     return rows
 
 
@@ -142,22 +155,31 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
     started = time.perf_counter()
     check_options(options)
     resolved = resolve_target(target, options.checkpoints)
-    specs, sources_from = _source_specs(options, resolved.sources)
+    encoder = is_encoder_folder(resolved.skeleton)
+    if options.pairs is not None and not encoder:
+        raise UpcycleError(f"--pairs is for encoders (the BERT family); {resolved.skeleton} is not one: give its "
+                           f"text with --source NAME=FILE")
+    pairs = None
+    if encoder and (options.pairs is not None or not (options.sources or options.data)):
+        pairs = encoder_pairs(options.pairs, resolved.kind, resolved.path)
+    specs, sources_from = ([], pairs.origin) if pairs is not None else _source_specs(options, resolved.sources)
     # router-source agreement needs the analysis's source s to be the merge's source s
     expert_source = (list(resolved.sources.expert_source)
                      if resolved.sources is not None and sources_from == "the merge's sources" else None)
     dense_name = _dense_source(options, resolved.dense, resolved.notes)
     given = [*inputs(("target", target), ("run's input model", resolved.skeleton)),
              *inputs(*((f"source {spec.name}", spec.file) for spec in specs)),
+             *inputs(*(pairs.files() if pairs is not None else ())),
              *(Input(f"dense model's {what}" if what != "model" else "dense model", path)
                for name in {options.dense, resolved.dense, dense_name} - {None} for what, path in model_inputs(name))]
     with claim_output(out, kind="analyze", given=given, overwrite=overwrite) as claim:
         return _analyze(target, claim, options, resolved, specs, sources_from, expert_source, dense_name, started,
-                        progress, command)
+                        progress, command, encoder, pairs)
 
 
 def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sources_from, expert_source,
-             dense_name, started: float, progress: bool, command: str | None) -> dict:
+             dense_name, started: float, progress: bool, command: str | None, encoder: bool = False,
+             pairs: PairData | None = None) -> dict:
     out = claim.out
 
     def say(message: str) -> None:
@@ -171,8 +193,10 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
     timings["load"] = time.perf_counter() - started
     if tokenizer is None:
         raise UpcycleError(f"{resolved.skeleton} has no tokenizer: the sources cannot be tokenized")
+    if encoder:         # one text per row: a row past the position table would index beyond it
+        check_sequence_length(model, options.sequence_length)
     t = time.perf_counter()
-    rows = _sources(specs, tokenizer, options)
+    rows = _sources(specs, tokenizer, options, encoder, pairs)
     timings["sources"] = time.perf_counter() - t
     say("sources: " + ", ".join(f"{r.name} {r.tokens} tokens" for r in rows))
     dense = None
@@ -203,10 +227,14 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
                          "notes": resolved.notes},
               "inputs": {"sources": [r.describe() for r in rows], "sources_from": sources_from,
                          "expert_source": expert_source, "tokens_per_source": options.tokens,
+                         "rows": "one text per row (encoder)" if encoder else "packed documents",
                          "sequence_length": options.sequence_length, "checkpoints": options.checkpoints,
                          "output_tokens": options.output_tokens, "histogram_bins": options.bins,
                          "shuffles": options.shuffles, "seed": options.seed, "command": command},
               "machine": machine(), "snapshots": snapshots}
+    curves = run_curves(resolved.path) if resolved.kind == "run" else None
+    if curves is not None:
+        result["training"] = curves
     t = time.perf_counter()
     with claim.directory() as tmp:
         figures = write_figures(result, tmp)

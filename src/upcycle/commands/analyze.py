@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "report records), else " + ", ".join(DEFAULT_SOURCES))
     parser.add_argument("--data", action="append", default=[], metavar="FILE",
                         help="a data source named after its file name (same as --source STEM=FILE)")
+    parser.add_argument("--pairs", metavar="FILE",
+                        help="encoders: a pair file (.jsonl/.jsonl.gz); its queries and documents are the sources, one "
+                             "per pair source and role (default: the run's held-out pairs, else the packaged ones)")
     parser.add_argument("--dense", help="the dense model for KL(dense || model) (default: the dense source the "
                                         "target records; 'default' is the embedded SmolLM2)")
     parser.add_argument("--tokens", type=whole_number, default=d.tokens, help=f"tokens per source (default {d.tokens})")
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         quiet_transformers()
     options = AnalyzeOptions(sources=tuple(args.source), data=tuple(args.data), dense=args.dense, tokens=args.tokens,
                              sequence_length=args.sequence_length, checkpoints=args.checkpoints,
-                             output_tokens=args.output_tokens, seed=args.seed)
+                             output_tokens=args.output_tokens, seed=args.seed, pairs=args.pairs)
     command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
     result = analyze(args.target, args.out, options, overwrite=args.overwrite, progress=not args.quiet,
                      command=command)

@@ -21,10 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eesd", type=comma_list, help="comma-separated EESD settings: none or a coefficient, e.g. "
                                                         "none,1.0 (default: the recipe's own)")
     parser.add_argument("--seeds", type=comma_list, default=["0"], help="comma-separated seeds (default 0)")
-    parser.add_argument("--config", required=True, help="the training recipe every cell uses (configs/train/)")
+    parser.add_argument("--config", required=True,
+                        help="the training recipe every cell uses (a file, or a packaged train recipe by name)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a training key")
     parser.add_argument("--convert-config", dest="convert_config",
-                        help="conversion recipe (placement, E, k, capacity; configs/convert/)")
+                        help="conversion recipe (placement, E, k, capacity): a file, or a packaged convert recipe "
+                             "by name")
     parser.add_argument("--convert-set", dest="convert_set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a conversion key for every method, e.g. calibration.tokens=16384")
     for flag, key in (("--num-experts", "moe.num_experts"), ("--top-k", "moe.top_k"), ("--every", "placement.every"),
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a conversion key for one method, e.g. drop.method_args.ratio=0.25")
     parser.add_argument("--method-config", dest="method_config", action="append", default=[],
                         metavar="METHOD=RECIPE", help="one method's own training recipe (SPRI's two stages: "
-                        "spri=configs/train/smollm2-spri.yaml); --set applies on top")
+                        "spri=smollm2-spri); --set applies on top")
     parser.add_argument("--keep", choices=KEEP, default="models",
                         help="what a finished cell keeps: all, models (default: the converted and the trained "
                              "model, not the checkpoints), results (JSON and logs only)")

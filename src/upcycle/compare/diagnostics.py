@@ -2,8 +2,10 @@
 
 The numbers are `upcycle.analysis.layer_metrics` (docs/methods.md §5, the functions `upcycle analyze` reports) on each
 MoE layer's inputs at the real tokens of a fixed held-out batch: the first `DIAGNOSTIC_TOKENS` tokens of the
-held-out text (causal LM), or the first `DIAGNOSTIC_PAIRS` held-out image-caption pairs (CLIP: each tower's
-layers see their own modality). Unlike `upcycle analyze`, which reads text sources, this works for every task
+held-out text (causal LM), the first `DIAGNOSTIC_PAIRS` held-out image-caption pairs (CLIP: each tower's
+layers see their own modality), or the held-out texts the contrastive task keeps for it (its `eval_rows`: the
+queries and documents of its first 128 held-out pairs, one text per row; the rows of a batch are cut to its
+longest text). Unlike `upcycle analyze`, which reads text sources, this works for every task
 `upcycle train` has, so the init and end diagnostics of a CLIP study come from the same functions.
 
 Per layer the table keeps the scalars (mean expert weight similarity over all projections, diversity, output
@@ -21,6 +23,7 @@ from torch import nn
 from ..analysis import layer_metrics
 from ..core.modes import eval_mode
 from ..core.moe import moe_layers
+from ..train.embedding import trim
 
 DIAGNOSTIC_TOKENS = 2048       # causal LM: held-out tokens (whole rows)
 DIAGNOSTIC_PAIRS = 256         # CLIP: held-out image-caption pairs
@@ -39,6 +42,10 @@ def held_out_batches(task) -> list[dict[str, torch.Tensor]]:
         return [{k: batch[k][i:i + 64] for k in batch} for i in range(0, len(pairs), 64)]
     if task.eval_rows is None:
         return []
+    if task.name == "contrastive":     # one short text per row: every row, without the padding of the longest
+        ids, mask = task.eval_rows
+        return [dict(zip(("input_ids", "attention_mask"), trim(ids[i:i + 32], mask[i:i + 32]), strict=True))
+                for i in range(0, len(ids), 32)]
     ids, mask = task.eval_rows
     rows = max(1, DIAGNOSTIC_TOKENS // ids.shape[1])
     return [{"input_ids": ids[i:i + 8], "attention_mask": mask[i:i + 8]} for i in range(0, min(rows, len(ids)), 8)]

@@ -14,6 +14,7 @@ the new one is refused, not silently skipped or resumed into another run.
 
     OUT/study.json                         marks OUT as a compare folder; one line per invocation
     OUT/calibration/train_pairs.safetensors    CLIP only: the training image-caption pairs, for data-aware methods
+    OUT/calibration/train_texts.safetensors    encoders only: texts of the training pairs (`text_calibration`)
     OUT/conversions/METHOD-seed-S/moe/     the converted model (upcycle folder), shared by the EESD settings
     OUT/conversions/METHOD-seed-S/conversion.json   conversion time and report summary, once `moe/` is written
     OUT/cells/NAME/plan.json               the cell's convert and train configs
@@ -31,12 +32,23 @@ from pathlib import Path
 
 from ..checkpoint.folders import Input, inputs
 from ..checkpoint.loading import dense_config
-from ..config import ConvertConfig, TrainConfig, build, coerce, load_recipe, refuse_overwrite_key, set_override, to_dict
+from ..config import (
+    ConvertConfig,
+    TrainConfig,
+    build,
+    coerce,
+    load_recipe,
+    recipe_path,
+    refuse_overwrite_key,
+    set_override,
+    to_dict,
+)
 from ..conversion.pipeline import validate as validate_convert
 from ..core.architectures import family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
 from ..errors import UpcycleError
 from ..methods import get_method
+from .text_calibration import CALIBRATION_TEXTS, TextCalibration, text_calibration
 
 DENSE = "dense"                # the dense-continued baseline's method name
 KEEP = ("all", "models", "results")
@@ -88,6 +100,7 @@ class Plan:
     cells: list[Cell]
     keep: str
     calibration_pairs: tuple[Path, str | None] | None = None   # (file to write, CLIP data source) when needed
+    calibration_texts: TextCalibration | None = None           # encoders: the training texts' file, when needed
     notes: list[str] = field(default_factory=list)
 
     def folder(self, cell: Cell) -> Path:
@@ -157,15 +170,20 @@ def _split_method_key(assignment: str, sep: str, what: str, methods: list[str]) 
 
 
 def _recipe(path: str | None, what: str) -> dict:
-    data = load_recipe(path)
+    data = load_recipe(recipe_path(path, "convert" if what == "convert recipe" else "train"))   # a name or a file
     refuse_overwrite_key(data, f"{what} {path}")
     return data
 
 
 def task_of_model(model: str) -> str:
-    """The task the dense model trains on, from its config alone (no weights read)."""
+    """The task the dense model trains on, from its config alone (no weights read): its family's (CLIP), else
+    contrastive for an encoder (a family that attends both ways, not configured as a decoder: what
+    `upcycle.train.contrastive.is_encoder` says of the loaded model), else next tokens."""
     _, config = dense_config(model)
-    return family_of(config).task_of(config) or "causal_lm"
+    family = family_of(config)
+    if family.task_of(config) is None and family.bidirectional and not getattr(config, "is_decoder", False):
+        return "contrastive"
+    return family.task_of(config) or "causal_lm"
 
 
 def make_plan(request: CompareRequest, out: str | Path) -> Plan:
@@ -176,7 +194,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
     eesd = _eesd_settings(None if request.eesd is None else tuple(request.eesd))
     seeds = _seeds(tuple(request.seeds))
     if request.train_recipe is None:
-        raise UpcycleError("compare needs a training recipe (--config, e.g. configs/train/clip-up.yaml): every cell "
+        raise UpcycleError("compare needs a training recipe (--config, e.g. clip-up or a YAML file): every cell "
                            "trains with it, so the methods get the same token budget")
     task = task_of_model(request.model)             # also: the model exists and its architecture is supported
     out = Path(out).expanduser()
@@ -208,6 +226,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
 
     dense_train = train_config(DENSE, request.model, seeds[0], 0.0)
     calibration = None
+    from_texts: list[tuple[TrainConfig, ConvertConfig]] = []    # encoder cells calibrated on the training texts
     cells: list[Cell] = []
     for method in methods:
         for value in eesd:
@@ -224,18 +243,25 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
                 for key, section in method_sets[method].items():
                     if key != "method_args":
                         data[key] = {**data.get(key, {}), **section} if isinstance(section, dict) else section
+                texts = False
                 if get_method(method).needs_calibration and not (data.get("calibration") or {}).get("data"):
-                    data.setdefault("calibration", {})["data"], calibration = _default_calibration(
-                        request.model, task, dense_train, root, calibration)
+                    if task == "contrastive":     # a pair file is no calibration text: its texts, as the task reads
+                        data.setdefault("calibration", {})["data"], texts = str(root / CALIBRATION_TEXTS), True
+                    else:
+                        data.setdefault("calibration", {})["data"], calibration = _default_calibration(
+                            request.model, task, dense_train, root, calibration)
                 convert = build(ConvertConfig, data)
                 validate_convert(convert)
+                if texts:
+                    from_texts.append((train, convert))
                 moe = root / "conversions" / f"{method}-seed-{seed}" / "moe"
                 cells.append(Cell(name, method, coefficient, seed, convert,
                                   dataclasses.replace(train, model=str(moe))))
     for seed in seeds:
         cells.append(Cell(f"{DENSE}-seed-{seed}", DENSE, None, seed, None,
                           train_config(DENSE, request.model, seed, 0.0)))
-    plan = Plan(out, request.model, task, tuple(methods), cells, request.keep, calibration)
+    plan = Plan(out, request.model, task, tuple(methods), cells, request.keep, calibration,
+                text_calibration(root / CALIBRATION_TEXTS, from_texts) if from_texts else None)
     _check_out(plan, request)
     return plan
 
@@ -260,9 +286,11 @@ def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
     """Every path the comparison reads, for the output checks (`upcycle.checkpoint.folders`)."""
     train = plan.cells[-1].train
     return [*(Input(what, path) for what, path in model_inputs(request.model)),
-            *inputs(("training recipe", request.train_recipe), ("conversion recipe", request.convert_recipe),
+            *inputs(("training recipe", recipe_path(request.train_recipe, "train")),
+                    ("conversion recipe", recipe_path(request.convert_recipe, "convert")),
                     ("training data", train.data), ("held-out data", train.eval_data),
-                    *((f"{r.partition('=')[0]}'s recipe", r.partition("=")[2]) for r in request.method_recipes))]
+                    *((f"{r.partition('=')[0]}'s recipe", recipe_path(r.partition("=")[2], "train"))
+                      for r in request.method_recipes))]
 
 
 def _check_out(plan: Plan, request: CompareRequest) -> None:

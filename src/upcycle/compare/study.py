@@ -33,6 +33,7 @@ from .cell import finished, run_cell, write_json
 from .plan import FORMAT, STUDY, CompareRequest, Plan, compare_inputs, make_plan
 from .study_figures import write_figures
 from .table import markdown, rows
+from .text_calibration import write_text_calibration
 
 VERSION = 1
 
@@ -67,6 +68,8 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
 
     if plan.calibration_pairs is not None:
         _write_pairs(plan, say)
+    if plan.calibration_texts is not None:
+        write_text_calibration(plan.calibration_texts, plan.model, say)
     todo = [c for c in plan.cells if finished(plan, c) is None]
     say(f"{len(plan.cells)} cells ({len(plan.methods)} method(s) + dense, seeds "
         f"{sorted({c.seed for c in plan.cells})}): {len(plan.cells) - len(todo)} finished before (skipped), "

@@ -4,7 +4,8 @@ A row's held-out metric is given right after conversion (the trainer's evaluatio
 after training, each as the mean over seeds ± the sample standard deviation over seeds (n - 1; nothing after
 the mean for one seed), with the per-seed values in the JSON. Causal LMs are scored by held-out perplexity
 (lower is better), CLIP by zero-shot accuracy (higher is better) with image->text and text->image Recall@1/5
-in a second table.
+in a second table, encoders (the contrastive task, docs/contrastive.md) by query->document MRR on the held-out
+pairs (higher is better) with query->document and document->query Recall@1 in the second table.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ METRICS = {
     "clip": [("zero_shot", "zero-shot accuracy", ("zero_shot", "accuracy")),
              ("i2t_r1", "I→T R@1", ("image_to_text", "R@1")), ("i2t_r5", "I→T R@5", ("image_to_text", "R@5")),
              ("t2i_r1", "T→I R@1", ("text_to_image", "R@1")), ("t2i_r5", "T→I R@5", ("text_to_image", "R@5"))],
+    "contrastive": [("qd_mrr", "Q→D MRR", ("query_to_document", "MRR")),
+                    ("qd_r1", "Q→D R@1", ("query_to_document", "R@1")),
+                    ("dq_r1", "D→Q R@1", ("document_to_query", "R@1"))],
 }
 HIGHER_IS_BETTER = {"perplexity": False, "zero_shot": True, "i2t_r1": True, "i2t_r5": True, "t2i_r1": True,
-                    "t2i_r5": True}
+                    "t2i_r5": True, "qd_mrr": True, "qd_r1": True, "dq_r1": True}
 
 
 def metric(evaluation: dict | None, path: tuple[str, ...]) -> float | None:

@@ -1,17 +1,54 @@
 """Evaluation (docs/methods.md §6). Causal LMs: held-out perplexity = exp(mean next-token negative log-likelihood over
 every real predicted token), summed over batches before dividing, so batch sizes and padding do not weight it.
 CLIP: zero-shot classification with class-name prompts and image<->text retrieval Recall@K (Radford et al. 2021).
+
+One held-out budget serves `upcycle eval` and training's evaluations: `held_out_rows` (the whole rows covering
+the tokens asked for) of the same packed text, `upcycle.config.EVAL_TOKENS` tokens unless set. Inside
+`progress_bars(label)` every evaluation shows a tqdm bar on stderr (none when stderr is not a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import EVAL_TOKENS
 from ..core.modes import eval_mode
+
+# The label of the bar the evaluations in progress show (None: no bar). A context variable rather than an argument
+# so that a task's `evaluate(model)` (`upcycle.train.tasks`, a task someone adds) shows one without passing it on.
+_BAR_LABEL: ContextVar[str | None] = ContextVar("upcycle_eval_bar", default=None)
+
+
+@contextlib.contextmanager
+def progress_bars(label: str | None):
+    """Evaluations run inside this block show a progress bar labelled `label` (None: no bar)."""
+    token = _BAR_LABEL.set(label)
+    try:
+        yield
+    finally:
+        _BAR_LABEL.reset(token)
+
+
+def _bar(total: int, unit: str):
+    from tqdm.auto import tqdm
+
+    label = _BAR_LABEL.get()
+    # disable=None: tqdm draws only on a terminal, so logs and pipes get no carriage-return noise
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, leave=False,
+                disable=True if label is None else None)
+
+
+def held_out_rows(tokens: int, sequence_length: int) -> int:
+    """Packed rows an evaluation of `tokens` held-out tokens reads: the whole rows that cover them (a row of L
+    tokens predicts L - 1 of them; the result's "tokens" is the number predicted)."""
+    return max(1, -(-tokens // sequence_length))
 
 
 @torch.no_grad()
@@ -21,7 +58,8 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
     whose target is padding are excluded)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    with eval_mode(model):
+    predicted = int((attention_mask_NS[:, 1:] != 0).sum())
+    with eval_mode(model), _bar(predicted, "tok") as bar:
         for start in range(0, input_ids_NS.shape[0], batch_size):
             ids = input_ids_NS[start:start + batch_size].to(device)
             mask = attention_mask_NS[start:start + batch_size].to(device)
@@ -30,7 +68,9 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                   ignore_index=-100, reduction="sum")
             total += float(nll)
-            count += int((targets != -100).sum())
+            done = int((targets != -100).sum())
+            count += done
+            bar.update(done)
     mean = total / max(count, 1)
     # exp overflows a float past 709: such a model's perplexity is infinite, not an error
     return {"perplexity": math.exp(mean) if mean < 709 else math.inf, "nll": mean, "tokens": count}
@@ -44,10 +84,12 @@ def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: 
     device = next(model.parameters()).device
     max_length = model.config.text_config.max_position_embeddings
     out = []
-    for start in range(0, len(captions), batch_size):
-        enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
-        features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
-        out.append(getattr(features, "pooler_output", features).float())
+    with _bar(len(captions), "caption") as bar:
+        for start in range(0, len(captions), batch_size):
+            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
+            features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
+            out.append(getattr(features, "pooler_output", features).float())
+            bar.update(len(out[-1]))
     return F.normalize(torch.cat(out), dim=-1)
 
 
@@ -59,10 +101,12 @@ def image_features(model: nn.Module, images: list, batch_size: int = 256) -> tor
     device = next(model.parameters()).device
     size = model.config.vision_config.image_size
     out = []
-    for start in range(0, len(images), batch_size):
-        batch = pixel_values(images[start:start + batch_size], size).to(device)
-        features = model.get_image_features(pixel_values=batch)
-        out.append(getattr(features, "pooler_output", features).float())
+    with _bar(len(images), "image") as bar:
+        for start in range(0, len(images), batch_size):
+            batch = pixel_values(images[start:start + batch_size], size).to(device)
+            features = model.get_image_features(pixel_values=batch)
+            out.append(getattr(features, "pooler_output", features).float())
+            bar.update(len(out[-1]))
     return F.normalize(torch.cat(out), dim=-1)
 
 
@@ -109,10 +153,11 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
     return result
 
 
-def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, sequence_length: int = 256,
-                   ) -> dict:
+def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOKENS, sequence_length: int = 256,
+                   progress: bool = False, task: str | None = None, pairs: int | None = None) -> dict:
     """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
-    the embedded held-out Wikipedia split, CLIP models to the digits test split."""
+    the embedded held-out Wikipedia split, CLIP models to the digits test split; `progress`: a bar on stderr
+    (a terminal's) and the held-out budget said there."""
     from pathlib import Path
 
     from ..checkpoint.loading import check_sequence_length, load_model, task_of
@@ -126,14 +171,21 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
     if sequence_length < 2:
         raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
     model, tokenizer = load_model(name)
-    task = task_of(model)
+    from .contrastive import evaluate_encoder, uses_contrastive
+
+    if uses_contrastive(model, task):      # encoders: retrieval on text pairs (`pairs`: how many)
+        with progress_bars("eval" if progress else None):
+            return {"model": name, "task": "contrastive",
+                    **evaluate_encoder(model, tokenizer, data, sequence_length=sequence_length, pairs=pairs)}
+    task = task_of(model, task)
     result = {"model": name, "task": task}
     if tokenizer is None:
         raise UpcycleError(f"{name} has no tokenizer to evaluate it with")
     if task == "clip":
         source = data or "digits"
         result["data"] = "digits test split" if source == "digits" else source
-        result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
+        with progress_bars("eval" if progress else None):
+            result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
         return result
     check_sequence_length(model, sequence_length)
     if data is not None and Path(data).is_dir():
@@ -145,12 +197,14 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = 32768, s
     result["data"] = data or "held-out Wikipedia (embedded)"
     ids, mask = pack_documents(tokenizer, held, sequence_length)
     # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted)
-    rows = -(-tokens // sequence_length)
+    rows = held_out_rows(tokens, sequence_length)
     if ids.shape[0] < rows:
-        import sys
-
         print(f"[upcycle] the held-out data holds {int(mask.sum()):,} tokens, fewer than the {tokens:,} asked for "
               f"(--tokens): all of it is evaluated", file=sys.stderr)
-    result.update(perplexity(model, ids[:rows], mask[:rows]))
+    if progress:
+        print(f"[upcycle] held-out perplexity of {name} on {result['data']}: {min(rows, ids.shape[0])} rows of "
+              f"{sequence_length} tokens (--tokens {tokens:,})", file=sys.stderr)
+    with progress_bars("eval" if progress else None):
+        result.update(perplexity(model, ids[:rows], mask[:rows]))
     result["sequence_length"] = sequence_length
     return result

@@ -5,6 +5,8 @@
 - clip: symmetric InfoNCE with CLIP's learned temperature, L = (L_I->T + L_T->I) / 2 (docs/methods.md §3), computed by
   transformers' CLIPModel over the batch; evaluated by zero-shot classification and retrieval. The two towers are
   separate backbones, so each MoE layer sees one modality and its router losses are per modality (CLIP-UP).
+- contrastive: text encoders (BERT family) on query-document pairs, symmetric in-batch InfoNCE of mean-pooled
+  embeddings; evaluated by retrieval (`upcycle.train.contrastive`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..config import TASKS, TrainConfig  # noqa: F401  (TASKS: upcycle.train.tas
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import PackedBatches, SeededBatches, pack_documents
 from ..errors import UpcycleError
-from .evaluate import clip_metrics, perplexity
+from .evaluate import clip_metrics, held_out_rows, perplexity
 from .objective import causal_lm_loss
 
 
@@ -36,7 +38,7 @@ class CausalLMTask:
         self.eval_rows = None
         if eval_texts:
             ids, mask = pack_documents(tokenizer, eval_texts, cfg.sequence_length)
-            rows = max(1, cfg.eval_tokens // cfg.sequence_length)
+            rows = held_out_rows(cfg.eval_tokens, cfg.sequence_length)   # the rows `upcycle eval` reads
             self.eval_rows = (ids[:rows], mask[:rows])
 
     @staticmethod
@@ -128,6 +130,10 @@ def from_embedded_model(name: str) -> bool:
 
 
 def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
+    from .contrastive import ContrastiveTask, uses_contrastive
+
+    if uses_contrastive(model, cfg.task):        # encoders: text pairs (upcycle.train.contrastive)
+        return ContrastiveTask(cfg, model, tokenizer)
     kind = task_of(model, cfg.task)
     if kind == "clip":
         return CLIPTask(cfg, model, tokenizer)
