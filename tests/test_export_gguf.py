@@ -51,6 +51,13 @@ def byte_level_tokenizer(digits: bool = False) -> T.PreTrainedTokenizerFast:
     return T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def release_models():
+    """The cached models go with this module: tests elsewhere count the tensors alive (test_merge_sources.py)."""
+    yield
+    upcycled.cache_clear()
+
+
 @functools.cache          # the tests only read these models: each is built once (about a second)
 def upcycled(kind: str, normalize_topk: bool = True, every: int = 1) -> torch.nn.Module:
     model = make_tiny(kind)

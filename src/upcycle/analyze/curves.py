@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ..train.run_folder import LOG, read_log
+from ..train.trackers import flatten_numbers
 
 STEP_SERIES = ("lr", "tokens_per_s", "grad_norm")
 ROUTING_STATS = ("entropy", "load_cov", "dropped")
@@ -29,14 +30,6 @@ ROUTING_STATS = ("entropy", "load_cov", "dropped")
 def _number(value) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return value if ok else None
-
-
-def _flat(value, prefix: str, out: dict) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _flat(item, f"{prefix}/{key}" if prefix else str(key), out)
-    elif _number(value) is not None:
-        out[prefix] = value
 
 
 def _series(rows: list[dict], read) -> list:
@@ -60,7 +53,7 @@ def run_curves(run: Path) -> dict | None:
     flat_evals = []
     for r in evals:
         found: dict = {}
-        _flat(r["eval"], "", found)
+        flatten_numbers(r["eval"], "", found)
         flat_evals.append(found)
     metrics = list(dict.fromkeys(name for found in flat_evals for name in found))
     return {

@@ -135,6 +135,10 @@ class Router(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The float32 router logits [T, E] (`router_logits`), as an nn.Linear router's call gave them."""
+        return router_logits(self, x_TD)
+
     @property
     def score(self) -> str:
         return self.config.score

@@ -38,10 +38,11 @@ def check_available(report_to: str | None) -> None:
                            f"(pip install {report_to})")
 
 
-def _flatten(value, prefix: str, out: dict[str, float]) -> None:
+def flatten_numbers(value, prefix: str, out: dict[str, float]) -> None:
+    """The finite numbers of a nested dict into `out`, keyed by their '/'-joined path (what a curve is)."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _flatten(item, f"{prefix}/{key}" if prefix else str(key), out)
+            flatten_numbers(item, f"{prefix}/{key}" if prefix else str(key), out)
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         out[prefix] = value          # lists (frozen_rules, templates), strings and non-finite values are not curves
 
@@ -52,7 +53,7 @@ def scalars(record: dict) -> dict[str, float]:
     if "layers" in body:
         body["routing"] = body.pop("layers")
     out: dict[str, float] = {}
-    _flatten(body, "", out)
+    flatten_numbers(body, "", out)
     if isinstance(record.get("skipped"), str):
         out["skipped"] = 1
     return out
