@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,13 +90,13 @@ except Exception as e:
 else:
     with torch.no_grad():
         out = model(input_ids=expected["ids"]).logits
-    print("equal" if torch.equal(out, expected["logits"]) else "DIFFERENT")
+    print("loaded, max abs logit difference", (out - expected["logits"]).abs().max().item())
 """
 
 
 @pytest.mark.parametrize("imports, expected", [
     ("", "refused: ValueError"),                                     # transformers alone: an unknown model type
-    ("import upcycle", "equal"),              # registered when transformers' Auto module is imported after it
+    ("import upcycle", "loaded"),             # registered when transformers' Auto module is imported after it
 ])
 def test_transformers_loads_the_same_model_or_refuses_in_a_fresh_interpreter(tmp_path, imports, expected):
     model, x = upcycled("llama"), ids()
@@ -103,9 +104,13 @@ def test_transformers_loads_the_same_model_or_refuses_in_a_fresh_interpreter(tmp
     save_file({"ids": x, "logits": logits(model, x)}, tmp_path / "expected.safetensors")
     run = subprocess.run([sys.executable, "-c", CHECK.format(imports=imports), str(tmp_path / "m"),
                           str(tmp_path / "expected.safetensors")], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().startswith(expected), run.stdout
+    if expected == "loaded":
+        # the same weights and ids in another process, whose thread count may differ (summation order): float32
+        # logits of O(1) agree to ~1e-6; a model with random MLPs differs by ~0.4 (the trap this format removes)
+        assert float(run.stdout.split()[-1]) < 1e-4, run.stdout
     if not imports:
         assert "`upcycle`" in run.stdout        # the message names the model type a user can search for
 
