@@ -80,9 +80,14 @@ def recipe(args: argparse.Namespace, steps: int, eval_pairs: int, eval_every: in
 
 
 def write_recipe(path: Path, data: dict) -> Path:
+    """Write the budget once; a WORK that holds another budget is refused, not rewritten (its cells trained with
+    the recorded one, and its parts must go on with it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(data, sort_keys=True)
-    if not path.is_file() or path.read_text() != text:
+    if path.is_file() and yaml.safe_load(path.read_text()) != data:
+        sys.exit(f"{path} holds another budget: {yaml.safe_load(path.read_text())}; pass the flags that give it "
+                 f"(--steps, --batch-size, --sequence-length, --eval-pairs, --eval-every, --lr) or another --work")
+    if not path.is_file():
         path.write_text(text)
     return path
 
@@ -387,7 +392,7 @@ def draw_curves(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-contrastive-study"))
     parser.add_argument("--part", help="pilot, eesd-probe, analyze, or a compare part (listed with --list)")
@@ -409,11 +414,11 @@ if __name__ == "__main__":
     if args.part == "pilot":
         pilot(work, args)
         sys.exit(0)
-    write_recipe(work / "recipe.yaml", recipe(args, args.steps, args.eval_pairs, args.eval_every))
     commands = parts(work, args)
-    if args.list:
+    if args.list:                                       # lists only: the WORK is left as it is
         print("\n".join(f"{n}: upcycle {' '.join(c)}" for n, c in commands.items()))
         sys.exit(0)
+    write_recipe(work / "recipe.yaml", recipe(args, args.steps, args.eval_pairs, args.eval_every))
     if args.part == "eesd-probe":
         eesd_probe(work, args)
     elif args.part == "analyze":
@@ -432,3 +437,7 @@ if __name__ == "__main__":
         analyze_rows(work)
     if args.collect or not args.part:
         collect(work, args)
+
+
+if __name__ == "__main__":
+    cli()

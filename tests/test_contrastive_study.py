@@ -164,3 +164,27 @@ def test_analysis_pairs_are_refused_for_a_model_that_is_not_an_encoder(tiny_lm, 
     with pytest.raises(UpcycleError, match="--pairs is for encoders"):
         analyze(str(moe), str(tmp_path / "a"), AnalyzeOptions(pairs=str(tmp_path / "p.jsonl")), progress=False)
     assert not (tmp_path / "a").exists()
+
+
+def test_the_study_script_keeps_the_budget_of_its_work_folder(tmp_path, monkeypatch):
+    """`--list` leaves WORK untouched, and a part run with another budget is refused before its recipe (the
+    record of what the finished cells trained with) is rewritten."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    study = importlib.import_module("contrastive_study")
+    budget = ["--steps", "150", "--batch-size", "32", "--eval-pairs", "512", "--eval-every", "50"]
+    monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--work", str(tmp_path), *budget, "--list"])
+    with pytest.raises(SystemExit) as listed:
+        study.cli()
+    assert listed.value.code == 0 and not (tmp_path / "recipe.yaml").exists()
+
+    recipe = tmp_path / "recipe.yaml"
+    first = study.write_recipe(recipe, {"steps": 150, "lr": 5e-5})
+    text = first.read_text()
+    assert study.write_recipe(recipe, {"steps": 150, "lr": 5e-5}) == recipe       # the same budget goes on
+    with pytest.raises(SystemExit, match="holds another budget"):
+        study.write_recipe(recipe, {"steps": 2000, "lr": 5e-5})
+    assert recipe.read_text() == text
