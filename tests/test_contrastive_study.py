@@ -144,6 +144,9 @@ def test_analyze_a_contrastive_run_at_every_checkpoint_with_per_source_specializ
     assert cosine[2]["all"] < cosine[0]["all"] and cosine[2]["min"] < 1 - 1e-4
     assert result["training"]["eval"]["steps"] == [0, 2]
     assert (tmp_path / "a" / "report.html").is_file() and (tmp_path / "a" / "specialization.png").is_file()
+    # the report shows what an encoder's analysis measured, not empty next-token columns
+    report = (tmp_path / "a" / "report.html").read_text()
+    assert "embedding cosine to dense" in report and "next-token NLL" not in report and "KL to dense" not in report
 
 
 def test_pair_sources_split_by_role_and_give_a_shared_document_to_its_first_source():

@@ -284,7 +284,14 @@ def layer_means(snapshot: dict) -> dict:
         out["nmi_baseline_max"] = _mean([m["specialization"]["nmi_baseline"]["max"] for m in layers])
     out["kl_to_dense"] = (snapshot.get("kl_to_dense") or {}).get("all")
     out["nll"] = (snapshot.get("nll") or {}).get("all")
+    out["embedding_cosine_to_dense"] = (snapshot.get("embedding_cosine_to_dense") or {}).get("all")
     return out
+
+
+def is_embedding_analysis(snapshots: list[dict]) -> bool:
+    """An encoder's analysis measures the embeddings' cosine to the dense encoder, not NLL or KL (it has no
+    next-token distribution): its panels and columns show that instead of empty ones."""
+    return any(s.get("embedding_cosine_to_dense") for s in snapshots)
 
 
 def steps_figure(snapshots: list[dict], path: Path) -> None:
@@ -306,7 +313,8 @@ def steps_figure(snapshots: list[dict], path: Path) -> None:
         panels = [(axes[0, 1], "diversity", "diversity"), (axes[0, 2], "output_similarity", "output similarity"),
                   (axes[0, 3], "entropy_ratio", "routing entropy / log E"), (axes[1, 0], "load_cov", "load CoV"),
                   (axes[1, 1], "relative_compactness", "relative compactness"),
-                  (axes[1, 3], "kl_to_dense", "KL(dense ‖ model), nats/token")]
+                  (axes[1, 3], "embedding_cosine_to_dense", "embedding cosine to dense (mean)")
+                  if is_embedding_analysis(snapshots) else (axes[1, 3], "kl_to_dense", "KL(dense ‖ model), nats/token")]
         bounded = {"diversity", "output_similarity", "entropy_ratio"}     # in [0, 1]: drawn on [0, 1], like
         for ax, key, title in panels:                                     # layers.png (exact values: the table)
             ax.plot(steps, series(key), "o-", ms=3, color="#333333")

@@ -12,7 +12,7 @@ import base64
 import html
 import math
 
-from .figures import block_index, layer_means
+from .figures import block_index, is_embedding_analysis, layer_means
 
 CSS = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1040px;
@@ -38,6 +38,8 @@ GLOSSARY = (
     ("source agreement", "a model merged from several fine-tunes, on their own held-out text: the share of a "
                          "source's tokens whose top-1 expert was made from that source, averaged over the sources"),
     ("KL", "token-level KL(dense ‖ model) of the next-token distributions on the sources, nats per token"),
+    ("embedding cosine to dense", "an encoder: mean over texts of the cosine between the model's mean-pooled "
+                                  "embedding and the dense encoder's; 1 = the same direction"),
 )
 
 
@@ -116,18 +118,25 @@ def _steps(analysis: dict) -> str:
     snapshots = [s for s in analysis["snapshots"] if s["step"] is not None]
     if len(snapshots) < 2:
         return ""
+    embedding = is_embedding_analysis(snapshots)
     header = ["snapshot", "sim gate", "sim up", "sim down", "diversity", "output sim", "entropy / log E",
-              "load CoV", "RC", "NMI", "NMI shuffled max", "KL to dense", "NLL"]
+              "load CoV", "RC", "NMI", "NMI shuffled max",
+              *(["embedding cosine to dense"] if embedding else ["KL to dense", "NLL"])]
     rows = []
     for s in snapshots:
         m = layer_means(s)
         rows.append([s["label"], m["similarity_gate"], m["similarity_up"], m["similarity_down"], m["diversity"],
                      m["output_similarity"], m["entropy_ratio"], m["load_cov"], m["relative_compactness"],
-                     m.get("nmi"), m.get("nmi_baseline_max"), _sci(m["kl_to_dense"]), m["nll"]])
+                     m.get("nmi"), m.get("nmi_baseline_max"),
+                     *([m["embedding_cosine_to_dense"]] if embedding else [_sci(m["kl_to_dense"]), m["nll"]])])
     return "<h2>Over training (means over the MoE layers)</h2>" + _table(header, rows)
 
 
 def _per_source(snapshot: dict) -> str:
+    cosine = snapshot.get("embedding_cosine_to_dense")
+    if cosine:              # an encoder: no next-token NLL or KL, the embeddings' cosine to the dense encoder's
+        rows = [[n, v] for n, v in cosine["per_source"].items()] + [["all", cosine["all"]]]
+        return _table(["source", "embedding cosine to dense (mean)"], rows)
     names = list(snapshot["nll"]["per_source"])
     kl = snapshot.get("kl_to_dense")
     rows = [[n, snapshot["nll"]["per_source"][n], _sci(kl["per_source"][n]) if kl else None] for n in names]
