@@ -40,3 +40,26 @@ def test_batches_resume_exactly_and_reshuffle_per_epoch():
     assert not torch.equal(other_seed.batch(0)["input_ids"], straight[0])
     with pytest.raises(UpcycleError, match="cannot fill"):
         PackedBatches(ids[:2], torch.ones_like(ids[:2]), batch_size=3, seed=0)
+
+
+def test_documents_longer_than_the_model_are_cut_into_rows_without_the_tokenizers_length_warning(monkeypatch):
+    """Packing and calibration tokenize a whole document and then cut it into rows, so a document longer than
+    the tokenizer's model_max_length is expected: transformers' "Token indices sequence length is longer than
+    the specified maximum" warning would be false, and is not logged."""
+    from transformers.tokenization_utils_base import logger
+
+    from upcycle.conversion.calibration import text_batches
+    from upcycle.data.clip_pairs import caption_tokenizer
+
+    document = " ".join(["the cat sat on the mat"] * 20)           # 120 words, model_max_length 16
+    tokenizer = caption_tokenizer([document], max_length=16)
+    warned = []
+    monkeypatch.setattr(logger, "warning", lambda *a, **k: warned.append(a))
+    tokenizer.deprecation_warnings.clear()                         # the warning is logged once per tokenizer
+    ids, mask = pack_documents(tokenizer, [document], sequence_length=32)
+    assert int(mask.sum()) == 121 and ids.shape == (4, 32)
+    batches = text_batches(tokenizer, [document], tokens=120, sequence_length=32, batch_size=2)
+    assert sum(int(b["attention_mask"].sum()) for b in batches) == 120
+    assert warned == []
+    tokenizer(document)                                            # the check can see the warning it guards
+    assert len(warned) == 1 and "longer than the specified maximum" in warned[0][0]

@@ -29,6 +29,19 @@ def test_auto_dtype_is_the_checkpoints_own(stated, expected):
     assert resolve_dtype("float16", types.SimpleNamespace(**stated)) == "float16"     # an explicit choice wins
 
 
+def test_auto_dtype_reads_a_transformers_4_config_without_the_deprecation_warning(monkeypatch):
+    """A config.json written by transformers 4 says `torch_dtype`; transformers 5 reads it into `dtype`, and
+    reading its `torch_dtype` property only logs "`torch_dtype` is deprecated" (once per process)."""
+    from transformers import BertConfig
+    from transformers.configuration_utils import logger
+
+    warned = []
+    monkeypatch.setattr(logger, "warning_once", lambda *a, **k: warned.append(a))
+    assert resolve_dtype("auto", BertConfig.from_dict({"torch_dtype": "bfloat16"})) == "bfloat16"
+    assert resolve_dtype("auto", BertConfig()) == "float32"
+    assert warned == []
+
+
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
     """The tiny Llama saved in bfloat16, its config saying so (as real checkpoints on the hub do)."""

@@ -43,7 +43,9 @@ def resolve_dtype(setting: str, config) -> str:
     states (`dtype`, or `torch_dtype` as transformers 4 writes it), float32 when it states none we store."""
     if setting != "auto":
         return setting
-    stated = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 reads a config.json's `torch_dtype` into `dtype`; its `torch_dtype` property only warns that
+    # it is deprecated, so it is not read (vars: an object that stores `torch_dtype` itself)
+    stated = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     name = str(stated).removeprefix("torch.") if stated is not None else None
     return name if name in DTYPES else "float32"
 

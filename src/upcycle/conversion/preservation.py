@@ -89,7 +89,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
     if tokenizer is not None and texts:
         flat = []
         for text in texts:
-            flat += tokenizer(text, add_special_tokens=False)["input_ids"]
+            flat += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
             if len(flat) >= check.sequences * length:
                 break
         if len(flat) < check.sequences * length:

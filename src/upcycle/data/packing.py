@@ -29,7 +29,9 @@ def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[t
         raise UpcycleError("the tokenizer has no EOS token to separate packed documents")
     stream: list[int] = []
     for text in texts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+        # whole documents, cut into rows below: the tokenizer's warning about texts over its
+        # model_max_length would be false here (verbose=False)
+        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
     if len(stream) < 2:
         raise UpcycleError("the training text produced fewer than 2 tokens")
     rows = -(-len(stream) // sequence_length)

@@ -149,7 +149,7 @@ def source_rows(name: str, texts: list[str], origin: str, tokenizer, *, tokens: 
         if not doc.strip():
             continue
         chosen.append(doc)
-        count += len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1
+        count += len(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]) + 1
         if count >= tokens:
             break
     ids, mask = pack_documents(tokenizer, chosen, sequence_length)
