@@ -304,7 +304,8 @@ def collect(work: Path, args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     merged = {"label": "the contrastive method study (docs/contrastive.md, Study)", "machine": machine(),
               "recipe": yaml.safe_load((work / "recipe.yaml").read_text()),
-              "commands": {n: " ".join(["upcycle", *c]) for n, c in parts(work, args).items()},
+              # the design's parts (what --list prints); what ran is each placement's "invocations"
+              "design_parts": {n: " ".join(["upcycle", *c]) for n, c in parts(work, args).items()},
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
               if (work / "eesd_lambdas.json").is_file() else None, "placements": {}}
     lines = ["# The contrastive method study: all-MiniLM-L6-v2, 8 experts, top-2", ""]
@@ -327,6 +328,10 @@ def collect(work: Path, args: argparse.Namespace) -> None:
             "table": table, "cells": result["cells"]}
         curves[placement] = (result["cells"], table, entropy)
         state = "complete" if result["complete"] else "PARTIAL: not yet " + ", ".join(result["unfinished"])
+        design = ["dense", *METHODS.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or
+                                                                                "").split(",") if v)]
+        missing = [r for r in design if r not in {label(row) for row in table}]
+        merged["placements"][placement]["rows_of_the_design_not_run"] = missing
         lines += [f"## {placement} ({state})",
                   "", "| row | seeds | Q→D MRR after conversion | Q→D MRR at the end | Q→D R@1 end | D→Q R@1 end | "
                   "expert similarity init → end | routing entropy / log E init → end | specialization (NMI, seed 0) "
@@ -343,10 +348,14 @@ def collect(work: Path, args: argparse.Namespace) -> None:
                          f"{fmt(row['end']['expert_similarity'])} | {fmt(row['init']['entropy_ratio'])} → "
                          f"{fmt(row['end']['entropy_ratio'])} | {nmi} | "
                          f"{statistics.median(rates) if rates else float('nan'):,.0f} |")
+        if missing:
+            lines += ["", f"Rows of the design not run in {placement}: {', '.join(missing)}."]
         lines += ["", "Differences of Q→D MRR beyond the seed spread (|mean diff| > 2 × the larger std):", ""]
         for stage, found in statement.items():
             lines.append(f"- {stage.replace('_', ' ')}: " + ("; ".join(found) if found else
                                                                "none (or fewer than 2 seeds per row)"))
+        lines += ["", f"Invocations into WORK/{placement} (wall seconds):", ""]
+        lines += [f"- `{i['command']}`: {i['seconds']:,.0f} s" for i in result["invocations"]]
         lines.append("")
     merged["seconds_all_invocations"] = round(sum(p["wall_seconds_all_invocations"]
                                                   for p in merged["placements"].values()), 1)
@@ -364,9 +373,12 @@ def draw_curves(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(curves), figsize=(6.5 * len(curves), 8), squeeze=False)
+    # one colour per row label in every panel, so that a method is the same colour in both placements
+    labels = sorted({label(row) for _, table, _ in curves.values() for row in table} - {"dense"})
+    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(labels)} | {"dense": "black"}
     for col, (placement, (cells, table, entropy)) in enumerate(curves.items()):
-        for i, row in enumerate(table):
-            color = "black" if row["method"] == "dense" else plt.get_cmap("tab10")(i % 10)
+        for row in table:
+            color = colors[label(row)]
             members = [c for c in cells if c["name"] in row["cells"]]
             steps = sorted({e["step"] for c in members for e in c["evals"]})
             ys = []
