@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..data.packing import document_ids
 from ..errors import UpcycleError
 
 
@@ -88,9 +89,7 @@ def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: i
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
     rows, total = [], 0
     for i in order:
-        # whole documents, cut into rows below: the tokenizer's warning about texts over its
-        # model_max_length would be false here (verbose=False)
-        ids = tokenizer(texts[i], add_special_tokens=False, verbose=False)["input_ids"]
+        ids = document_ids(tokenizer, texts[i])
         for start in range(0, len(ids), sequence_length):
             rows.append(ids[start:start + sequence_length])
             total += len(rows[-1])

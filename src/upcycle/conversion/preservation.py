@@ -38,6 +38,7 @@ from ..config import CheckConfig
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of, tower_config
 from ..core.ffn import FFNWeights, activation_fn
 from ..core.modes import eval_mode
+from ..data.packing import document_ids
 from ..errors import UpcycleError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
     if tokenizer is not None and texts:
         flat = []
         for text in texts:
-            flat += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            flat += document_ids(tokenizer, text)
             if len(flat) >= check.sequences * length:
                 break
         if len(flat) < check.sequences * length:

@@ -20,6 +20,15 @@ import torch
 from ..errors import UpcycleError
 
 
+def document_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of a whole document, without special tokens, to be cut into rows by the caller. A
+    transformers tokenizer is asked not to warn that the text is longer than its model_max_length: that warning
+    would be false here (the rows are cut to the sequence length). Other tokenizers are called plainly."""
+    if hasattr(tokenizer, "deprecation_warnings"):      # transformers' PreTrainedTokenizerBase
+        return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids_NS, attention_mask_NS): the documents, each ended by EOS, concatenated and cut into rows."""
     if sequence_length < 2:
@@ -29,9 +38,7 @@ def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[t
         raise UpcycleError("the tokenizer has no EOS token to separate packed documents")
     stream: list[int] = []
     for text in texts:
-        # whole documents, cut into rows below: the tokenizer's warning about texts over its
-        # model_max_length would be false here (verbose=False)
-        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
+        stream += document_ids(tokenizer, text) + [eos]
     if len(stream) < 2:
         raise UpcycleError("the training text produced fewer than 2 tokens")
     rows = -(-len(stream) // sequence_length)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UpcycleError
-from .packing import pack_documents
+from .packing import document_ids, pack_documents
 from .text import read_texts, wikipedia_split
 
 DEFAULT_SOURCES = ("wikipedia", "python", "licenses")
@@ -149,7 +149,7 @@ def source_rows(name: str, texts: list[str], origin: str, tokenizer, *, tokens: 
         if not doc.strip():
             continue
         chosen.append(doc)
-        count += len(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]) + 1
+        count += len(document_ids(tokenizer, doc)) + 1
         if count >= tokens:
             break
     ids, mask = pack_documents(tokenizer, chosen, sequence_length)
