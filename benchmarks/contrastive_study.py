@@ -83,12 +83,13 @@ def write_recipe(path: Path, data: dict) -> Path:
     """Write the budget once; a WORK that holds another budget is refused, not rewritten (its cells trained with
     the recorded one, and its parts must go on with it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(data, sort_keys=True)
-    if path.is_file() and yaml.safe_load(path.read_text()) != data:
-        sys.exit(f"{path} holds another budget: {yaml.safe_load(path.read_text())}; pass the flags that give it "
-                 f"(--steps, --batch-size, --sequence-length, --eval-pairs, --eval-every, --lr) or another --work")
-    if not path.is_file():
-        path.write_text(text)
+    if path.is_file():
+        recorded = yaml.safe_load(path.read_text())
+        if recorded != data:
+            sys.exit(f"{path} holds another budget: {recorded}; pass the flags that give it (--steps, --batch-size, "
+                     f"--sequence-length, --eval-pairs, --eval-every, --lr) or another --work")
+        return path
+    path.write_text(yaml.safe_dump(data, sort_keys=True))
     return path
 
 
@@ -309,6 +310,8 @@ def collect(work: Path, args: argparse.Namespace) -> None:
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
               if (work / "eesd_lambdas.json").is_file() else None, "placements": {}}
     lines = ["# The contrastive method study: all-MiniLM-L6-v2, 8 experts, top-2", ""]
+    design = ["dense", *METHODS.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or "").split(",")
+                                              if v)]                  # every row label of the design
     curves = {}
     for placement in PLACEMENTS:
         path = work / placement / "comparison.json"
@@ -328,8 +331,6 @@ def collect(work: Path, args: argparse.Namespace) -> None:
             "table": table, "cells": result["cells"]}
         curves[placement] = (result["cells"], table, entropy)
         state = "complete" if result["complete"] else "PARTIAL: not yet " + ", ".join(result["unfinished"])
-        design = ["dense", *METHODS.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or
-                                                                                "").split(",") if v)]
         missing = [r for r in design if r not in {label(row) for row in table}]
         merged["placements"][placement]["rows_of_the_design_not_run"] = missing
         lines += [f"## {placement} ({state})",
