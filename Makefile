@@ -45,14 +45,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tiny_clip.py
 
 # The GPU check (benchmarks/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
-# `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf).
+# `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf), and packs
+# the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu_assets.py; benchmarks/gpu_session.sh).
 GPU_WHEELS := gguf==0.19.0
 gpu-check:
 	bash benchmarks/gpu_check.sh out/gpu-check
 
-gpu-wheels:
+gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	$(BIN)/python benchmarks/gpu_assets.py pack .whl/minilm16
 
 clean:
 	rm -rf $(VENV) out

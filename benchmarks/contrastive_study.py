@@ -65,7 +65,17 @@ from upcycle.train.run_folder import LOG, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "contrastive_study"
+RESULTS_GPU = ROOT / "benchmarks" / "results" / "contrastive_study_gpu"
 PLACEMENTS = {"every-2": "2", "every-1": "1"}
+# The budget of every cell. CPU: the 2-core protocol (float32). GPU: the whole design in one call of the device
+# tool (a few minutes): the large-batch regime of contrastive training (sentence-transformers trains MiniLM at
+# hundreds of pairs a batch; the paper's CLIP runs at tens of thousands), 512 pairs a step, so that 200 steps
+# see ~100k pairs (~1.5 passes over the training split), evaluated every 25 steps, so that the curves give the
+# budget at which rows part.
+BUDGETS = {"cpu": {"steps": 2000, "batch_size": 64, "sequence_length": 128, "eval_pairs": 2048, "eval_every": 200,
+                   "lr": 2e-5},
+           "gpu": {"steps": 200, "batch_size": 512, "sequence_length": 64, "eval_pairs": 2048, "eval_every": 25,
+                   "lr": 1e-4}}
 SEEDS = (0, 1, 2)
 METHODS = "copy,cluster,drop,spri"
 MAIN = ("qd_mrr", ("query_to_document", "MRR"))
@@ -111,9 +121,11 @@ def parts(work: Path, args: argparse.Namespace) -> dict[str, list[str]]:
     recipe_file = work / "recipe.yaml"
     grid = lambdas(work, args.eesd)
     out = {}
-    for placement, every in PLACEMENTS.items():
+    for placement, every in args.placements.items():
         for seed in args.seeds:
-            keep = "models" if seed == 0 else "results"
+            # seed 0 keeps its models: the EESD probe trains its cluster conversion, --part analyze its runs; on
+            # the GPU every seed does (its EESD cells reuse its cluster conversion; only JSON comes back)
+            keep = "models" if seed == 0 or args.gpu else "results"
             out[f"{placement}-seed-{seed}"] = compare_command(work / placement, every, METHODS, "none", seed,
                                                               recipe_file, keep)
             if grid:
@@ -174,7 +186,7 @@ def pilot(work: Path, args: argparse.Namespace) -> None:
               "step_timing": runs, "cluster_conversion": cluster,
               "estimate": estimate(args, runs, cluster, result),
               "comparison": result}
-    out = RESULTS / "pilot"
+    out = args.results / "pilot"
     out.mkdir(parents=True, exist_ok=True)
     (out / "pilot.json").write_text(json.dumps(record, indent=1) + "\n")
     md = (study / "comparison.md").read_text().replace("# upcycle compare:", "# PILOT (short budget) upcycle compare:")
@@ -242,7 +254,8 @@ def eesd_probe(work: Path, args: argparse.Namespace) -> None:
     if eesd <= 0:
         sys.exit(f"EESD added no gradient at step 1 (g0 {g0}, g1 {g1}): choose λ with --eesd")
     level = g0 / eesd
-    grid = [float(f"{level * f:.1g}") for f in (0.1, 1.0, 10.0)]
+    # the GPU design: the level λ and λ/10 (the CPU study found harm growing with λ); the CPU design adds 10 λ
+    grid = [float(f"{level * f:.1g}") for f in ((0.1, 1.0) if args.gpu else (0.1, 1.0, 10.0))]
     record = {"grad_norm_eesd_off": g0, "grad_norm_eesd_1": g1, "eesd_grad_norm_estimate": eesd,
               "lambda_level": level, "grid": grid}
     (work / "eesd_lambdas.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -250,8 +263,8 @@ def eesd_probe(work: Path, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- analyze
-def analyze_rows(work: Path) -> None:
-    for placement in PLACEMENTS:
+def analyze_rows(work: Path, args: argparse.Namespace) -> None:
+    for placement in args.placements:
         for cell in sorted((work / placement / "cells").glob("*-seed-0")):
             if cell.name.startswith("dense") or not (cell / "cell.json").is_file():
                 continue
@@ -301,9 +314,54 @@ def fmt(s: dict, digits: int = 3) -> str:
     return f"{s['mean']:.{digits}f}" + ("" if s["std"] is None else f" ± {s['std']:.{digits}f}")
 
 
+def against_dense_by_step(cells: list[dict], table: list[dict]) -> dict[str, list[dict]]:
+    """Each MoE row against the dense row at every evaluation step both have: Q→D MRR mean ± std over seeds, the
+    difference, and whether it exceeds the seed spread (|diff| > 2 × the larger std; ≥ 2 seeds in both rows), so
+    that the budget at which a row parts from dense can be read off."""
+    by_name = {c["name"]: c for c in cells}
+
+    def series(row: dict) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for name in row["cells"]:
+            for e in by_name[name]["evals"] if name in by_name else []:
+                out.setdefault(e["step"], []).append(e[MAIN[1][0]][MAIN[1][1]])
+        return out
+
+    dense = next((series(r) for r in table if r["method"] == "dense"), {})
+    result = {}
+    for row in table:
+        if row["method"] == "dense":
+            continue
+        points = []
+        for step, values in sorted(series(row).items()):
+            base = dense.get(step)
+            if not base:
+                continue
+            mean, base_mean = statistics.fmean(values), statistics.fmean(base)
+            stds = [statistics.stdev(v) if len(v) > 1 else None for v in (values, base)]
+            spread = 2 * max(stds) if None not in stds else None
+            points.append({"step": step, "seeds": len(values), "mean": mean, "dense_mean": base_mean,
+                           "diff": mean - base_mean, "two_std": spread,
+                           "beyond_spread": spread is not None and abs(mean - base_mean) > spread})
+        result[label(row)] = points
+    return result
+
+
+def first_parting(points: list[dict]) -> int | None:
+    """The first evaluation step from which a row stays beyond the seed spread from dense to the end."""
+    first = None
+    for p in points:
+        first = (first if first is not None else p["step"]) if p["beyond_spread"] else None
+    return first
+
+
 def collect(work: Path, args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    merged = {"label": "the contrastive method study (docs/contrastive.md, Study)", "machine": machine(),
+    results = args.results
+    results.mkdir(parents=True, exist_ok=True)
+    # the machine the cells ran on (the GPU runner records it in WORK; collect may run on another machine)
+    ran_on = json.loads((work / "machine.json").read_text()) if (work / "machine.json").is_file() else machine()
+    merged = {"label": "the contrastive method study (docs/contrastive.md, Study)", "machine": ran_on,
+              "collected_on": machine(), "budget": "gpu" if args.gpu else "cpu",
               "recipe": yaml.safe_load((work / "recipe.yaml").read_text()),
               # the design's parts (what --list prints); what ran is each placement's "invocations"
               "design_parts": {n: " ".join(["upcycle", *c]) for n, c in parts(work, args).items()},
@@ -313,7 +371,7 @@ def collect(work: Path, args: argparse.Namespace) -> None:
     design = ["dense", *METHODS.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or "").split(",")
                                               if v)]                  # every row label of the design
     curves = {}
-    for placement in PLACEMENTS:
+    for placement in args.placements:
         path = work / placement / "comparison.json"
         if not path.is_file():
             continue
@@ -324,10 +382,13 @@ def collect(work: Path, args: argparse.Namespace) -> None:
                    for c in result["cells"]}
         spec = {row["cells"][0]: specialization(work, placement, row["cells"][0]) for row in table}
         statement = {stage: exceeding(table, MAIN[0], stage) for stage in ("after_conversion", "after_training")}
+        by_step = against_dense_by_step(result["cells"], table)
         merged["placements"][placement] = {
             "complete": result["complete"], "unfinished": result["unfinished"],
             "wall_seconds_all_invocations": result["seconds_all_invocations"], "invocations": result["invocations"],
             "median_steps": timing, "specialization_seed_0": spec, "differences_beyond_seed_spread": statement,
+            "against_dense_by_step": by_step,
+            "first_step_beyond_spread_from_dense": {name: first_parting(p) for name, p in by_step.items()},
             "table": table, "cells": result["cells"]}
         curves[placement] = (result["cells"], table, entropy)
         state = "complete" if result["complete"] else "PARTIAL: not yet " + ", ".join(result["unfinished"])
@@ -355,16 +416,25 @@ def collect(work: Path, args: argparse.Namespace) -> None:
         for stage, found in statement.items():
             lines.append(f"- {stage.replace('_', ' ')}: " + ("; ".join(found) if found else
                                                                "none (or fewer than 2 seeds per row)"))
+        steps = sorted({p["step"] for points in by_step.values() for p in points})
+        lines += ["", "Q→D MRR minus dense's at every evaluation step (mean over seeds; * = beyond the seed spread, "
+                  "|diff| > 2 × the larger std):", "", "| row | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|---|" + "---:|" * len(steps)]
+        for name, points in by_step.items():
+            at = {p["step"]: p for p in points}
+            lines.append(f"| {name} | " + " | ".join(
+                f"{at[s]['diff']:+.4f}{'*' if at[s]['beyond_spread'] else ''}" if s in at else "–" for s in steps)
+                + " |")
         lines += ["", f"Invocations into WORK/{placement} (wall seconds):", ""]
         lines += [f"- `{i['command']}`: {i['seconds']:,.0f} s" for i in result["invocations"]]
         lines.append("")
     merged["seconds_all_invocations"] = round(sum(p["wall_seconds_all_invocations"]
                                                   for p in merged["placements"].values()), 1)
-    (RESULTS / "comparison.json").write_text(json.dumps(merged, indent=1) + "\n")
-    (RESULTS / "comparison.md").write_text("\n".join(lines) + "\n")
+    (results / "comparison.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (results / "comparison.md").write_text("\n".join(lines) + "\n")
     if curves:
-        draw_curves(curves, RESULTS / "curves.png")
-    print(f"wrote {RESULTS}")
+        draw_curves(curves, results / "curves.png")
+    print(f"wrote {results}")
 
 
 def draw_curves(curves: dict, path: Path) -> None:
@@ -405,25 +475,133 @@ def draw_curves(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def budget_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that give this invocation's budget and design, for the per-seed processes of --gpu."""
+    flags = ["--work", str(args.work), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+             "--sequence-length", str(args.sequence_length), "--eval-pairs", str(args.eval_pairs),
+             "--eval-every", str(args.eval_every), "--lr", repr(args.lr), "--placements", ",".join(args.placements),
+             "--seeds", ",".join(map(str, args.seeds))]
+    return flags + (["--gpu"] if args.gpu else []) + (["--eesd", args.eesd] if args.eesd else [])
+
+
+def seed_parts(work: Path, args: argparse.Namespace, seed: int) -> None:
+    """Every part of one seed in turn: its methods in each placement, then its EESD cells. The first seed's
+    process runs the EESD probe (on its every-2 cluster conversion); the others wait for the probe's λ."""
+    commands = parts(work, args)
+    for placement in args.placements:
+        assert main(commands[f"{placement}-seed-{seed}"]) == 0, f"{placement}-seed-{seed}"
+    failed = work / "eesd_probe_failed"
+    if lambdas(work, args.eesd) is None:
+        if seed == args.seeds[0]:
+            failed.unlink(missing_ok=True)
+            try:
+                eesd_probe(work, args)
+            except BaseException:
+                failed.touch()                          # the other seeds stop waiting
+                raise
+        while lambdas(work, args.eesd) is None:         # the first seed's probe; Ctrl-C (the runner's) stops this
+            if failed.exists():
+                sys.exit("the EESD probe failed (see the first seed's log): no EESD cells")
+            time.sleep(2)
+    commands = parts(work, args)
+    for placement in args.placements:
+        assert main(commands[f"{placement}-eesd-seed-{seed}"]) == 0, f"{placement}-eesd-seed-{seed}"
+
+
+def run_seeds_in_parallel(work: Path, args: argparse.Namespace) -> None:
+    """The GPU design: one process per seed, all on the one GPU (the model is small: one process leaves most of
+    the GPU idle between its kernels), each `--part seed-S`. Past --deadline seconds they get Ctrl-C: a cell
+    stops with a checkpoint and compare records it as unfinished; a rerun with the same WORK continues."""
+    import signal
+    import subprocess
+
+    (work / "machine.json").write_text(json.dumps(machine("cuda" if _cuda() else None), indent=1) + "\n")
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    started = time.time()
+    procs = {}
+    threads = str(max(1, (os.cpu_count() or 1) // len(args.seeds)))     # the cores shared, not each process's all
+    for seed in args.seeds:
+        with open(logs / f"seed-{seed}.log", "a") as log:
+            procs[seed] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *budget_flags(args),
+                                            "--part", f"seed-{seed}"], stdout=log, stderr=subprocess.STDOUT,
+                                           env=os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads},
+                                           cwd=work)
+    deadline = started + args.deadline if args.deadline else None
+    stopped = None
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if deadline and time.time() > deadline:
+                stopped = f"deadline of {args.deadline:g} s"
+                break
+            time.sleep(1)
+    except KeyboardInterrupt:
+        stopped = "Ctrl-C"
+    if stopped:
+        print(f"{stopped}: stopping the seeds' processes (a rerun with this WORK continues)", flush=True)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    record = {"seconds": round(time.time() - started, 1), "exit_codes": {s: p.poll() for s, p in procs.items()},
+              "deadline": args.deadline, "stopped": stopped}
+    with open(work / "runner.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cli() -> None:
+    # Ctrl-C stops a part cleanly (a cell checkpoints, compare records it unfinished), also in a process started
+    # in the background of a script, which inherits SIGINT ignored (the GPU runner stops its seeds with it)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-contrastive-study"))
-    parser.add_argument("--part", help="pilot, eesd-probe, analyze, or a compare part (listed with --list)")
+    parser.add_argument("--part", help="pilot, eesd-probe, analyze, seed-S (every part of seed S), or a compare "
+                                       "part (listed with --list)")
     parser.add_argument("--list", action="store_true", help="print the compare parts and their commands")
     parser.add_argument("--collect", action="store_true")
-    parser.add_argument("--steps", type=int, default=2000, help="training steps of every cell (the budget)")
-    parser.add_argument("--batch-size", type=int, default=64, help="pairs per step (B - 1 in-batch negatives)")
-    parser.add_argument("--sequence-length", type=int, default=128, help="tokens per text")
-    parser.add_argument("--eval-pairs", type=int, default=2048, help="held-out pairs per evaluation")
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU design: the GPU budget, every other block, seeds in parallel processes on the "
+                             "one GPU, JSON and logs kept (results in benchmarks/results/contrastive_study_gpu)")
+    parser.add_argument("--deadline", type=float, help="--gpu: stop the seeds' processes after this many seconds")
+    parser.add_argument("--results", type=Path, help="where --collect writes (default: benchmarks/results/"
+                                                      "contrastive_study, or contrastive_study_gpu with --gpu)")
+    help_budget = " (default: the CPU or --gpu budget, BUDGETS)"
+    parser.add_argument("--steps", type=int, help="training steps of every cell" + help_budget)
+    parser.add_argument("--batch-size", type=int, help="pairs per step (B - 1 in-batch negatives)" + help_budget)
+    parser.add_argument("--sequence-length", type=int, help="tokens per text" + help_budget)
+    parser.add_argument("--eval-pairs", type=int, help="held-out pairs per evaluation" + help_budget)
+    parser.add_argument("--eval-every", type=int, help=help_budget)
+    parser.add_argument("--lr", type=float, help=help_budget)
+    parser.add_argument("--placements", help="comma-separated: every-2, every-1 (default: both; --gpu: every-2)")
     parser.add_argument("--seeds", type=lambda s: tuple(int(x) for x in s.split(",")), default=SEEDS)
     parser.add_argument("--eesd", help="comma-separated EESD λ (default: WORK/eesd_lambdas.json of eesd-probe)")
     parser.add_argument("--pilot-steps", type=int, default=12)
     parser.add_argument("--pilot-eval-pairs", type=int, default=256)
     args = parser.parse_args()
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")     # a CPU protocol (float32), as the other studies
-    work = args.work.absolute()
+    for key, value in BUDGETS["gpu" if args.gpu else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    names = (args.placements or ("every-2" if args.gpu else ",".join(PLACEMENTS))).split(",")
+    if not set(names) <= set(PLACEMENTS):
+        sys.exit(f"--placements takes {', '.join(PLACEMENTS)}, got {args.placements!r}")
+    args.placements = {name: PLACEMENTS[name] for name in names}
+    args.results = args.results or (RESULTS_GPU if args.gpu else RESULTS)
+    if not args.gpu:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")     # a CPU protocol (float32), as the other studies
+    work = args.work = args.work.absolute()
     if args.part == "pilot":
         pilot(work, args)
         sys.exit(0)
@@ -432,22 +610,30 @@ def cli() -> None:
         print("\n".join(f"{n}: upcycle {' '.join(c)}" for n, c in commands.items()))
         sys.exit(0)
     write_recipe(work / "recipe.yaml", recipe(args, args.steps, args.eval_pairs, args.eval_every))
+    seed_part = args.part.removeprefix("seed-") if args.part and args.part.startswith("seed-") else None
     if args.part == "eesd-probe":
         eesd_probe(work, args)
     elif args.part == "analyze":
-        analyze_rows(work)
+        analyze_rows(work, args)
+    elif seed_part is not None:
+        if not seed_part.isdigit() or int(seed_part) not in args.seeds:
+            sys.exit(f"--part seed-S takes one of --seeds {args.seeds}, got {args.part!r}")
+        seed_parts(work, args, int(seed_part))
     elif args.part:
         if args.part not in commands:
             sys.exit(f"unknown part {args.part!r} (the EESD parts need --part eesd-probe first); parts: "
-                     f"{', '.join(['pilot', 'eesd-probe', 'analyze', *commands])}")
+                     f"{', '.join(['pilot', 'eesd-probe', 'analyze', *(f'seed-{s}' for s in args.seeds), *commands])}")
         assert main(commands[args.part]) == 0, args.part
     if not args.part and not args.collect:
-        assert main(commands["every-2-seed-0"]) == 0       # its cluster conversion is what the probe trains
-        if lambdas(work, args.eesd) is None:
-            eesd_probe(work, args)
-        for name, command in parts(work, args).items():
-            assert main(command) == 0, name
-        analyze_rows(work)
+        if args.gpu:
+            run_seeds_in_parallel(work, args)
+        else:
+            assert main(commands["every-2-seed-0"]) == 0       # its cluster conversion is what the probe trains
+            if lambdas(work, args.eesd) is None:
+                eesd_probe(work, args)
+            for name, command in parts(work, args).items():
+                assert main(command) == 0, name
+            analyze_rows(work, args)
     if args.collect or not args.part:
         collect(work, args)
 

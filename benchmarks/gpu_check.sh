@@ -8,15 +8,22 @@
 # are installed from .whl/ when that folder is there, and the project runs from src/ on PYTHONPATH. Then, into OUT:
 #   environment.json                   the machine, torch, CUDA, transformers
 #   junit.xml, pytest.log              the non-slow suite (slow tests whose assets are absent skip themselves)
+#   tests.jsonl                        each test's outcome as it finished (tests/live_report.py): what a suite
+#                                      stopped at its time limit (GPU_CHECK_SUITE_SECONDS, 330) still tells
 #   assert_hunt.log                    only if a device-side assert appeared: the suspect files rerun one at a time
 #                                      with CUDA_LAUNCH_BLOCKING=1, to name the kernel launch that asserts
 #   moe_layer_cuda_bfloat16.json       the MoE layer at the six (shape, tokens) rows, bf16, fwd and fwd+bwd
-#   moe_layer_cuda_float32.json        the same in float32 and TF32 at one size each (what float32 takes)
 #   train_step_cuda.json               whole-model training step: dense, upcycle, stock Mixtral / Qwen3-MoE
-#   train_step_cuda_compile.json       the same under torch.compile, dense and upcycle's every-block MoE
+#   moe_layer_cuda_float32.json        the layer in float32 and TF32 at one size each (what float32 takes)
+#   profile_MODEL.json                 two steps of dense, upcycle every-block and Mixtral under torch.profiler:
+#                                      the GPU's idle share and the top kernels
+#   train_step_cuda_compile.json       the training step under torch.compile, dense and upcycle's every-block MoE
 #   summary.json                       all of the above in one file (benchmarks/gpu_summary.py)
 # On a machine without a GPU it runs the suite on the CPU and skips the benchmarks, saying so. --quick: fewer
 # repetitions and tokens (a smoke run of the script itself). Budget: under 8 minutes on one H100 or H200.
+# GPU_CHECK_WORKERS: the suite's pytest-xdist processes (default: the cores, at most 14).
+# GPU_CHECK_BEFORE_BENCH: a command run after the suite and before the benchmarks (benchmarks/gpu_session.sh
+# stops there the study that shared the GPU with the suite, so that the benchmarks have the GPU alone).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT [--quick]}
 QUICK=${2:-}
@@ -44,11 +51,11 @@ cat "$OUT/environment.json"
 HAS_GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 
 WORKERS=1
-if $PY -c "import xdist" 2>/dev/null; then WORKERS=$(( $(nproc) > 14 ? 14 : $(nproc) )); fi
+if $PY -c "import xdist" 2>/dev/null; then WORKERS=${GPU_CHECK_WORKERS:-$(( $(nproc) > 14 ? 14 : $(nproc) ))}; fi
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS"
 TIMEOUT=""; $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout 240"
-timeout 330 $PY -m pytest tests -m "not slow" -q -p no:cacheprovider $XDIST $TIMEOUT -rs \
-    --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "${GPU_CHECK_SUITE_SECONDS:-330}" $PY -m pytest tests -m "not slow" -q \
+    -p no:cacheprovider -p live_report $XDIST $TIMEOUT -rs --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - started )) s"
 tail -5 "$OUT/pytest.log"
 
@@ -59,16 +66,18 @@ if grep -q "device-side assert" "$OUT/pytest.log"; then
     done
 fi
 
+[ -n "${GPU_CHECK_BEFORE_BENCH:-}" ] && bash -c "$GPU_CHECK_BEFORE_BENCH"
 if [ "$HAS_GPU" = 1 ]; then
     REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
     [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }
     timeout 150 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 mixtral olmoe --tokens $TOK \
-        --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json"
+        --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json" --profile "$OUT"
+    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json" \
+        --profile "$OUT"
     timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype float32 $REPS \
         --out "$OUT/moe_layer_cuda_float32.json"
     timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype tf32 $REPS \
         --out "$OUT/moe_layer_cuda_tf32.json"
-    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json"
     timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --models dense upcycle_every_1 --compile \
         --out "$OUT/train_step_cuda_compile.json"
 else

@@ -37,6 +37,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+from gpu_profile import profile
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
 from upcycle.core.moe import MoELayer
@@ -55,6 +56,7 @@ class Setting:
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.autocast = torch.bfloat16 if autocast == "bf16" else None
+        self.profile: Path | None = None        # --profile: where each row's profiles go (CUDA)
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
         torch.backends.cudnn.allow_tf32 = dtype == "tf32"
 
@@ -171,6 +173,11 @@ def measure(shape: str, n_tokens: int, reps: int, min_seconds: float, s: Setting
             "upcycle_vs_hf_grouped_mm": med["upcycle"] / med["hf_grouped_mm"] if "hf_grouped_mm" in med else None,
             "peak_bytes": {n: v for n, v in peaks.items() if v is not None} or None,
         }
+    if s.profile is not None and s.device.type == "cuda":        # one fwd+bwd of ours and of transformers' best
+        for name in ("upcycle", "hf_grouped_mm"):
+            if name in impls:
+                profile(f"{shape}_{n_tokens}_{name}", lambda step, fn=impls[name]: timed(fn, x, True, s), s.device,
+                        s.profile, steps=3)
     return result
 
 
@@ -184,14 +191,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="at least this many timed repetitions")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="repeat short calls to fill this time")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="CUDA: also profile each row's fwd+bwd of upcycle and "
+                                                     "hf_grouped_mm into this folder (benchmarks/gpu_profile.py)")
     args = parser.parse_args()
     s = Setting(args.device, args.dtype, args.autocast)
+    s.profile = args.profile
     default_name = "moe_layer" + ("" if s.device.type == "cpu" else f"_{s.device.type}") + \
         ("_bf16" if args.autocast else "" if args.dtype == "float32" else f"_{args.dtype}")
     args.out = args.out or RESULTS / f"{default_name}.json"
     torch.manual_seed(0)
     runs = []
     started = time.time()
+    command = ["python benchmarks/moe_layer.py", "--device", args.device, "--shapes", *args.shapes,
+               "--tokens", *map(str, args.tokens), "--dtype", args.dtype, "--reps", str(args.reps),
+               "--min-seconds", str(args.min_seconds)] + (["--autocast", args.autocast] if args.autocast else [])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
         for n in args.tokens:
             runs.append(measure(shape, n, args.reps, args.min_seconds, s))
@@ -202,16 +216,15 @@ def main() -> None:
                                                                      fb["ratio_to_dense_x_k"].items())
                   + (f"  | upcycle / best hf {fb['upcycle_vs_best_hf']:.2f}" if fb["upcycle_vs_best_hf"] else ""),
                   flush=True)
-    command = ["python benchmarks/moe_layer.py", "--device", args.device, "--shapes", *args.shapes,
-               "--tokens", *map(str, args.tokens), "--dtype", args.dtype, "--reps", str(args.reps),
-               "--min-seconds", str(args.min_seconds)] + (["--autocast", args.autocast] if args.autocast else [])
-    out = {"benchmark": "moe_layer", "setting": {"device": args.device, "dtype": args.dtype,
-                                                  "autocast": args.autocast, "activation": "silu",
-                                                  "reps": args.reps},
-           "machine": machine(s.device), "results": runs, "seconds": round(time.time() - started, 1),
-           "command": " ".join(command)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+            # written after every row (whole, by rename): a run stopped at a time limit keeps the rows it measured
+            out = {"benchmark": "moe_layer", "setting": {"device": args.device, "dtype": args.dtype,
+                                                          "autocast": args.autocast, "activation": "silu",
+                                                          "reps": args.reps},
+                   "machine": machine(s.device), "results": runs, "seconds": round(time.time() - started, 1),
+                   "complete": len(runs) == len(args.shapes) * len(args.tokens), "command": " ".join(command)}
+            tmp = args.out.with_name(f".{args.out.name}.tmp")
+            tmp.write_text(json.dumps(out, indent=2))
+            tmp.replace(args.out)
     print(f"wrote {args.out}")
 
 

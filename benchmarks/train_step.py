@@ -26,11 +26,13 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
 
+from gpu_profile import profile
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.preservation import count_parameters
@@ -123,6 +125,9 @@ def run(name: str, args, device: torch.device) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     tokens = args.batch_size * args.sequence_length
+    if args.profile and name in args.profile_models:
+        profile(name, partial(train_step, model, batch, optimizer, reg, accelerator=acc, clip_grad=1.0), device,
+                args.profile)
     out = {"tokens_per_s": tokens / statistics.median(times), "step_s_median": statistics.median(times),
            "steps": len(times), "active_parameters": active, "total_parameters": count_parameters(model)["total"],
            "final_loss": result.loss["total"]}
@@ -145,6 +150,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="also profile two steps of --profile-models into this folder")
+    parser.add_argument("--profile-models", nargs="+", default=["dense", "upcycle_every_1", "mixtral_grouped_mm"],
+                        choices=MODELS)
     args = parser.parse_args()
     device = torch.device(args.device)
     started = time.time()

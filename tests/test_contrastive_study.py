@@ -191,3 +191,53 @@ def test_the_study_script_keeps_the_budget_of_its_work_folder(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="holds another budget"):
         study.write_recipe(recipe, {"steps": 2000, "lr": 5e-5})
     assert recipe.read_text() == text
+
+
+def _study_script():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module("contrastive_study")
+
+
+def test_the_gpu_design_is_every_other_block_with_the_gpu_budget_and_every_seed_keeping_its_models(tmp_path,
+                                                                                                  monkeypatch, capsys):
+    import sys
+
+    study = _study_script()
+    monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--gpu", "--work", str(tmp_path), "--list"])
+    with pytest.raises(SystemExit) as listed:
+        study.cli()
+    assert listed.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    # every other block only, the three seeds, and --keep models for each (the EESD cells reuse each seed's
+    # cluster conversion; only JSON comes back from the GPU machine)
+    assert [line.split(":")[0] for line in lines] == ["every-2-seed-0", "every-2-seed-1", "every-2-seed-2"]
+    assert all("--every 2 " in line and "--keep models" in line for line in lines)
+    assert study.BUDGETS["gpu"]["batch_size"] >= 256          # the large-batch regime the design is for
+    assert study.BUDGETS["gpu"]["steps"] * study.BUDGETS["gpu"]["batch_size"] >= 10_000
+
+
+def test_the_budget_at_which_a_row_parts_from_dense_is_read_off_every_evaluation():
+    """Each MoE row against dense at every evaluation step, beyond the seed spread when |diff| > 2 x the larger
+    std over seeds; the first parting step is the one from which it stays beyond to the end."""
+    study = _study_script()
+
+    def cell(name, mrrs):
+        return {"name": name, "evals": [{"step": s, "query_to_document": {"MRR": v}} for s, v in mrrs.items()]}
+
+    dense = {0: [0.50, 0.50, 0.50], 50: [0.52, 0.521, 0.519], 100: [0.53, 0.531, 0.529], 150: [0.54, 0.541, 0.539]}
+    copy = {0: [0.50, 0.50, 0.50], 50: [0.53, 0.52, 0.51], 100: [0.55, 0.551, 0.549], 150: [0.56, 0.561, 0.559]}
+    cells = [cell(f"dense-seed-{i}", {s: v[i] for s, v in dense.items()}) for i in range(3)] + \
+        [cell(f"copy-eesd-none-seed-{i}", {s: v[i] for s, v in copy.items()}) for i in range(3)]
+    table = [{"method": "dense", "eesd": "–", "cells": [f"dense-seed-{i}" for i in range(3)]},
+             {"method": "copy", "eesd": "none", "cells": [f"copy-eesd-none-seed-{i}" for i in range(3)]}]
+    points = study.against_dense_by_step(cells, table)["copy"]
+    assert [p["step"] for p in points] == [0, 50, 100, 150]
+    assert [p["beyond_spread"] for p in points] == [False, False, True, True]   # step 50: level; then 0.02 apart
+    assert points[2]["diff"] == pytest.approx(0.02) and points[2]["two_std"] == pytest.approx(0.002)
+    assert study.first_parting(points) == 100
+    # a row that parts and comes back has no parting budget
+    assert study.first_parting([{"step": 1, "beyond_spread": True}, {"step": 2, "beyond_spread": False}]) is None
