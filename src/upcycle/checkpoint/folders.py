@@ -25,6 +25,8 @@ import contextlib
 import errno
 import json
 import os
+import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,13 +185,37 @@ def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.lock"
 
 
+_LOCK_TEXT = re.compile(r"(process \d+ on \S*\n?)?")     # what upcycle writes into a lock file (or nothing yet)
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file without following a link, and only if it is upcycle's: a plain file with
+    one name. A link, a folder, a FIFO, a second name of another file (a hard link) are refused: the lock file is
+    truncated and written, and removed at the end."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as e:
+        what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder"}.get(e.errno)
+        if what:
+            raise UpcycleError(f"the lock file {path} is {what}: upcycle writes its lock there and never through a "
+                               f"link or into a folder; move it away") from None
+        raise UpcycleError(f"cannot create the lock file {path}: {e.strerror or e}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = "not a plain file" if not stat.S_ISREG(info.st_mode) else "a second name of another file (a hard link)"
+        raise UpcycleError(f"the lock file {path} is {what}: upcycle does not write into it; move it away")
+    return fd
+
+
 def acquire_lock(out: Path) -> _Lock:
     """An exclusive lock on `out`'s lock file, or OutputLocked naming the holder."""
     import fcntl
 
     path = lock_path(out)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -208,6 +234,11 @@ def acquire_lock(out: Path) -> _Lock:
         except FileNotFoundError:
             same = False
         if same:
+            text = os.pread(fd, 4096, 0)
+            if not _LOCK_TEXT.fullmatch(text.decode(errors="replace")):
+                os.close(fd)             # a file of the user's under the lock's name: left as it is
+                raise UpcycleError(f"{path} exists and is not an upcycle lock file (it holds other text); upcycle "
+                                   f"would write its lock there: move it away")
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"process {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
             return _Lock(path, fd)

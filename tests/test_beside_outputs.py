@@ -1,0 +1,70 @@
+"""What sits beside or inside an output is the user's until upcycle can prove it wrote it: the lock file, the
+embedded model's cache, a file inside a run's subfolder, another output's JSON, a folder `save_pretrained` is
+pointed at. Each test plants the user's thing, runs the command as a user would, and checks the one-line message
+and that the user's bytes are what they were."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import digest
+from upcycle.cli import main
+
+QUIET = ["--quiet"]
+CONVERT = ["--num-experts", "2", "--top-k", "1", "--quiet"]
+
+
+def fails(capsys, argv: list[str], message: str, *, code: int = 2) -> str:
+    """Run `upcycle ARGV`: it must exit with `code` and print one line holding `message`, no traceback."""
+    assert main(argv) == code, argv
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("upcycle: ")]
+    assert lines and message in lines[-1], (argv, err)
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+@pytest.fixture
+def dense(tiny_lm, tmp_path) -> Path:
+    """A private copy of the tiny dense Llama."""
+    shutil.copytree(tiny_lm[0], tmp_path / "dense")
+    return tmp_path / "dense"
+
+
+# ---- the lock file beside OUT ----------------------------------------------------------------------------------
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(dense, tmp_path, capsys):
+    thesis = tmp_path / "thesis.txt"
+    thesis.write_text("four years of work\n")
+    (tmp_path / ".out.lock").symlink_to(thesis)
+    fails(capsys, ["convert", str(dense), str(tmp_path / "out"), *CONVERT], "is a symbolic link")
+    assert thesis.read_text() == "four years of work\n" and not (tmp_path / "out").exists()
+    assert (tmp_path / ".out.lock").is_symlink()
+
+
+def test_a_lock_path_that_is_a_folder_or_another_files_second_name_is_refused(dense, tmp_path, capsys):
+    (tmp_path / ".a.lock").mkdir()
+    fails(capsys, ["convert", str(dense), str(tmp_path / "a"), *CONVERT], "is a folder")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("")                          # empty, as a fresh lock would be: its second name is refused
+    os.link(notes, tmp_path / ".b.lock")
+    fails(capsys, ["convert", str(dense), str(tmp_path / "b"), *CONVERT], "hard link")
+    assert notes.read_text() == "" and notes.stat().st_nlink == 2
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_users_file_under_the_lock_name_is_left_alone_and_a_stale_upcycle_lock_is_taken_over(dense, tmp_path,
+                                                                                                 capsys):
+    before = digest(dense)
+    (tmp_path / ".a.lock").write_text("my shopping list\n")
+    fails(capsys, ["convert", str(dense), str(tmp_path / "a"), *CONVERT], "is not an upcycle lock file")
+    assert (tmp_path / ".a.lock").read_text() == "my shopping list\n"
+    # what a killed upcycle run leaves: its own line; the next run takes the lock and removes the file at the end
+    (tmp_path / ".b.lock").write_text("process 4242 on somewhere\n")
+    assert main(["convert", str(dense), str(tmp_path / "b"), *CONVERT]) == 0
+    assert (tmp_path / "b" / "config.json").is_file() and not (tmp_path / ".b.lock").exists()
+    assert digest(dense) == before                   # the input, read twice, is byte for byte what it was
