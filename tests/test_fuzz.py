@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from conftest import digest, make_tiny, write_tiny_lm
+from conftest import digest, make_tiny, require_assets, write_tiny_lm
 from upcycle.cli import main
 
 FUZZ_EXAMPLES = int(os.environ.get("UPCYCLE_FUZZ_EXAMPLES", "25"))
@@ -65,6 +65,8 @@ def refused(root: Path, argv: list[str], capsys, monkeypatch, message: str = "")
 def base(tmp_path_factory) -> dict[str, Path]:
     """Valid inputs every case starts from (copied before a case mutates them)."""
     from upcycle.data.text import wikipedia_split
+
+    require_assets("gensim")          # the embedded Wikipedia text, parsed into the cache below
 
     root = tmp_path_factory.mktemp("fuzz-base")
     dense, train, held = write_tiny_lm(root / "lm")

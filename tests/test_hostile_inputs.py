@@ -122,9 +122,9 @@ def test_case2_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path
     monkeypatch.setattr(assets, "plain_from_gguf", lambda *args: built.append(args) or folder)
     monkeypatch.setattr(assets, "smollm2_gguf_folder", lambda: tmp_path)
     assert assets.default_model_path() == folder and built == []          # intact: used as it is
-    # an MoE folder written over it, a weight replaced, a file removed: each is found, and the cache rebuilt
-    for tamper in (lambda: (folder / "upcycle_config.json").write_text("{}"),
-                   lambda: (folder / "model.safetensors").write_bytes(b"x" * 100),
+    # a weight replaced, a file removed: each is found, and the cache rebuilt (a file added, not upcycle's, is
+    # refused instead: tests/test_beside_outputs.py)
+    for tamper in (lambda: (folder / "model.safetensors").write_bytes(b"x" * 100),
                    lambda: (folder / "config.json").unlink()):
         snapshot = tmp_path / "snapshot"
         shutil.copytree(folder, snapshot)
@@ -133,7 +133,7 @@ def test_case2_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path
         assets.default_model_path()
         shutil.rmtree(folder)
         snapshot.rename(folder)
-    assert len(built) == 3
+    assert len(built) == 2
     # an unchanged file whose time changed (copied back, touched) is checked by its content and passes
     os.utime(folder / "config.json", (1, 1))
     assert assets.cache_is_intact(folder)

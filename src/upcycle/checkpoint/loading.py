@@ -27,7 +27,7 @@ from ..config import STORAGE_DTYPES
 from ..core.architectures import family_of, find_family
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
-from ..data.assets import resolve_model_name
+from ..data.assets import DEFAULT_MODEL_NAMES, resolve_model_name
 from ..errors import UpcycleError
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
 from .upcycle_format import MOE_CONFIG
@@ -166,9 +166,16 @@ def pretrained(cls, path: str | Path, name: str | None = None, **kwargs) -> nn.M
     return checked_weights(model, info, name)
 
 
-def dense_config(name: str) -> tuple[str, object]:
+def dense_config(name: str, *, build: bool = True) -> tuple[str, object]:
     """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
-    unsupported architecture fails here, in a second."""
+    unsupported architecture fails here, in a second. `build=False` (a dry run): the embedded model's config is
+    read from its GGUF file when its cache is not built, and nothing is written."""
+    if not build and name in DEFAULT_MODEL_NAMES:
+        from ..data.assets import default_model_cache, default_model_config
+
+        config = default_model_config()
+        family_of(config)
+        return str(default_model_cache()), config
     path = resolve_model_name(name)
     if Path(path).is_dir() and (Path(path) / MOE_CONFIG).is_file():
         raise UpcycleError(f"model {name!r} is an upcycle MoE folder already; convert takes a dense model (train, "

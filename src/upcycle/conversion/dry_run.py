@@ -108,5 +108,5 @@ def dry_run(cfg: ConvertConfig) -> dict:
     from ..checkpoint.loading import dense_config, resolve_dtype
 
     method, args = validate(cfg)
-    _, config = dense_config(cfg.model)
+    _, config = dense_config(cfg.model, build=False)      # a dry run writes nothing, the model cache too
     return plan(dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config)), config, method, args)

@@ -110,8 +110,9 @@ CACHE_RECORD = "upcycle-cache.json"
 
 
 def default_model_cache() -> Path:
-    """Where the embedded SmolLM2 is cached as a plain folder (it may not be built yet)."""
-    return cache_dir() / SMOLLM2_CACHE
+    """Where the embedded SmolLM2 is cached as a plain folder (it may not be built yet; nothing is created here:
+    the build makes the folders it needs)."""
+    return cache_dir(create=False) / SMOLLM2_CACHE
 
 
 def default_model_path() -> Path:
@@ -122,10 +123,12 @@ def default_model_path() -> Path:
 
 def cached_plain_from_gguf(gguf_folder, gguf_file: str, target: Path) -> Path:
     """`target` when it holds exactly what `plain_from_gguf` wrote there, else built (again) from the GGUF file
-    in `gguf_folder()` (a callable, so that an intact cache needs no installed wheel)."""
+    in `gguf_folder()` (a callable, so that an intact cache needs no installed wheel). A `target` that is not
+    upcycle's cache (`check_cache_replaceable`) is refused, never replaced."""
     if cache_is_intact(target):
         return target
-    if target.exists():
+    if target.exists() or target.is_symlink():
+        check_cache_replaceable(target)
         print(f"[upcycle] {target} does not match what upcycle wrote there ({CACHE_RECORD}); building it again",
               file=sys.stderr)
     else:
@@ -184,6 +187,41 @@ def record_cache(folder: Path) -> None:
     files = {p.name: {"sha256": _sha256(p), **_fingerprint(p)} for p in sorted(folder.iterdir())
              if p.is_file() and p.name != CACHE_RECORD}
     (folder / CACHE_RECORD).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def check_cache_replaceable(folder: Path) -> None:
+    """Refuse to rebuild a cache folder upcycle cannot prove it wrote: a link, a file, a folder without the record
+    `record_cache` writes, or one holding anything the record does not list (a user's notes, a subfolder). What
+    the record lists is upcycle's, edited or not, and is rebuilt."""
+    import json
+
+    how = "move it away, or set UPCYCLE_CACHE to another folder"
+    if folder.is_symlink() or not folder.is_dir():
+        raise UpcycleError(f"{folder} is where upcycle caches the embedded model, and it is "
+                           f"{'a symbolic link' if folder.is_symlink() else 'not a folder'}: upcycle does not "
+                           f"replace it; {how}")
+    try:
+        files = json.loads((folder / CACHE_RECORD).read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UpcycleError(f"{folder} is where upcycle caches the embedded model, but upcycle did not write it (no "
+                           f"readable {CACHE_RECORD}): upcycle does not replace it; {how}") from None
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if p.name != CACHE_RECORD and (p.name not in files or p.is_symlink() or not p.is_file()))
+    if foreign:
+        raise UpcycleError(f"{folder} holds what upcycle did not write there ({', '.join(foreign[:5])}): upcycle "
+                           f"rebuilds only its own cache of the embedded model; {how}")
+
+
+def default_model_config():
+    """The embedded SmolLM2's transformers config, from its cache when that is intact, else from the GGUF file's
+    metadata: what a dry run plans from, writing nothing (the cache is built by a real run)."""
+    from transformers import AutoConfig
+
+    if cache_is_intact(default_model_cache()):
+        return AutoConfig.from_pretrained(default_model_cache(), trust_remote_code=False)
+    return AutoConfig.from_pretrained(smollm2_gguf_folder(), gguf_file=SMOLLM2_GGUF, trust_remote_code=False)
 
 
 def cache_is_intact(folder: Path) -> bool:

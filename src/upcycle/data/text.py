@@ -77,8 +77,8 @@ def wikipedia_dump_path() -> pathlib.Path:
     )
 
 
-def cache_dir() -> pathlib.Path:
-    """Return (and create) the cache folder.
+def cache_dir(create: bool = True) -> pathlib.Path:
+    """Return (and, with `create`, create) the cache folder.
 
     ``$UPCYCLE_CACHE`` wins, then ``$XDG_CACHE_HOME/upcycle``, then
     ``~/.cache/upcycle``.  Empty variables count as unset, as the XDG spec asks.
@@ -91,7 +91,8 @@ def cache_dir() -> pathlib.Path:
         path = pathlib.Path(xdg).expanduser() / "upcycle"
     else:
         path = pathlib.Path.home() / ".cache" / "upcycle"
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
