@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import require_assets
 from upcycle.data import text as T
 
 # ---------------------------------------------------------------------------
@@ -341,6 +342,7 @@ def test_dump_path_missing_package(monkeypatch):
 
 
 def test_real_dump(cache_env, capsys):
+    require_assets("gensim")
     path = T.wikipedia_dump_path()
     assert path.is_file() and os.fspath(path).endswith("-shortened.bz2")
     start = time.perf_counter()
