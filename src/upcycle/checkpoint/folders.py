@@ -8,10 +8,10 @@ with `claim_output` before it reads a weight, and holds the claim until it is do
   an input, holds one, lies inside one, or reaches one through symbolic links (both sides are resolved; a model
   folder's linked files count too, as in a Hugging Face cache snapshot) is refused, whatever `--overwrite` says.
 - **own outputs only**: an existing output is replaced only with `--overwrite`, and only when upcycle wrote it:
-  a folder holding the marker file `MARKER` whose list covers every entry in it (or, for folders written before
-  the marker existed, the file that names their kind), or a JSON file whose `format` names upcycle. A folder
-  the user made, or one they put their own files into, is never deleted. An output that is a symbolic link is
-  refused (replacing it would replace the link or, worse, what it points to).
+  a folder every file of which, at any depth, its marker lists or its kind grows (`upcycle.checkpoint.ownership`),
+  or a JSON file of this command's own kind (`FILE_FORMATS`). A folder the user made, or one they put their own
+  files into, at any depth, is never deleted. An output that is a symbolic link is refused (replacing it would
+  replace the link or, worse, what it points to).
 - **one writer**: the claim holds an exclusive lock (`fcntl.flock`) on `.NAME.lock` beside the output, so a
   second run into the same output is refused at once instead of mixing with the first.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import stat
@@ -33,16 +32,7 @@ from pathlib import Path
 
 from ..errors import UpcycleError
 from ..files import atomic_directory, atomic_write_text, check_writable_output
-
-MARKER = ".upcycle-output.json"
-MARKER_FORMAT = "upcycle-output"
-# Folders written by upcycle before the marker existed, recognised by the file that names their kind.
-LEGACY_SIGNATURES = {"upcycle_config.json": "convert", "upcycle_report.json": "export", "run_config.yaml": "train",
-                     "study.json": "compare", "analysis.json": "analyze"}
-# The entries a folder that grows while a command runs (a training run, a comparison) may hold.
-GROWING = {"train": ("run_config.yaml", "log.jsonl", "checkpoints", "model", "inputs.json", "tensorboard", "wandb"),
-           "compare": ("study.json", "invocations", "calibration", "conversions", "cells", "comparison.json",
-                       "comparison.md", "metric_over_steps.png", "init_diagnostics.png")}
+from .ownership import MARKER, foreign_files, own_output, write_marker
 
 
 @dataclass(frozen=True)
@@ -97,54 +87,14 @@ def check_inputs(out: Path, given: Iterable[Input]) -> None:
             raise UpcycleError(f"output {out} is the {item.what} {item.path} (the same file under another name)")
 
 
-def _temporary(name: str) -> bool:
-    """upcycle's own temporaries and locks beside the files they stand for (`upcycle.files.temp_prefix`)."""
-    return name.startswith(".") and (".tmp-" in name or ".old-" in name or name.endswith((".lock", ".tmp")))
+# The `format` of the one-file outputs, by the kind of command that writes them: a file is replaced only by a
+# command of its own kind (`eval --out` never replaces a run's manifest, a folder's upcycle_config.json, ...).
+FILE_FORMATS = {"eval": "upcycle-eval"}
 
 
-def own_output(path: Path) -> str | None:
-    """Why upcycle may replace the existing output `path` (its kind), or None when it may not: a folder with
-    the marker covering every entry, a legacy upcycle folder, an empty folder, or an upcycle JSON file."""
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        kind = data.get("format") if isinstance(data, dict) else None
-        return kind if isinstance(kind, str) and kind.startswith("upcycle") else None
-    if not path.is_dir():
-        return None
-    names = {p.name for p in path.iterdir() if not _temporary(p.name)}
-    if not names:
-        return "empty folder"
-    marker = path / MARKER
-    if marker.is_file():
-        try:
-            record = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
-            return None
-        allowed = set(record.get("entries") or ()) | set(GROWING.get(record.get("kind"), ())) | {MARKER}
-        return str(record.get("kind")) if names <= allowed else None
-    for signature, kind in LEGACY_SIGNATURES.items():
-        if signature in names:
-            return kind
-    return None
-
-
-def foreign_entries(path: Path) -> list[str]:
-    """The entries of an upcycle output folder its marker does not list (files the user added)."""
-    try:
-        record = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return []
-    allowed = set(record.get("entries") or ()) | set(GROWING.get(record.get("kind"), ())) | {MARKER}
-    return sorted(p.name for p in path.iterdir() if p.name not in allowed and not _temporary(p.name))
-
-
-def check_replaceable(out: Path, *, overwrite: bool, file: bool = False) -> None:
-    """An existing output needs --overwrite, and may be replaced only when upcycle wrote it."""
+def check_replaceable(out: Path, *, overwrite: bool, file: bool = False, kind: str | None = None) -> None:
+    """An existing output needs --overwrite, and may be replaced only when upcycle wrote it, as this kind of
+    output for a file (FILE_FORMATS)."""
     if out.is_symlink():
         raise UpcycleError(f"output {out} is a symbolic link; give the real location (upcycle never writes "
                            f"through a link)")
@@ -158,9 +108,16 @@ def check_replaceable(out: Path, *, overwrite: bool, file: bool = False) -> None
         if not file and out.is_dir() and not any(out.iterdir()):
             return                       # an empty folder made for the output: nothing to lose
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")
-    if own_output(out) is None:
-        extra = foreign_entries(out) if (out / MARKER).is_file() else []
-        why = (f"it holds entries upcycle did not write ({', '.join(extra[:5])})" if extra else
+    found = own_output(out)
+    if file and found is not None and found != FILE_FORMATS.get(kind):
+        wanted = FILE_FORMATS.get(kind)
+        raise UpcycleError(f"--overwrite replaces a file only when upcycle wrote it as {kind} output"
+                           f"{f' (format {wanted!r})' if wanted else ''}, and {out} is another upcycle file "
+                           f"(format {found!r}): replacing it would damage the output it belongs to. Choose "
+                           f"another file")
+    if found is None:
+        extra = None if file else foreign_files(out)
+        why = (f"it holds files upcycle did not write ({', '.join(extra[:5])})" if extra else
                "upcycle did not write it" + ("" if file else f" (no {MARKER})"))
         raise UpcycleError(f"--overwrite replaces only upcycle's own outputs, and {out} is not one: {why}. Move "
                            f"it away or choose another output")
@@ -268,15 +225,6 @@ class Claim:
         atomic_write_text(self.out, text)
 
 
-def write_marker(folder: Path, kind: str, entries: Iterable[str] | None = None) -> None:
-    """The record that `folder` is upcycle's output of `kind`, listing its entries (default: what it holds)."""
-    from ..version import __version__
-
-    names = sorted(entries) if entries is not None else sorted(p.name for p in folder.iterdir() if p.name != MARKER)
-    record = {"format": MARKER_FORMAT, "kind": kind, "upcycle": __version__, "entries": names}
-    (folder / MARKER).write_text(json.dumps(record, indent=1) + "\n")
-
-
 def _make_parents(out: Path) -> list[Path]:
     """Create `out`'s missing parent folders (the lock file lives beside `out`); return those created."""
     missing = []
@@ -306,7 +254,7 @@ def claim_output(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = 
         if out.exists() and own_output(out) not in (kind, "empty folder"):
             raise UpcycleError(f"output {out} exists and is not an upcycle {kind} folder; choose a new output")
     else:
-        check_replaceable(out, overwrite=overwrite, file=file)
+        check_replaceable(out, overwrite=overwrite, file=file, kind=kind)
     if file and not out.parent.is_dir():        # a file goes into a folder the user has; no folders are made
         raise UpcycleError(f"output {out}: the folder {out.parent} does not exist")
     check_writable_output(out)

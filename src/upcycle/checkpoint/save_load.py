@@ -44,6 +44,7 @@ def save(model: nn.Module, folder: str | os.PathLike, *, tokenizer=None, overwri
     The folder must not exist, or be empty, or (with `overwrite=True`) be one upcycle wrote; it appears whole
     when the weights are written, and a failure leaves what was there before."""
     _check_upcycled(model)
+    _check_finite(model.state_dict())
     folder = Path(folder).expanduser()
     with claim_output(folder, kind=SAVE_KIND, overwrite=overwrite) as claim, claim.directory() as tmp:
         save_folder_files(model, tmp, tokenizer=tokenizer, max_shard_bytes=parse_size(max_shard_size))
@@ -58,11 +59,31 @@ def _check_upcycled(model: nn.Module) -> None:
                            f"save_pretrained")
 
 
+def _check_finite(state: dict) -> None:
+    """Refuse weights with NaN or infinity: `load` refuses them, so a save would write a folder that cannot be
+    read back."""
+    bad = [name for name, t in state.items()
+           if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise UpcycleError(f"the model holds NaN or infinite weights ({', '.join(bad[:3])}"
+                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}); nothing was saved, since "
+                           f"upcycle.load refuses such a folder")
+
+
 # Model files of an upcycle folder; what an in-place save may replace (shards: model-00001-of-00003.safetensors)
-def _model_files(folder: Path) -> list[str]:
+def _model_files(folder: Path) -> tuple[list[str], list[str]]:
+    """(the model files of an earlier upcycle save in `folder`, weight shards there that no index names): a shard
+    the folder's index does not name was not written with it, and is never replaced or removed."""
+    import json
+
     fixed = ("config.json", MOE_CONFIG, "generation_config.json", SINGLE_FILE, INDEX_FILE)
-    shards = [p.name for p in folder.glob("model-*-of-*.safetensors")]
-    return [name for name in fixed if (folder / name).exists()] + sorted(shards)
+    shards = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
+    try:
+        named = set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        named = set()
+    return ([name for name in fixed if (folder / name).exists()] + [n for n in shards if n in named],
+            [n for n in shards if n not in named])
 
 
 def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: dict | None = None,
@@ -71,14 +92,23 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
     files; the model files of an earlier upcycle save there are replaced (stale shards removed), and model files
     upcycle did not write are refused rather than overwritten."""
     _check_upcycled(model)
+    _check_finite(state_dict if state_dict is not None else model.state_dict())
     folder = Path(folder).expanduser()
+    if folder.is_symlink():
+        raise UpcycleError(f"save_pretrained: {folder} is a symbolic link; give the real folder (upcycle never "
+                           f"writes through a link)")
     if folder.exists() and not folder.is_dir():
         raise UpcycleError(f"save_pretrained: {folder} is a file")
     folder.mkdir(parents=True, exist_ok=True)
-    existing = _model_files(folder)
-    if existing and not (folder / MOE_CONFIG).is_file():
+    existing, unnamed = _model_files(folder)
+    if existing and not (folder / MOE_CONFIG).is_file() or unnamed:
+        found = unnamed or existing
         raise UpcycleError(f"save_pretrained: {folder} holds model files upcycle did not write "
-                           f"({', '.join(existing[:3])}); save into a new folder, or remove them yourself")
+                           f"({', '.join(found[:3])}); save into a new folder, or remove them yourself")
+    linked = [name for name in existing if (folder / name).is_symlink()]
+    if linked:
+        raise UpcycleError(f"save_pretrained: {', '.join(linked[:3])} in {folder} is a symbolic link; upcycle "
+                           f"never writes through a link")
     tmp = Path(tempfile.mkdtemp(prefix=".upcycle-save-", dir=folder))
     try:
         save_folder_files(model, tmp, state_dict=state_dict, max_shard_bytes=parse_size(max_shard_size))

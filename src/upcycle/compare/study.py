@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..checkpoint.folders import GROWING, MARKER, claim_output, write_marker
+from ..checkpoint.folders import claim_output
+from ..checkpoint.ownership import GROWING, MARKER, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..errors import UpcycleError
 from ..files import atomic_write_text, clean_stale_temporaries, temp_prefix

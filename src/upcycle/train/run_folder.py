@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from ..checkpoint.folders import GROWING, write_marker
+from ..checkpoint.ownership import GROWING, write_marker
 from ..config import TrainConfig, build, to_dict
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix
