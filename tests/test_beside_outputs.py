@@ -216,3 +216,33 @@ def test_save_pretrained_never_writes_through_a_link_keeps_foreign_shards_and_re
         with pytest.raises(upcycle.UpcycleError, match="NaN or infinite"):
             save()
     assert not (tmp_path / "nan").exists() and not (tmp_path / "nan2").exists()
+
+
+# ---- a run that dies before its first checkpoint -----------------------------------------------------------------
+
+def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_command(tiny_lm, tmp_path, capsys):
+    """What a run killed at once (SIGKILL: no clean-up) leaves: its marker, config, inputs and an empty log. The
+    same command starts it again; --resume says there is nothing to resume and what to do."""
+    from upcycle.checkpoint.ownership import GROWING, write_marker
+
+    _, moe, train, _ = tiny_lm
+    out, finished = tmp_path / "run", tmp_path / "finished"
+    command = ["train", str(moe), str(out), "--data", str(train), *TRAIN]
+    assert main(["train", str(moe), str(finished), "--data", str(train), *TRAIN]) == 0     # the same run, whole
+    out.mkdir()
+    write_marker(out, "train", GROWING["train"])
+    for name in ("run_config.yaml", "inputs.json"):
+        shutil.copy(finished / name, out / name)
+    (out / "log.jsonl").write_text("")
+    capsys.readouterr()
+    fails(capsys, [*command[:-1], "--resume", "--quiet"], "without --resume starts it again")
+    assert main(command) == 0
+    assert "stopped before its first checkpoint (nothing to resume): starting it again" in capsys.readouterr().err
+    assert (out / "model" / "config.json").is_file() and len(list((out / "checkpoints").iterdir())) == 1
+    # a user's file beside such a run still makes it the user's: refused as before
+    shutil.rmtree(out)
+    out.mkdir()
+    write_marker(out, "train", GROWING["train"])
+    (out / "notes.txt").write_text("mine")
+    fails(capsys, command, "already exists")
+    assert (out / "notes.txt").read_text() == "mine"

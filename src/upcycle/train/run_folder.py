@@ -70,11 +70,23 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
     for message in skipped:
         print(f"[upcycle] {message}", file=sys.stderr)
     if chosen is None:
+        hint = "" if found else " (the run stopped before its first one: the same command without --resume starts " \
+                                "it again)"
         raise UpcycleError(f"cannot resume: {out / CHECKPOINTS} holds no complete checkpoint"
-                           + (f" ({'; '.join(skipped)})" if skipped else ""))
+                           + (f" ({'; '.join(skipped)})" if skipped else "") + hint)
     if skipped:
         print(f"[upcycle] resuming from {chosen.name}, the newest complete checkpoint", file=sys.stderr)
     return chosen
+
+
+def never_started(out: Path) -> bool:
+    """Whether OUT is a run of upcycle's that stopped before its first checkpoint (a process killed at once leaves
+    its config, inputs and log): nothing in it to resume or keep."""
+    from ..checkpoint.ownership import own_output
+
+    if not out.is_dir() or out.is_symlink() or (out / "model").exists() or own_output(out) != "train":
+        return False
+    return not checkpoints(out)
 
 
 def check_fresh_out(out: Path, overwrite: bool) -> None:

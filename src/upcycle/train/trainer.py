@@ -62,6 +62,7 @@ from .run_folder import (  # noqa: F401  (RUN_CONFIG, checkpoints, saved_config:
     RunFolder,
     check_fresh_out,
     checkpoints,
+    never_started,
     read_log,
     resume_point,
     saved_config,
@@ -128,6 +129,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     if stop_after is not None and stop_after < 1:
         raise UpcycleError(f"stop_after must be a step from 1 to steps ({cfg.steps}), got {stop_after}")
     out = Path(out).expanduser()
+    if not resume and not overwrite and never_started(out):
+        print(f"[upcycle] {out} holds a run that stopped before its first checkpoint (nothing to resume): "
+              f"starting it again", file=sys.stderr)
+        overwrite = True
     if not resume:
         check_fresh_out(out, overwrite)
     check_available(cfg.report_to)
