@@ -190,6 +190,41 @@ def test_train_and_eval_an_upcycled_encoder_with_every_router_regularizer(encode
     assert set(result["per_source"]) <= {"first", "second"}
 
 
+def test_a_forward_without_negatives_is_refused_before_anything_is_written(encoder_pair, tmp_path):
+    """One pair per forward (batch_size 1, or batch_size / grad_accum = 1) or pairs that all share one document
+    train nothing (loss 0, gradient 0: no in-batch negative): refused, naming why, with OUT left unmade."""
+    from upcycle.config import TrainConfig, build
+    from upcycle.train.trainer import train
+
+    _, moe, data = encoder_pair
+    base = {"model": str(moe), "data": str(data), "steps": 1, "sequence_length": 64, "eval_pairs": 4}
+    for extra in ({"batch_size": 1}, {"batch_size": 4, "grad_accum": 4}):
+        with pytest.raises(UpcycleError, match="at least 2 pairs in each forward"):
+            train(build(TrainConfig, base | extra), tmp_path / "run", progress=False)
+        assert not (tmp_path / "run").exists()
+    one_document = tmp_path / "one.jsonl"
+    one_document.write_text("".join(json.dumps({"query": f"q{i}", "document": "the only document",
+                                                "source": "s", "doc_id": "d"}) + "\n" for i in range(8)))
+    with pytest.raises(UpcycleError, match="same document"):
+        train(build(TrainConfig, base | {"data": str(one_document), "eval_data": str(data), "batch_size": 4}),
+              tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_whose_pairs_share_one_document_is_refused_naming_the_step():
+    pairs = TextPairs([f"q{i}" for i in range(6)], ["the cat"] * 4 + ["a dog", "the bird"], ["s"] * 6,
+                      [f"d{i}" for i in range(6)])
+    batches = PairBatches(tokenizer(), pairs, 2, 0, 16)
+    found = []
+    for step in range(12):
+        try:
+            batches.batch(step)
+        except UpcycleError as e:
+            found.append(str(e))
+    # some seeded batch draws two pairs of the shared document: it has no negative and is refused
+    assert found and all("no negative pair" in m for m in found)
+
+
 def test_the_task_is_refused_for_a_model_that_is_not_an_encoder():
     assert uses_contrastive(make_tiny("bert"), None) and not uses_contrastive(make_tiny("bert"), "causal_lm")
     assert not uses_contrastive(make_tiny("llama"), None)

@@ -116,6 +116,11 @@ class PairBatches(SeededBatches):
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         picked = super().batch(step)["pair"].tolist()
+        doc, query = self.doc_index[picked], self.query_index[picked]
+        if bool(((doc[:, None] == doc[None, :]) | (query[:, None] == query[None, :])).all()):
+            raise UpcycleError(f"the training batch of step {step + 1} has no negative pair: its {len(picked)} pairs "
+                               f"all share one document or one query, and InfoNCE would train nothing; the pair "
+                               f"file needs more distinct documents")
         rows = [(self.queries[i], self.documents[i]) for i in picked]
         length = max(len(t) for pair in rows for t in pair)
         ids = torch.full((len(rows), 2, length), self.pad, dtype=torch.long)
@@ -162,6 +167,17 @@ class ContrastiveTask:
         texts = [t for pair in zip(self.held.queries, self.held.documents, strict=True) for t in pair]
         enc = tokenize(tokenizer, texts[:DIAGNOSTIC_TEXTS], cfg.sequence_length)
         self.eval_rows = (enc["input_ids"], enc["attention_mask"])
+
+    def check_forward_pairs(self, pairs: int) -> None:
+        """Refuse a forward of fewer than two pairs (batch_size / (processes x grad_accum)): the other pairs of a
+        forward are each pair's negatives, so one pair has none and trains nothing (loss 0, gradient 0)."""
+        if pairs < 2:
+            raise UpcycleError(f"contrastive training needs at least 2 pairs in each forward, since the other pairs "
+                               f"of the batch are each pair's negatives; this run has {pairs} (batch_size / "
+                               f"(processes x grad_accum)): raise batch_size")
+        if int(self.train.doc_index.max()) < 1:
+            raise UpcycleError("every training pair has the same document: InfoNCE has no negative to train "
+                               "against; the pair file needs at least two distinct documents")
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return pair_loss(model, batch, self.temperature)

@@ -157,6 +157,8 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
     model, tokenizer = load_model(cfg.model)
     model.train()
     task = make_task(cfg, model, tokenizer)
+    if getattr(task, "name", None) == "contrastive":
+        task.check_forward_pairs(cfg.batch_size // (accelerator.num_processes * cfg.grad_accum))
     accelerator.wait_for_everyone()
     run = RunFolder(out, accelerator, resume=resume)
     try:
