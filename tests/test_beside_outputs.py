@@ -246,3 +246,61 @@ def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_c
     (out / "notes.txt").write_text("mine")
     fails(capsys, command, "already exists")
     assert (out / "notes.txt").read_text() == "mine"
+
+
+# ---- a model is whole or refused: tied weights that disagree with the checkpoint -------------------------------
+
+def _untied_llama(folder: Path, *, tie_in_config: bool) -> Path:
+    """A tiny Llama with its own lm_head, saved; its config then claims (or not) that the head is tied."""
+    import json
+
+    import torch
+
+    from conftest import DECODERS
+    config_cls, model_cls = DECODERS["llama"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = tie_in_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("streaming", ["true", "false"])
+def test_a_dense_config_that_ties_what_the_checkpoint_stores_apart_is_refused(tmp_path, capsys, streaming):
+    dense = _untied_llama(tmp_path / "dense", tie_in_config=True)
+    fails(capsys, ["convert", str(dense), str(tmp_path / "out"), "--set", f"streaming={streaming}", *CONVERT],
+          "ties model.embed_tokens.weight and lm_head.weight")
+    assert not (tmp_path / "out").exists()
+    fails(capsys, ["eval", str(dense), "--tokens", "16", "--quiet"], "tie_word_embeddings")
+
+
+def test_an_upcycle_folder_whose_config_was_flipped_to_tie_is_refused_by_every_loader(tmp_path, capsys):
+    import json
+
+    import transformers
+
+    import upcycle
+
+    dense = _untied_llama(tmp_path / "dense", tie_in_config=False)
+    assert main(["convert", str(dense), str(tmp_path / "moe"), *CONVERT]) == 0
+    assert upcycle.load(tmp_path / "moe") is not None                     # as written: untied, loads
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    config["base_config"]["tie_word_embeddings"] = True
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
+    for load in (lambda: upcycle.load(tmp_path / "moe"),
+                 lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")):
+        with pytest.raises(upcycle.UpcycleError, match="tie_word_embeddings"):
+            load()
+
+
+def test_a_checkpoint_that_stores_a_tied_head_twice_with_equal_values_converts(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    dense = _untied_llama(tmp_path / "dense", tie_in_config=True)
+    tensors = load_file(dense / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", str(dense), str(tmp_path / "out"), *CONVERT]) == 0

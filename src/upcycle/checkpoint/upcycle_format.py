@@ -37,6 +37,7 @@ from ..errors import UpcycleError
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
 from .skeleton import tensor_specs
+from .tying import check_tying
 from .writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 
 FORMAT_VERSION = 2
@@ -230,6 +231,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    check_tying(model, reader, str(path))      # before loading: loading both names into one tensor keeps one
     missing, unexpected, mismatched = _load_weights(model, reader)
     if missing or unexpected or mismatched:
         raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "
