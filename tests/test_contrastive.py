@@ -266,6 +266,10 @@ def test_the_packaged_pairs_have_several_sources_and_a_document_split():
     ('{"query": "a", "document": "b", "doc_id": 1}\n{"query": "c", "document": "d", "doc_id": 1}\n',
      "names two different documents"),
     ("\n\n", "no pairs"),
+    # JSON nested past Python's recursion limit, and an integer past its digit limit: one line naming file and
+    # line (were a RecursionError traceback, and a ValueError without either)
+    ('{"query": ' + "[" * 100_000 + "]" * 100_000 + ', "document": "b"}\n', r"pairs\.jsonl:1: .*nested too deeply"),
+    ('{"query": "a", "document": "b", "doc_id": ' + "9" * 5000 + "}\n", r"pairs\.jsonl:1: invalid JSON"),
 ])
 def test_a_bad_pair_file_is_refused_naming_the_line(tmp_path, content, message):
     path = tmp_path / "pairs.jsonl"
@@ -288,5 +292,21 @@ def test_unreadable_pair_files_are_refused(tmp_path):
     (tmp_path / "latin.jsonl").write_bytes('{"query": "caf\xe9", "document": "b"}\n'.encode("latin-1"))
     with pytest.raises(UpcycleError, match="not UTF-8"):
         read_text_pairs(tmp_path / "latin.jsonl")
+    with pytest.raises(UpcycleError, match="^text pairs [^ ]+missing.jsonl: no such file"):     # said once
+        read_text_pairs(tmp_path / "missing.jsonl")
+
+
+def test_a_compressed_pair_file_is_bounded_by_what_it_decompresses_to(tmp_path, monkeypatch):
+    """The size bound holds for the text a .gz expands to, not only for the compressed file (a 10 KB file of
+    zeros that expands to 10 MB, with the bound lowered to 1 MB here)."""
+    from upcycle.data import text_pairs
+
+    monkeypatch.setattr(text_pairs, "MAX_PAIR_FILE_BYTES", 2**20)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wb") as f:
+        f.write(b" " * 10 * 2**20)
+    assert bomb.stat().st_size < 2**20
+    with pytest.raises(UpcycleError, match="decompresses to more than a pair file may hold"):
+        read_text_pairs(bomb)
     (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(b'{"query": "a", "document": "b"}\n'))
     assert read_text_pairs(tmp_path / "ok.jsonl.gz") == TextPairs(["a"], ["b"], ["pairs"], ["b"])

@@ -238,6 +238,10 @@ def jsonl_rows(content: str, file: str | os.PathLike) -> Iterator[tuple[int, obj
             yield lineno, json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file}:{lineno}: invalid JSON ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"{file}:{lineno}: invalid JSON (nested too deeply to read)") from None
+        except ValueError as exc:       # an integer past Python's digit limit for conversion, say
+            raise ValueError(f"{file}:{lineno}: invalid JSON ({' '.join(str(exc).split())[:200]})") from None
 
 
 def read_texts(path: str | os.PathLike) -> list[str]:

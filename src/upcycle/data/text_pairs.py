@@ -79,9 +79,15 @@ def _text(path: Path) -> str:
         raise UpcycleError(f"text pairs {path}: {path.stat().st_size:,} bytes is more than a pair file may hold "
                            f"({MAX_PAIR_FILE_BYTES:,})")
     try:
-        raw = path.read_bytes()
         if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
+            # the bound holds for the text, not only the compressed file: a small .gz can expand without end
+            with gzip.open(path, "rb") as f:
+                raw = f.read(MAX_PAIR_FILE_BYTES + 1)
+            if len(raw) > MAX_PAIR_FILE_BYTES:
+                raise UpcycleError(f"text pairs {path}: decompresses to more than a pair file may hold "
+                                   f"({MAX_PAIR_FILE_BYTES:,} bytes)")
+        else:
+            raw = path.read_bytes()
         return raw.decode("utf-8-sig")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise UpcycleError(f"text pairs {path}: cannot be read ({e})") from None
@@ -95,8 +101,9 @@ def read_text_pairs(path: str | Path) -> TextPairs:
     if not path.name.endswith((".jsonl", ".jsonl.gz")):
         raise UpcycleError(f"text pairs {path}: expected a .jsonl or .jsonl.gz file of "
                            f'{{"query": ..., "document": ...}} lines')
+    text = _text(path)
     try:
-        rows = list(jsonl_rows(_text(path), path))
+        rows = list(jsonl_rows(text, path))
     except ValueError as e:
         raise UpcycleError(f"text pairs {e}") from None
     queries, documents, sources, doc_ids = [], [], [], []
