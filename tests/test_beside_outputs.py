@@ -304,3 +304,30 @@ def test_a_checkpoint_that_stores_a_tied_head_twice_with_equal_values_converts(t
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
     assert main(["convert", str(dense), str(tmp_path / "out"), *CONVERT]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float8_e4m3fn", "int8"])
+def test_every_weight_dtype_is_converted_alike_on_both_paths_or_refused_on_both(tmp_path, capsys, dtype):
+    """Floating-point weights of any width are read and cast to float32 (the same output from the streamed and
+    the in-memory path); integer weights for floating-point parameters (a quantized checkpoint) are refused by
+    both, with one line (the streamed path had raised tracebacks for float8 and int8)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dense = _untied_llama(tmp_path / "dense", tie_in_config=False)
+    tensors = load_file(dense / "model.safetensors")
+    cast = (lambda t: (t * 100).to(torch.int8)) if dtype == "int8" else (lambda t: t.to(getattr(torch, dtype)))
+    save_file({k: cast(v) for k, v in tensors.items()}, dense / "model.safetensors", metadata={"format": "pt"})
+    outs = {}
+    for streaming in ("true", "false"):
+        out = tmp_path / f"out-{streaming}"
+        argv = ["convert", str(dense), str(out), "--set", f"streaming={streaming}", *CONVERT]
+        if dtype == "int8":
+            fails(capsys, argv, "as integers where the model has floating-point weights")
+            assert not out.exists()
+        else:
+            assert main(argv) == 0
+            outs[streaming] = load_file(out / "model.safetensors")
+    if outs:
+        assert outs["true"].keys() == outs["false"].keys()
+        assert all(torch.equal(outs["true"][k], outs["false"][k]) for k in outs["true"])

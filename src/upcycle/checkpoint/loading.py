@@ -29,8 +29,8 @@ from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
 from ..data.assets import DEFAULT_MODEL_NAMES, resolve_model_name
 from ..errors import UpcycleError
+from .agreement import check_dense_checkpoint
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
-from .tying import check_dense_tying
 from .upcycle_format import MOE_CONFIG
 from .upcycle_format import load as load_upcycled
 
@@ -184,7 +184,7 @@ def dense_config(name: str, *, build: bool = True) -> tuple[str, object]:
     config = auto_config(path, name)
     family_of(config)   # unsupported architectures fail here, before the weights are read
     check_config_sizes(config, name)
-    check_dense_tying(path, config, f"model {name!r}")      # reads the two tied tensors, when both are stored
+    check_dense_checkpoint(path, config, f"model {name!r}")   # headers, and two tied tensors when both are stored
     return path, config
 
 

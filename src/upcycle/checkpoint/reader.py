@@ -22,7 +22,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -32,7 +32,11 @@ MAX_INDEX_BYTES = 64 * 2**20
 
 def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
     """Refuse NaN or infinite values in a floating-point tensor read from a checkpoint."""
-    if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
+    if not tensor.is_floating_point() or tensor.is_meta:
+        return
+    if tensor.element_size() < 2:           # float8: torch has no isfinite for it; its values fit float16
+        tensor = tensor.to(torch.float16)
+    if not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         raise UpcycleError(f"{where}: tensor {name} holds {bad} NaN or infinite value(s); a model with non-finite "
                            f"weights is refused")

@@ -34,10 +34,10 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
+from .agreement import check_kinds, check_tying
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
 from .skeleton import tensor_specs
-from .tying import check_tying
 from .writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 
 FORMAT_VERSION = 2
@@ -231,6 +231,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    check_kinds(model, reader, str(path))
     check_tying(model, reader, str(path))      # before loading: loading both names into one tensor keeps one
     missing, unexpected, mismatched = _load_weights(model, reader)
     if missing or unexpected or mismatched:

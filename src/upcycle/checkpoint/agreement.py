@@ -1,9 +1,13 @@
-"""A config that ties tensors (`tie_word_embeddings`: the output head is the input embedding) must agree with the
-checkpoint: when both tied names are stored with different values, transformers unties them (with a warning),
-while a model built from the config and given the file's tensors one by one ties them, silently dropping one.
-Neither reading is safe to guess, so every loader of upcycle refuses such a checkpoint and says how to fix it:
-a dense model to convert, train or evaluate, and an upcycle folder (`upcycle.load`, hence every `AutoModel`
-load of one).
+"""A checkpoint must agree with the model its config builds, or be refused with a message, the same way on every
+path (a conversion in memory or streamed, training, evaluation, `upcycle.load`):
+
+- **Tying.** A config that ties tensors (`tie_word_embeddings`: the output head is the input embedding) while the
+  checkpoint stores both with different values: transformers unties them (with a warning), while a model built
+  from the config and given the file's tensors one by one ties them, silently dropping one. Neither reading is
+  safe to guess.
+- **Kinds.** An integer tensor where the model has a floating-point parameter (a quantized checkpoint without its
+  quantization config): transformers would cast the integers to floats, a model of garbage. Floating-point
+  tensors of any width (float64 down to float8) are read and cast to the compute dtype on both paths.
 """
 
 from __future__ import annotations
@@ -49,9 +53,23 @@ def check_tying(model: nn.Module, reader: CheckpointReader, what: str) -> None:
                     f"meant to be one tensor")
 
 
-def check_dense_tying(path: str, config, what: str) -> None:
-    """`check_tying` for a dense model's local folder (a hub id is read by transformers, as it reads it)."""
-    if not getattr(config, "tie_word_embeddings", False) or not Path(path).is_dir():
+def check_kinds(model: nn.Module, reader: CheckpointReader, what: str) -> None:
+    """Refuse integer (or boolean) tensors stored for floating-point parameters (headers only: no weight read)."""
+    wrong = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        stored = _stored_as(model, name, reader)
+        if stored is not None and tensor.is_floating_point() and not reader.dtype(stored).is_floating_point:
+            wrong.append(f"{stored} ({str(reader.dtype(stored)).removeprefix('torch.')})")
+    if wrong:
+        raise UpcycleError(f"{what}: the checkpoint stores {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''} "
+                           f"as integers where the model has floating-point weights: a quantized checkpoint, which "
+                           f"upcycle does not read (give it the model's floating-point weights)")
+
+
+def check_dense_checkpoint(path: str, config, what: str) -> None:
+    """`check_kinds` and `check_tying` for a dense model's local folder (a hub id is read by transformers, as it
+    reads it)."""
+    if not Path(path).is_dir():
         return
     from .skeleton import empty_model
 
@@ -60,6 +78,9 @@ def check_dense_tying(path: str, config, what: str) -> None:
     except NoWeights:
         return                  # no safetensors here: the loader says what is missing
     try:
-        check_tying(empty_model(config, torch.float32), reader, what)
+        model = empty_model(config, torch.float32)
+        check_kinds(model, reader, what)
+        if getattr(config, "tie_word_embeddings", False):
+            check_tying(model, reader, what)
     finally:
         reader.close()
