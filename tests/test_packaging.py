@@ -53,6 +53,7 @@ def test_the_wheel_carries_the_recipes_the_license_and_py_typed(tmp_path):
     source = tmp_path / "source"
     shutil.copytree(ROOT / "src" / "upcycle", source / "src" / "upcycle",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(ROOT / "src" / "upcycle_console.py", source / "src" / "upcycle_console.py")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -68,6 +69,8 @@ def test_the_wheel_carries_the_recipes_the_license_and_py_typed(tmp_path):
             inside = recipe.relative_to(ROOT / "src").as_posix()
             assert archive.read(inside) == recipe.read_bytes(), inside
         assert "upcycle/py.typed" in names
+        # the console script's entry, a top-level module (src/upcycle_console.py: Ctrl-C during start-up)
+        assert archive.read("upcycle_console.py") == (ROOT / "src" / "upcycle_console.py").read_bytes()
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         assert archive.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
         metadata = archive.read(f"{info}/METADATA").decode()

@@ -1,7 +1,8 @@
 """The `upcycle` command line: a dispatcher over the subcommands in `upcycle.commands`.
 
 Exit status: 0 on success, 2 for bad input (one line on stderr, no traceback), 130 when interrupted (Ctrl-C at
-any point after start-up, loading torch included), 143 on SIGTERM (temporary outputs removed on the way out).
+any point from the console script's first line, `src/upcycle_console.py`, loading torch included), 143 on
+SIGTERM (temporary outputs removed on the way out).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"upcycle: error: {message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:     # train says what OUT holds; elsewhere outputs are written atomically
-        print(f"upcycle: interrupted; {e or 'nothing was written'}", file=sys.stderr)
+        print(f"upcycle: interrupted; {str(e) or 'nothing was written'}", file=sys.stderr)
         return 130
     except BrokenPipeError:            # `upcycle methods | head`: the reader left; no traceback
         import os

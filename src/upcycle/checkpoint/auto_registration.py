@@ -9,8 +9,6 @@ register is a warning, never a broken transformers import.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 import warnings
 
@@ -27,12 +25,16 @@ def _register() -> None:
                       f"({type(e).__name__}: {e}); load them with upcycle.load", stacklevel=2)
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for AUTO_MODULE it returns the real spec with a loader that registers afterwards."""
+class _RegisterAfterImport:
+    """Finds nothing itself: for AUTO_MODULE it returns the real spec with a loader that registers afterwards.
+    (A meta path finder is any object with `find_spec`; importlib.abc's base class is not imported, since it costs
+    `import upcycle` most of its 60 ms, the window in which Ctrl-C at start-up met no handler.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != AUTO_MODULE:
             return None
+        import importlib.util
+
         sys.meta_path.remove(self)          # one use: the real finders resolve the module
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):

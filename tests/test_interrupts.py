@@ -1,0 +1,59 @@
+"""Ctrl-C ends every command with one line and exit status 130, from the console script's first line on (the
+interpreter's own start-up before it is Python's), with a reason that is never blank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from upcycle import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_an_interrupt_while_the_command_line_is_still_importing_is_one_line_and_130(tmp_path):
+    """The console script's module installs its handler before anything of upcycle is imported: an interrupt
+    there (here raised at once, standing in for Ctrl-C during argparse's import) exits 130 with one line."""
+    code = ("import os, signal, upcycle_console\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "import time; time.sleep(5)\n"
+            "print('not interrupted')\n")
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 130, done
+    assert done.stderr == "upcycle: interrupted; nothing was written\n" and "not interrupted" not in done.stdout
+
+
+def test_the_console_script_hands_interrupts_back_to_the_command_line(tmp_path):
+    """Once upcycle.cli is imported, Ctrl-C is a KeyboardInterrupt again, so that a command (training: its
+    checkpoint) handles it; the console script is the pyproject entry point."""
+    code = ("import signal, sys, upcycle_console\n"
+            "sys.argv = ['upcycle', '--version']\n"
+            "try:\n"
+            "    upcycle_console.main()\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "True", done
+    assert 'upcycle = "upcycle_console:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_an_interrupt_without_a_reason_still_says_what_happened(monkeypatch, capsys):
+    class Command:
+        @staticmethod
+        def add_arguments(parser):
+            pass
+
+        @staticmethod
+        def run(args, argv):
+            raise KeyboardInterrupt()
+
+    monkeypatch.setattr(cli, "command_module", lambda name: Command)
+    assert cli.main(["methods"]) == 130
+    assert capsys.readouterr().err == "upcycle: interrupted; nothing was written\n"
