@@ -130,7 +130,7 @@ def test_refusals_come_before_anything_is_written(tiny_lm, tmp_path):
     with pytest.raises(UpcycleError, match="names must differ"):
         analyze(str(moe), str(tmp_path / "x"), _options(train_txt, held, sources=(f"a={train_txt}", f"a={held}")),
                 progress=False)
-    with pytest.raises(UpcycleError, match="does not exist"):
+    with pytest.raises(UpcycleError, match="no.txt: no such file"):
         analyze(str(moe), str(tmp_path / "x"), _options(train_txt, held, data=(str(tmp_path / "no.txt"),)),
                 progress=False)
     (tmp_path / "x").mkdir()
@@ -170,3 +170,7 @@ def test_a_recorded_dense_source_that_is_gone_skips_the_kl_with_a_note(tiny_lm, 
         analyze(str(moved), str(tmp_path / "b"), _options(train_txt, held, dense=str(tmp_path / "gone")),
                 progress=False)
     assert not (tmp_path / "b").exists()
+    # --dense given an MoE folder: the message is about --dense, not about convert
+    with pytest.raises(UpcycleError, match="--dense takes the dense model") as refused:
+        analyze(str(moved), str(tmp_path / "b"), _options(train_txt, held, dense=str(moe)), progress=False)
+    assert "convert takes" not in str(refused.value)

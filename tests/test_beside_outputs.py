@@ -331,3 +331,18 @@ def test_every_weight_dtype_is_converted_alike_on_both_paths_or_refused_on_both(
     if outs:
         assert outs["true"].keys() == outs["false"].keys()
         assert all(torch.equal(outs["true"][k], outs["false"][k]) for k in outs["true"])
+
+
+# ---- messages that say what is there ----------------------------------------------------------------------------
+
+def test_an_input_that_exists_but_is_not_a_regular_file_is_named_as_what_it_is(dense, tmp_path, capsys):
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "folder.txt").mkdir()
+    for path, said in ((tmp_path / "fifo.txt", "is not a regular file (a pipe, a device or a socket)"),
+                       (tmp_path / "folder.txt", "is a folder, not a file"),
+                       (tmp_path / "absent.txt", "no such file")):
+        for flag in ("--calibration", "--probe-text"):
+            line = fails(capsys, ["convert", str(dense), str(tmp_path / "out"), "--method", "cluster", flag,
+                                  str(path), *CONVERT], said)
+            assert "no file" not in line and "does not exist" not in line
+

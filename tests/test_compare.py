@@ -65,7 +65,10 @@ def test_compare_every_cell_skip_and_exact_resume(setup, capsys):
     # B: the interrupted cell's (method, seed) uninterrupted, through the command line
     assert main(["compare", str(dense), str(b), "--methods", "copy", "--seeds", "0", "--config", str(recipe),
                  "--num-experts", "4", "--top-k", "2", "--every", "2", "--quiet"]) == 0
-    assert json.loads(capsys.readouterr().out)["ran"] == 2
+    said = capsys.readouterr()
+    assert json.loads(said.out)["ran"] == 2
+    last = [line for line in said.err.splitlines() if "wrote" in line][-1]      # what it wrote, no empty entry
+    assert "comparison.json, comparison.md" in last and ",  (" not in last and ", (" not in last
 
     # the interrupted cell computed what the uninterrupted one did: every step, evaluation and final weight
     cell_a, cell_b = (json.loads((x / "cells" / "copy-eesd-none-seed-0" / "cell.json").read_text()) for x in (a, b))

@@ -154,7 +154,7 @@ def test_model_path_that_does_not_load(tmp_path):
 
 
 def test_missing_probe_text_is_refused(tmp_path):
-    with pytest.raises(UpcycleError, match="check.text: no file"):
+    with pytest.raises(UpcycleError, match=r"check.text .*nope.txt: no such file"):
         convert(cfg(tmp_path, check__text=str(tmp_path / "nope.txt")), None, progress=False)
 
 

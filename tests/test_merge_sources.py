@@ -303,7 +303,8 @@ def test_recipes_and_flags_of_several_sources(family_of_models, tmp_path):
     ({"sources": SourcesConfig(experts=(ExpertSource(model="x"),) * 3, router="data")}, "needs each source's text"),
     ({"sources": SourcesConfig(experts=(ExpertSource(model="x"),) * 3, router="prompts")},
      "needs each source's prompts"),
-    ({"sources": SourcesConfig(experts=(ExpertSource(model="x", data="no-such-file"),) * 3)}, "no file no-such-file"),
+    ({"sources": SourcesConfig(experts=(ExpertSource(model="x", data="no-such-file"),) * 3)},
+     "data no-such-file: no such file"),
     ({"streaming": False}, "always streams"),
 ])
 def test_a_recipe_that_cannot_merge_is_refused_first(family_of_models, tmp_path, change, match):

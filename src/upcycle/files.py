@@ -70,6 +70,19 @@ def clean_stale_temporaries(out: str | os.PathLike) -> list[str]:
     return said
 
 
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as an input file, in words for a message ("no such file", "is a folder", "is not a
+    regular file (a pipe, a device or a socket)"), or None when it is a regular file (links followed)."""
+    path = Path(path)
+    if not path.exists():
+        return "no such file" + (" (a link to nothing)" if path.is_symlink() else "")
+    if path.is_dir():
+        return "is a folder, not a file"
+    if not path.is_file():
+        return "is not a regular file (a pipe, a device or a socket)"
+    return None
+
+
 def refuse_existing(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --overwrite to replace it)")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..analysis.figures import write_figures
 from ..analysis.html_report import render_report
@@ -33,7 +32,7 @@ from ..data.source_texts import (
     user_source_texts,
 )
 from ..errors import UpcycleError
-from ..files import json_text
+from ..files import file_problem, json_text
 from ..machine import machine
 from .collect import capture, moe_modules, snapshot_metrics
 from .curves import run_curves
@@ -95,8 +94,8 @@ def _source_specs(options: AnalyzeOptions, recorded: RecordedSources | None = No
     if len(set(names)) != len(names):
         raise UpcycleError(f"source names must differ: {names}")
     for spec in specs:
-        if spec.file is not None and not Path(spec.file).is_file():
-            raise UpcycleError(f"source file {spec.file} does not exist")
+        if spec.file is not None and (problem := file_problem(spec.file)):
+            raise UpcycleError(f"source file {spec.file}: {problem}")
     return specs, origin
 
 
@@ -113,7 +112,8 @@ def _dense_source(options: AnalyzeOptions, recorded: str | None, notes: list[str
     if name is None:
         return None
     try:
-        dense_config(name)
+        dense_config(name, wanted_by="--dense takes the dense model the MoE model was converted from, to measure "
+                                     "the KL to it")
     except UpcycleError as e:
         if options.dense:
             raise

@@ -167,7 +167,8 @@ def pretrained(cls, path: str | Path, name: str | None = None, **kwargs) -> nn.M
     return checked_weights(model, info, name)
 
 
-def dense_config(name: str, *, build: bool = True) -> tuple[str, object]:
+def dense_config(name: str, *, build: bool = True, wanted_by: str = "convert takes a dense model (train, eval, "
+                 "export and analyze take this folder)") -> tuple[str, object]:
     """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
     unsupported architecture fails here, in a second. `build=False` (a dry run): the embedded model's config is
     read from its GGUF file when its cache is not built, and nothing is written."""
@@ -179,8 +180,7 @@ def dense_config(name: str, *, build: bool = True) -> tuple[str, object]:
         return str(default_model_cache()), config
     path = resolve_model_name(name)
     if Path(path).is_dir() and (Path(path) / MOE_CONFIG).is_file():
-        raise UpcycleError(f"model {name!r} is an upcycle MoE folder already; convert takes a dense model (train, "
-                           f"eval, export and analyze take this folder)")
+        raise UpcycleError(f"model {name!r} is an upcycle MoE folder already; {wanted_by}")
     config = auto_config(path, name)
     family_of(config)   # unsupported architectures fail here, before the weights are read
     check_config_sizes(config, name)

@@ -95,7 +95,7 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
         durations.append(time.perf_counter() - cell_started)
         write_outputs(plan, record, started)
     outputs = write_outputs(plan, record, started, interrupted=interrupted)
-    say(f"wrote {plan.out}: comparison.json, comparison.md, {', '.join(outputs)} "
+    say(f"wrote {plan.out}: {', '.join(['comparison.json', 'comparison.md', *outputs])} "
         f"({_duration(time.time() - started)})")
     return {"cells": len(plan.cells), "skipped": len(plan.cells) - len(todo), "ran": len(durations),
             "interrupted": interrupted, "out": str(plan.out)}

@@ -12,6 +12,7 @@ from ..config import ConvertConfig
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
 from ..errors import UpcycleError
+from ..files import file_problem
 from ..methods import get_method
 from .calibration import tensor_batches, text_batches
 
@@ -87,8 +88,8 @@ def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | Non
     method = get_method(cfg.method)
     data = cfg.calibration.data
     if data is not None:
-        if not Path(data).is_file():
-            raise UpcycleError(f"calibration data: no file {data}")
+        if problem := file_problem(data):
+            raise UpcycleError(f"calibration data {data}: {problem}")
         if Path(data).suffix.lower() == ".safetensors":
             return tensor_batches(data, batch_size=cfg.calibration.batch_size), f"model inputs {data}"
         try:

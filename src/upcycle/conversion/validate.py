@@ -7,13 +7,12 @@ probe file, and a merge's sources.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..checkpoint.loading import resolve_device
 from ..checkpoint.writer import parse_size
 from ..config import ConvertConfig
 from ..errors import UpcycleError
 from ..export.registry import STOCK_CLASSES
+from ..files import file_problem
 from ..methods import Method, get_method
 
 
@@ -25,8 +24,8 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     parse_size(cfg.shard_size)
     if cfg.export_class != "auto" and cfg.export_class not in STOCK_CLASSES:
         raise UpcycleError(f"export_class must be auto or one of {', '.join(STOCK_CLASSES)}, got {cfg.export_class!r}")
-    if cfg.check.text is not None and not Path(cfg.check.text).is_file():
-        raise UpcycleError(f"check.text: no file {cfg.check.text}")
+    if cfg.check.text is not None and (problem := file_problem(cfg.check.text)):
+        raise UpcycleError(f"check.text {cfg.check.text}: {problem}")
     if cfg.sources.experts:
         _check_sources(cfg, method)
     return method, args
@@ -42,8 +41,8 @@ def _check_sources(cfg: ConvertConfig, method: Method) -> None:
     for i, e in enumerate(s.experts):
         where = f"sources.experts[{i}] ({e.model})"
         for key in ("data", "eval_data"):
-            if getattr(e, key) is not None and not Path(getattr(e, key)).is_file():
-                raise UpcycleError(f"{where}: {key}: no file {getattr(e, key)}")
+            if getattr(e, key) is not None and (problem := file_problem(getattr(e, key))):
+                raise UpcycleError(f"{where}: {key} {getattr(e, key)}: {problem}")
         if s.router == "data" and e.data is None:
             raise UpcycleError(f"{where}: sources.router data needs each source's text (data: FILE)")
         if s.router == "prompts" and not e.prompts:
