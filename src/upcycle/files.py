@@ -152,13 +152,15 @@ def check_writable_output(out: str | os.PathLike) -> None:
     os.rmdir(probe)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write one file through a temporary sibling renamed over it: readers see the old file or the new one."""
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Write one file through a temporary sibling renamed over it: readers see the old file or the new one.
+    `write(tmp)` fills the temporary, which `mkstemp` created new (O_EXCL: never a name someone planted a link
+    under) with an unpredictable name beside `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        os.close(fd)
+        write(Path(tmp))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -166,6 +168,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """`atomic_write` of UTF-8 text."""
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _finite(value, path: str, found: list[str]):

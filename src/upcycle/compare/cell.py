@@ -14,7 +14,6 @@ one computes (the trainer's guarantee), so a resumed cell ends with the same num
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
-from ..files import json_text
+from ..files import atomic_write_text, json_text
 from ..train.checkpoint import newest_complete
 from ..train.run_folder import LOG, checkpoints, read_log
 from ..train.tasks import make_task
@@ -35,9 +34,7 @@ RESULT = "cell.json"
 
 def write_json(path: Path, data: dict) -> None:
     """A JSON file written whole or not at all (a temporary sibling renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json_text(data, indent=1, where=path.name) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json_text(data, indent=1, where=path.name) + "\n")
 
 
 def finished(plan: Plan, cell: Cell) -> dict | None:

@@ -27,7 +27,7 @@ from ..checkpoint.folders import claim_output
 from ..checkpoint.ownership import GROWING, MARKER, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..errors import UpcycleError
-from ..files import atomic_write_text, clean_stale_temporaries, temp_prefix
+from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, temp_prefix
 from ..machine import machine
 from ..version import __version__
 from .cell import finished, run_cell, write_json
@@ -130,9 +130,7 @@ def _write_pairs(plan: Plan, say) -> None:
     tensors = {**encode_captions(tokenizer, pairs.captions, config.text_config.max_position_embeddings),
                "pixel_values": pixel_values(pairs.images, config.vision_config.image_size)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
     say(f"calibration for data-aware methods: the {len(pairs)} training image-caption pairs ({path})")
 
 

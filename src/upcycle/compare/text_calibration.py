@@ -18,13 +18,13 @@ tokens are sampled); it costs the calibration forward time and memory, not resul
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConvertConfig, TrainConfig
 from ..errors import UpcycleError
+from ..files import atomic_write
 
 CALIBRATION_TEXTS = Path("calibration") / "train_texts.safetensors"
 SEED = 0
@@ -96,8 +96,7 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
     texts = calibration_texts(train.queries + train.documents, tokenizer, spec.tokens, spec.sequence_length)
     enc = tokenize(tokenizer, texts, spec.sequence_length)
     spec.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = spec.path.with_name(f".{spec.path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in enc.items()}, str(tmp), metadata=spec.metadata())
-    os.replace(tmp, spec.path)
+    atomic_write(spec.path, lambda tmp: save_file({k: v.contiguous() for k, v in enc.items()}, str(tmp),
+                                                  metadata=spec.metadata()))
     say(f"calibration for data-aware methods: {len(texts)} texts of the training pairs, "
         f"{int(enc['attention_mask'].sum())} tokens in rows of {enc['input_ids'].shape[1]} ({spec.path})")
