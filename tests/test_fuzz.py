@@ -308,7 +308,36 @@ CORPUS = {
     "tiny-clip-image-size-0": lambda s: ["tiny-clip", "out", "--image-size", "0"],
     "probe-text-too-short": lambda s: [(s / "short.txt").write_text("a b c"),
                                        ["convert", "dense", "out", "--probe-text", "short.txt", *SMALL]][-1],
+    # 13. what sits beside an output, and models whole (a bystander file must keep its bytes)
+    "lock-is-a-link": lambda s: [(s / "thesis.txt").write_text("mine"), (s / ".out.lock").symlink_to(s / "thesis.txt"),
+                                 ["convert", "dense", "out", *SMALL]][-1],
+    "lock-is-a-folder": lambda s: [(s / ".out.lock").mkdir(), ["convert", "dense", "out", *SMALL]][-1],
+    "lock-is-a-users-file": lambda s: [(s / ".out.lock").write_text("notes"), ["convert", "dense", "out", *SMALL]][-1],
+    "cache-is-a-users-folder": lambda s: [_users_cache(s), ["convert", "default", "out", *SMALL]][-1],
+    "eval-out-another-outputs-json": lambda s: [_run_folder(s),
+                                                ["eval", "moe", "--data", "held.txt", "--out",
+                                                 "run/model/upcycle_config.json", "--overwrite"]][-1],
+    "train-overwrite-users-file-in-model": lambda s: [(_run_folder(s) / "model" / "MY_NOTES.txt").write_text("x"),
+                                                      ["train", "moe", "run", "--data", "train.txt", "--overwrite",
+                                                       *TRAIN]][-1],
+    "tie-flip-dense": lambda s: [_edit_config(s / "dense", tie_word_embeddings=True),
+                                 ["convert", "dense", "out", *SMALL]][-1],
+    "tie-flip-dense-streamed": lambda s: [_edit_config(s / "dense", tie_word_embeddings=True),
+                                          ["convert", "dense", "out", "--set", "streaming=true", *SMALL]][-1],
+    "int8-weights": lambda s: [_edit_weights(s / "dense", lambda t: t.update({k: (v * 100).to(torch.int8)
+                                                                             for k, v in t.items()})),
+                               ["convert", "dense", "out", "--set", "streaming=true", *SMALL]][-1],
+    "calibration-fifo": lambda s: ["convert", "dense", "out", "--method", "cluster", "--calibration",
+                                   str(_fifo(s)), *SMALL],
 }
+
+
+def _users_cache(s: Path) -> None:
+    """Where UPCYCLE_CACHE (the sandbox's cache) keeps the embedded model: a folder of the user's notes."""
+    from upcycle.data.assets import SMOLLM2_CACHE
+
+    (s / "cache" / SMOLLM2_CACHE).mkdir()
+    (s / "cache" / SMOLLM2_CACHE / "NOTES.txt").write_text("mine")
 
 
 def _index(folder: Path, edit) -> None:
