@@ -171,7 +171,7 @@ def dense_config(name: str, *, build: bool = True, wanted_by: str = "convert tak
                  "export and analyze take this folder)") -> tuple[str, object]:
     """(resolved path, transformers config) of a dense model, read without its weights: a missing model or an
     unsupported architecture fails here, in a second. `build=False` (a dry run): the embedded model's config is
-    read from its GGUF file when its cache is not built, and nothing is written."""
+    read from its GGUF file when its cache is not built, nothing is written and no weight is read."""
     if not build and name in DEFAULT_MODEL_NAMES:
         from ..data.assets import default_model_cache, default_model_config
 
@@ -184,7 +184,8 @@ def dense_config(name: str, *, build: bool = True, wanted_by: str = "convert tak
     config = auto_config(path, name)
     family_of(config)   # unsupported architectures fail here, before the weights are read
     check_config_sizes(config, name)
-    check_dense_checkpoint(path, config, f"model {name!r}")   # headers, and two tied tensors when both are stored
+    if build:       # a dry run plans from the config alone
+        check_dense_checkpoint(path, config, f"model {name!r}")   # headers, and two tied tensors when both stored
     return path, config
 
 
