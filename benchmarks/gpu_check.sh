@@ -7,7 +7,7 @@
 # It installs nothing from the network: wheels the image lacks (gguf: `make gpu-wheels` fetches it here into .whl/)
 # are installed from .whl/ when that folder is there, and the project runs from src/ on PYTHONPATH. Then, into OUT:
 #   environment.json                   the machine, torch, CUDA, transformers
-#   junit.xml, pytest.log              the non-slow suite (slow tests whose assets are absent skip themselves)
+#   junit.xml, pytest.log              the non-slow suite (a test needing an embedded asset skips itself)
 #   tests.jsonl                        each test's outcome as it finished (tests/live_report.py): what a suite
 #                                      stopped at its time limit (GPU_CHECK_SUITE_SECONDS, 330) still tells
 #   assert_hunt.log                    only if a device-side assert appeared: the suspect files rerun one at a time
