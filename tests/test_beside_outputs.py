@@ -11,21 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import digest
+from conftest import digest, fails
 from upcycle.cli import main
 
 QUIET = ["--quiet"]
 CONVERT = ["--num-experts", "2", "--top-k", "1", "--quiet"]
-
-
-def fails(capsys, argv: list[str], message: str, *, code: int = 2) -> str:
-    """Run `upcycle ARGV`: it must exit with `code` and print one line holding `message`, no traceback."""
-    assert main(argv) == code, argv
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("upcycle: ")]
-    assert lines and message in lines[-1], (argv, err)
-    assert "Traceback" not in err
-    return lines[-1]
 
 
 @pytest.fixture

@@ -16,22 +16,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import digest, make_tiny
+from conftest import digest, fails, make_tiny
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
 
 QUIET = ["--quiet"]
 TRAIN = ["--steps", "1", "--batch-size", "2", "--sequence-length", "16", "--set", "eval_tokens=32", "--quiet"]
-
-
-def fails(capsys, argv: list[str], message: str, *, code: int = 2) -> str:
-    """Run `upcycle ARGV`: it must exit with `code` and print one line holding `message`, no traceback."""
-    assert main(argv) == code, argv
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("upcycle: ")]
-    assert lines and message in lines[-1], (argv, err)
-    assert "Traceback" not in err
-    return lines[-1]
 
 
 @pytest.fixture

@@ -13,6 +13,12 @@ from upcycle import cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that imports from this checkout's src/."""
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_an_interrupt_while_the_command_line_is_still_importing_is_one_line_and_130(tmp_path):
     """The console script's module installs its handler before anything of upcycle is imported: an interrupt
     there (here raised at once, standing in for Ctrl-C during argparse's import) exits 130 with one line."""
@@ -20,9 +26,7 @@ def test_an_interrupt_while_the_command_line_is_still_importing_is_one_line_and_
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "import time; time.sleep(5)\n"
             "print('not interrupted')\n")
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = run_python(code, tmp_path)
     assert done.returncode == 130, done
     assert done.stderr == "upcycle: interrupted; nothing was written\n" and "not interrupted" not in done.stdout
 
@@ -37,9 +41,7 @@ def test_the_console_script_hands_interrupts_back_to_the_command_line(tmp_path):
             "except SystemExit:\n"
             "    pass\n"
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = run_python(code, tmp_path)
     assert done.stdout.strip().splitlines()[-1] == "True", done
     assert 'upcycle = "upcycle_console:main"' in (ROOT / "pyproject.toml").read_text()
 
