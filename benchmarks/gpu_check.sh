@@ -22,8 +22,6 @@
 # On a machine without a GPU it runs the suite on the CPU and skips the benchmarks, saying so. --quick: fewer
 # repetitions and tokens (a smoke run of the script itself). Budget: under 8 minutes on one H100 or H200.
 # GPU_CHECK_WORKERS: the suite's pytest-xdist processes (default: the cores, at most 14).
-# GPU_CHECK_BEFORE_BENCH: a command run after the suite and before the benchmarks (benchmarks/gpu_session.sh
-# stops there the study that shared the GPU with the suite, so that the benchmarks have the GPU alone).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT [--quick]}
 QUICK=${2:-}
@@ -66,7 +64,6 @@ if grep -q "device-side assert" "$OUT/pytest.log"; then
     done
 fi
 
-[ -n "${GPU_CHECK_BEFORE_BENCH:-}" ] && bash -c "$GPU_CHECK_BEFORE_BENCH"
 if [ "$HAS_GPU" = 1 ]; then
     REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
     [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }

@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_session.sh OUT [SECONDS] [STUDY_SECONDS]
 #
 # Needs, prepared on a machine with the network: `make gpu-wheels` (.whl/: gguf and the MiniLM encoder in
-# float16, benchmarks/gpu_assets.py). Then, one after the other (each has the machine alone: a first session
-# that ran the study beside the suite starved both of CPU, and the suite ran out of time):
+# float16, benchmarks/gpu_assets.py). Then, one after the other (each has the machine alone: side by side, the
+# suite's workers and the study's processes starve each other of CPU, and the suite runs out of time):
 #   1. the check (benchmarks/gpu_check.sh), stopped at SECONDS - STUDY_SECONDS (default: a third of SECONDS
 #      for the study), with whatever it finished;
 #   2. the study (benchmarks/contrastive_study.py --gpu: 3 seeds in parallel processes) until SECONDS are

@@ -3,7 +3,7 @@ exit status 130, like Ctrl-C at any later point (`upcycle.cli.main`).
 
 A top-level module, not part of the `upcycle` package, so that importing it runs no package `__init__` first: it
 installs a SIGINT handler before anything of upcycle is imported. The command line's own modules (argparse among
-them) take tens of milliseconds to import, and an interrupt there used to end in a KeyboardInterrupt traceback.
+them) take tens of milliseconds to import, and an interrupt there would end in a KeyboardInterrupt traceback.
 Once `upcycle.cli` is imported, Python's own handler is back and `cli.main` turns the KeyboardInterrupt into its
 message (and, during training, a checkpoint). What remains before this module runs is the interpreter's own
 start-up.

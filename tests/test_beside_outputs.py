@@ -300,7 +300,7 @@ def test_a_checkpoint_that_stores_a_tied_head_twice_with_equal_values_converts(t
 def test_every_weight_dtype_is_converted_alike_on_both_paths_or_refused_on_both(tmp_path, capsys, dtype):
     """Floating-point weights of any width are read and cast to float32 (the same output from the streamed and
     the in-memory path); integer weights for floating-point parameters (a quantized checkpoint) are refused by
-    both, with one line (the streamed path had raised tracebacks for float8 and int8)."""
+    both, with one line and no traceback."""
     import torch
     from safetensors.torch import load_file, save_file
 

@@ -6,7 +6,7 @@ to rely on:
   - nothing is written anywhere (the sandbox's files and folders are what they were: no partial OUT, no
     temporary, no lock left), and every input is byte for byte unchanged;
   - no Python shipped in a model folder runs (its marker never appears).
-The corpus covers each case of the adversarial review; `hypothesis` mutates a valid tiny checkpoint (truncation
+The corpus holds one case per hostile input; `hypothesis` mutates a valid tiny checkpoint (truncation
 at any offset, flipped header bytes, edited weight indexes) and the numeric flags. A mutation that leaves a valid
 file may be converted (exit 0): then the output must load. The default run takes a few examples of each property
 (`FUZZ_EXAMPLES`); the slow test runs many more.
@@ -94,7 +94,7 @@ def sandbox(base, tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-# ---- the corpus: one entry per case of the review --------------------------------------------------------------
+# ---- the corpus: one entry per hostile input -----------------------------------------------------------------
 
 def _run_folder(s: Path) -> Path:
     run = s / "run"
@@ -383,7 +383,8 @@ def test_the_one_writer_lock_refuses_a_second_run(sandbox, capsys, monkeypatch):
 
 
 def test_dry_runs_of_absurd_sizes_answer_at_once(sandbox, capsys):
-    """A 10^4-block and a 10^18-wide config get their message in well under 5 s (the review saw 196 s and more)."""
+    """A 10^4-block and a 10^18-wide config get their message in well under 5 s (planning such a model would take
+    minutes)."""
     import time
 
     for changes in ({"num_hidden_layers": 10**4}, {"hidden_size": 10**18}, {"intermediate_size": 10**18}):

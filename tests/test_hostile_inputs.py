@@ -1,7 +1,7 @@
-"""Hostile files and careless paths, one test per case of the adversarial review (each failed on the code before
-it): no input overwritten, no code from a model folder, no file read outside it, no random weights with exit 0,
-recorded paths that mean the same from anywhere. Every case runs the command in-process, as a user would type
-it, and checks the exit status, the one-line message, and that every input is byte for byte what it was."""
+"""Hostile files and careless paths, one test per case: no input overwritten, no code from a model folder, no
+file read outside it, no random weights with exit 0, recorded paths that mean the same from anywhere. Every case
+runs the command in-process, as a user would type it, and checks the exit status, the one-line message, and that
+every input is byte for byte what it was."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UpcycleError
+from .lazy import checkpoint_names
 from .reader import CheckpointReader, NoWeights
 
 
@@ -30,46 +31,36 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _stored_as(model: nn.Module, name: str, reader: CheckpointReader) -> str | None:
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    candidates = [name] + ([name.removeprefix(prefix + "."), f"{prefix}.{name}"] if prefix else [])
-    return next((c for c in candidates if c in reader), None)
-
-
-def check_tying(model: nn.Module, reader: CheckpointReader, what: str) -> None:
-    """Refuse a checkpoint that stores two tensors `model`'s config ties with different values."""
+def check_checkpoint(model: nn.Module, reader: CheckpointReader, what: str) -> None:
+    """Refuse a checkpoint whose tensors disagree with `model` (built from its config): integer tensors for
+    floating-point parameters (headers only), and, when the config ties tensors, two tied names stored with
+    different values."""
+    stored, _ = checkpoint_names(model, reader)      # model name -> the checkpoint's name for it
+    tensors = model.state_dict(keep_vars=True)
+    wrong = [f"{stored[n]} ({str(reader.dtype(stored[n])).removeprefix('torch.')})" for n, t in tensors.items()
+             if n in stored and t.is_floating_point() and not reader.dtype(stored[n]).is_floating_point]
+    if wrong:
+        raise UpcycleError(f"{what}: the checkpoint stores {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''} "
+                           f"as integers where the model has floating-point weights: a quantized checkpoint, which "
+                           f"upcycle does not read (give it the model's floating-point weights)")
     for names in tied_names(model):
-        stored = list(dict.fromkeys(s for n in names if (s := _stored_as(model, n, reader)) is not None))
-        if len(stored) < 2:
+        both = list(dict.fromkeys(stored[n] for n in names if n in stored))
+        if len(both) < 2:
             continue
-        first = reader.get(stored[0])
-        for other in stored[1:]:
+        first = reader.get(both[0])
+        for other in both[1:]:
             value = reader.get(other)
             if value.shape != first.shape or not torch.equal(value, first):
                 raise UpcycleError(
-                    f"{what}: config.json ties {stored[0]} and {other} (tie_word_embeddings), but the checkpoint "
+                    f"{what}: config.json ties {both[0]} and {other} (tie_word_embeddings), but the checkpoint "
                     f"stores them with different values; transformers would untie them and upcycle would keep "
                     f"one, so the model is refused rather than guessed: set \"tie_word_embeddings\": false in "
                     f"config.json if the two differ on purpose, or remove {other} from the checkpoint if they are "
                     f"meant to be one tensor")
 
 
-def check_kinds(model: nn.Module, reader: CheckpointReader, what: str) -> None:
-    """Refuse integer (or boolean) tensors stored for floating-point parameters (headers only: no weight read)."""
-    wrong = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        stored = _stored_as(model, name, reader)
-        if stored is not None and tensor.is_floating_point() and not reader.dtype(stored).is_floating_point:
-            wrong.append(f"{stored} ({str(reader.dtype(stored)).removeprefix('torch.')})")
-    if wrong:
-        raise UpcycleError(f"{what}: the checkpoint stores {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''} "
-                           f"as integers where the model has floating-point weights: a quantized checkpoint, which "
-                           f"upcycle does not read (give it the model's floating-point weights)")
-
-
 def check_dense_checkpoint(path: str, config, what: str) -> None:
-    """`check_kinds` and `check_tying` for a dense model's local folder (a hub id is read by transformers, as it
-    reads it)."""
+    """`check_checkpoint` for a dense model's local folder (a hub id is read by transformers, as it reads it)."""
     if not Path(path).is_dir():
         return
     from .skeleton import empty_model
@@ -85,8 +76,6 @@ def check_dense_checkpoint(path: str, config, what: str) -> None:
             model = empty_model(copy.deepcopy(config), torch.float32)
         except Exception:       # a config that does not build (an unknown activation...): its loader says why
             return
-        check_kinds(model, reader, what)
-        if getattr(config, "tie_word_embeddings", False):
-            check_tying(model, reader, what)
+        check_checkpoint(model, reader, what)
     finally:
         reader.close()

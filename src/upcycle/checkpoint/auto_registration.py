@@ -27,8 +27,8 @@ def _register() -> None:
 
 class _RegisterAfterImport:
     """Finds nothing itself: for AUTO_MODULE it returns the real spec with a loader that registers afterwards.
-    (A meta path finder is any object with `find_spec`; importlib.abc's base class is not imported, since it costs
-    `import upcycle` most of its 60 ms, the window in which Ctrl-C at start-up met no handler.)"""
+    (A meta path finder is any object with `find_spec`; importlib.abc's base class is not imported: it would cost
+    `import upcycle` tens of milliseconds, during which the command line has no Ctrl-C handler yet.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != AUTO_MODULE:

@@ -67,7 +67,7 @@ def write_marker(folder: Path, kind: str, entries: Iterable[str] | None = None) 
         record["entries"] = sorted(entries)
     else:
         record["entries"] = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
-        record["files"] = sorted(rel for rel, _ in _files(folder) if rel != MARKER)
+        record["files"] = sorted(rel for rel, _, marked in _walk(folder) if rel != MARKER and not marked)
     (folder / MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -88,16 +88,6 @@ def _walk(folder: Path, prefix: str = "") -> Iterator[tuple[str, Path, bool]]:
             yield rel, entry, False
 
 
-def _files(folder: Path) -> Iterator[tuple[str, Path]]:
-    """(relative path, path) of every file and link below `folder` (subfolders with a marker entered too)."""
-    for entry in sorted(folder.iterdir()):
-        rel = entry.name
-        if entry.is_dir() and not entry.is_symlink():
-            yield from ((f"{rel}/{r}", p) for r, p in _files(entry))
-        elif not is_temporary(entry.name):
-            yield rel, entry
-
-
 def _read_marker(folder: Path) -> dict | None:
     try:
         record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
@@ -109,11 +99,16 @@ def _read_marker(folder: Path) -> dict | None:
 def foreign_files(folder: Path) -> list[str] | None:
     """The files below an output folder that upcycle cannot prove it wrote (relative paths), or None when the
     folder is not an upcycle output at all."""
+    return _judge(folder)[1]
+
+
+def _judge(folder: Path) -> tuple[str | None, list[str] | None]:
+    """(the folder's kind, `foreign_files`): one read of its marker and one walk of its tree."""
     record = _read_marker(folder)
     if record is None:
         kind = _legacy_kind(folder)
         if kind not in GROWN:
-            return _legacy_foreign(folder, kind)
+            return kind, _legacy_foreign(folder, kind)
         record = {"kind": kind, "entries": GROWING[kind]}      # a growing folder: judged by its kind's patterns
     kind = str(record.get("kind"))
     listed = set(record.get("files") or ())
@@ -132,7 +127,7 @@ def foreign_files(folder: Path) -> list[str] | None:
             continue                # an older marker's entries (its subfolders taken as listed)
         else:
             foreign.append(rel)
-    return foreign
+    return kind, foreign
 
 
 def _matches(rel: str, patterns: Iterable[str]) -> bool:
@@ -151,12 +146,12 @@ def _legacy_foreign(folder: Path, kind: str | None) -> list[str] | None:
     allowed = LEGACY_FILES.get(kind)
     if not allowed:
         return []               # analyze: figures and tables of many names, kept as before
-    shards = _indexed_shards(folder)
+    shards = indexed_shards(folder)
     return [rel for rel, path, _ in _walk(folder)
             if path.is_symlink() or "/" in rel or not (rel in allowed or rel in shards)]
 
 
-def _indexed_shards(folder: Path) -> set[str]:
+def indexed_shards(folder: Path) -> set[str]:
     """The weight files a folder's index names (a shard it does not name is not part of the model)."""
     try:
         index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -181,8 +176,5 @@ def own_output(path: Path) -> str | None:
         return None
     if not any(not is_temporary(p.name) for p in path.iterdir()):
         return "empty folder"
-    foreign = foreign_files(path)
-    if foreign is None or foreign:
-        return None
-    record = _read_marker(path)
-    return str(record.get("kind")) if record is not None else _legacy_kind(path)
+    kind, foreign = _judge(path)
+    return kind if foreign == [] else None

@@ -24,7 +24,8 @@ from torch import nn
 
 from ..errors import UpcycleError
 from .folders import claim_output
-from .reader import INDEX_FILE, SINGLE_FILE
+from .ownership import indexed_shards
+from .reader import INDEX_FILE, SINGLE_FILE, check_finite
 from .upcycle_format import MOE_CONFIG, save_folder_files
 from .upcycle_format import load as load_folder
 from .writer import DEFAULT_MAX_SHARD_BYTES, parse_size
@@ -60,28 +61,20 @@ def _check_upcycled(model: nn.Module) -> None:
 
 
 def _check_finite(state: dict) -> None:
-    """Refuse weights with NaN or infinity: `load` refuses them, so a save would write a folder that cannot be
-    read back."""
-    bad = [name for name, t in state.items()
-           if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise UpcycleError(f"the model holds NaN or infinite weights ({', '.join(bad[:3])}"
-                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}); nothing was saved, since "
-                           f"upcycle.load refuses such a folder")
+    """Refuse weights with NaN or infinity (the check `load` makes, `reader.check_finite`), before anything is
+    written: a save would write a folder that cannot be read back."""
+    for name, tensor in state.items():
+        if torch.is_tensor(tensor):
+            check_finite(tensor, name, "the model (nothing was saved: upcycle.load refuses such a folder)")
 
 
 # Model files of an upcycle folder; what an in-place save may replace (shards: model-00001-of-00003.safetensors)
 def _model_files(folder: Path) -> tuple[list[str], list[str]]:
     """(the model files of an earlier upcycle save in `folder`, weight shards there that no index names): a shard
     the folder's index does not name was not written with it, and is never replaced or removed."""
-    import json
-
     fixed = ("config.json", MOE_CONFIG, "generation_config.json", SINGLE_FILE, INDEX_FILE)
     shards = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
-    try:
-        named = set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        named = set()
+    named = indexed_shards(folder)
     return ([name for name in fixed if (folder / name).exists()] + [n for n in shards if n in named],
             [n for n in shards if n not in named])
 

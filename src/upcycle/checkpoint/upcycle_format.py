@@ -34,7 +34,7 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
-from .agreement import check_kinds, check_tying
+from .agreement import check_checkpoint
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
 from .skeleton import tensor_specs
@@ -231,8 +231,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
-    check_kinds(model, reader, str(path))
-    check_tying(model, reader, str(path))      # before loading: loading both names into one tensor keeps one
+    check_checkpoint(model, reader, str(path))     # before loading: loading two tied names into one tensor keeps one
     missing, unexpected, mismatched = _load_weights(model, reader)
     if missing or unexpected or mismatched:
         raise UpcycleError(f"{path}: weights do not match the model (missing {missing[:5]}, "

@@ -37,9 +37,9 @@ torch implements it for the device (CPU and CUDA) and the rows are 16-byte align
 take more than GROUPED_MEMORY_SHARE of the device's memory; the per-expert loop then, whose working set is one
 expert's slice. On the CPU the layer hands the experts token ranges whose working set stays under CPU_CHUNK_BYTES
 (`tokens_per_call`); on a GPU the whole batch is one call. No batch-size threshold tuned on one machine: on
-2-core CPUs the loop and one grouped call trade places between machines (a reviewer's VM: the loop 2x slower than
-grouped_mm at 4,096 tokens; the VM of this change: the loop up to 12% faster at 4,096 tokens and 30% at 16,384),
-grouped calls of bounded size are within 12% of the loop on this VM, and on a GPU the loop launches E small
+2-core CPUs the loop and one grouped call trade places between machines (on one 2-core VM the loop was 2x slower than
+grouped_mm at 4,096 tokens; on another, up to 12% faster at 4,096 tokens and 30% at 16,384), grouped calls
+of bounded size are within 12% of the loop on the second, and on a GPU the loop launches E small
 matmuls from Python for every batch (benchmarks/moe_layer.py; docs/gpu.md).
 
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group

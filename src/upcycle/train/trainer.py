@@ -157,7 +157,7 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
     model, tokenizer = load_model(cfg.model)
     model.train()
     task = make_task(cfg, model, tokenizer)
-    if getattr(task, "name", None) == "contrastive":
+    if hasattr(task, "check_forward_pairs"):       # a task whose loss needs several examples per forward
         task.check_forward_pairs(cfg.batch_size // (accelerator.num_processes * cfg.grad_accum))
     accelerator.wait_for_everyone()
     run = RunFolder(out, accelerator, resume=resume)
