@@ -18,6 +18,7 @@ from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
+from upcycle.export.qwen2_moe import SHARED_GATE
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -192,8 +193,9 @@ def test_config_holds_what_the_class_needs_not_every_default(tmp_path):
 
 def test_no_shared_expert_loads_without_warnings_and_stays_zero_under_training(tmp_path, recwarn):
     """Qwen2-MoE blocks always hold a shared expert: without one the export writes a width-1 shared expert of
-    zeros (not width 0, whose every load warns "Initializing zero-element tensors is a no-op"). Its output and
-    every gradient of it and of its gate are exactly zero, so training leaves it a no-op."""
+    zeros (not width 0, whose every load warns "Initializing zero-element tensors is a no-op") and a gate of
+    SHARED_GATE (nonzero for llama.cpp's silu(z)/z). Its output and every gradient of it and of its gate are
+    exactly zero, so training leaves it a no-op."""
     make_tiny("llama").save_pretrained(tmp_path / "m")
     result = convert(cfg(tmp_path / "m", method="drop"), tmp_path / "out", progress=False)
     recwarn.clear()
@@ -204,7 +206,8 @@ def test_no_shared_expert_loads_without_warnings_and_stays_zero_under_training(t
     shared = [(n, p) for n, p in stock.named_parameters() if "shared_expert" in n]
     assert len(shared) == 4 * 4                          # gate, up, down, and the sigmoid gate of 4 blocks
     for name, p in shared:
-        assert torch.count_nonzero(p) == 0 and torch.count_nonzero(p.grad) == 0, name
+        value = SHARED_GATE if name.endswith("shared_expert_gate.weight") else 0.0
+        assert torch.equal(p, torch.full_like(p, value)) and torch.count_nonzero(p.grad) == 0, name
 
 
 @pytest.mark.parametrize("export", ["hf", "upcycle"])

@@ -1,17 +1,20 @@
 """`upcycle export --format gguf`: a GGUF file for llama.cpp, checked by reading it back with gguf.GGUFReader.
 
-No llama.cpp binary runs here, so the file is read back and run by `llama_cpp_forward`, a numpy transcription
-of llama.cpp's graphs for the three archs (src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp: RMS norms, rotary
-"norm" (interleaved pairs) for llama and "neox" (halves) for the Qwen archs, softmax top-k with the arch's own
-renormalization, qwen2moe's sigmoid-gated shared expert); its logits must equal transformers' on the stock
-export (the upcycled model). That checks the tensor names, shapes, the q/k permutation and the hyperparameters
-llama.cpp reads.
+This is the fast guard; the proof is llama.cpp itself, which benchmarks/runtimes_check.py builds and runs on every
+arch and type (benchmarks/results/runtimes/). Here no llama.cpp binary runs: the file is read back and run by
+`llama_cpp_forward`, a numpy transcription of llama.cpp's graphs for the three archs (src/models/llama.cpp,
+qwen2moe.cpp, qwen3moe.cpp: RMS norms, rotary "norm" (interleaved pairs) for llama and "neox" (halves) for the
+Qwen archs, softmax top-k with the arch's own renormalization, qwen2moe's shared expert gated by silu(z)/z); its
+logits must equal transformers' on the stock export (the upcycled model). The names and values llama.cpp checks
+(pre-tokenizer names, archs, renormalization, the shared gate's formula) are compared with LLAMA_CPP, read from
+llama.cpp's source by benchmarks/llama_cpp_facts.py.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,16 +27,21 @@ from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.errors import UpcycleError
-from upcycle.export.gguf import REQUIRED_KEYS, gguf_plan, write_gguf
+from upcycle.export.gguf import ARCHS, RENORMALIZES, REQUIRED_KEYS, gguf_plan, write_gguf
+from upcycle.export.gguf_vocab import PRE_TOKENIZERS
 from upcycle.export.layout import export_target
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes and reads GGUF files")
 VOCAB = 264        # the byte-level alphabet (256) and the toy merges and specials fit
-CASES = {  # llama.cpp arch: (source, export class, normalize_topk as the arch computes it)
-    "llama": ("mistral", "mixtral", True),
-    "qwen2moe": ("llama", "qwen2_moe", False),
-    "qwen3moe": ("qwen3", "qwen3_moe", True),
+CASES = {  # case: (source, export class, normalize_topk as the arch computes it, method)
+    "llama": ("mistral", "mixtral", True, "drop"),
+    "qwen2moe": ("llama", "qwen2_moe", False, "drop"),               # the stand-in shared expert (width 1, zero)
+    "qwen2moe-shared": ("llama", "qwen2_moe", False, "spri"),        # SPRI's real shared expert
+    "qwen3moe": ("qwen3", "qwen3_moe", True, "drop"),
 }
+# llama.cpp's own names and formulas, from its source (benchmarks/llama_cpp_facts.py; its "source" says which)
+LLAMA_CPP = json.loads((Path(__file__).parent / "fixtures" / "llama_cpp_facts.json").read_text())
+GPT2_REGEX = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
 
 
 def byte_level_tokenizer(digits: bool = False) -> T.PreTrainedTokenizerFast:
@@ -59,11 +67,11 @@ def release_models():
 
 
 @functools.cache          # the tests only read these models: each is built once (about a second)
-def upcycled(kind: str, normalize_topk: bool = True, every: int = 1) -> torch.nn.Module:
+def upcycled(kind: str, normalize_topk: bool = True, every: int = 1, method: str = "drop") -> torch.nn.Module:
     model = make_tiny(kind)
     model.resize_token_embeddings(VOCAB, mean_resizing=False)
     moe = {"num_experts": 4, "top_k": 2, "normalize_topk": normalize_topk}
-    upcycle_model(model, build(ConvertConfig, {"method": "drop", "placement": {"every": every}, "moe": moe,
+    upcycle_model(model, build(ConvertConfig, {"method": method, "placement": {"every": every}, "moe": moe,
                                                "check": {"tokens": 16}}), progress=False)
     return model.eval()
 
@@ -84,8 +92,11 @@ def rope(x, base, interleaved):
 
 def llama_cpp_forward(path, ids: list[int]) -> np.ndarray:
     """Logits of llama.cpp's graph for the file's arch, in float64 numpy, from what GGUFReader reads back."""
+    from gguf.quants import dequantize
+
     reader = gguf.GGUFReader(str(path))
-    t = {x.name: np.asarray(x.data, dtype=np.float64) for x in reader.tensors}
+    t = {x.name: dequantize(np.asarray(x.data), x.tensor_type).astype(np.float64).reshape(
+        [int(n) for n in reversed(x.shape)]) for x in reader.tensors}
     f = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.")}
     arch = f["general.architecture"]
     heads, kv, eps = f[f"{arch}.attention.head_count"], f[f"{arch}.attention.head_count_kv"], \
@@ -121,7 +132,8 @@ def llama_cpp_forward(path, ids: list[int]) -> np.ndarray:
                 out[tok] += we * (b("ffn_down_exps.weight")[e] @ (g / (1 + np.exp(-g)) * u))
         if arch == "qwen2moe":
             g, u = h @ b("ffn_gate_shexp.weight").T, h @ b("ffn_up_shexp.weight").T
-            gate = 1 / (1 + np.exp(-(h @ b("ffn_gate_inp_shexp.weight"))))
+            z = h @ b("ffn_gate_inp_shexp.weight")
+            gate = z / (1 + np.exp(-z)) / z         # llama.cpp's sigmoid: silu(z) / z (LLAMA_CPP's formula)
             out += gate[:, None] * ((g / (1 + np.exp(-g)) * u) @ b("ffn_down_shexp.weight").T)
         x = x + out
     return rms(x, t["output_norm.weight"], eps) @ t["output.weight"].T
@@ -129,10 +141,11 @@ def llama_cpp_forward(path, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("arch", CASES)
 def test_gguf_reads_back_and_computes_the_stock_export(tmp_path, arch):
-    kind, cls, norm = CASES[arch]
-    model, tokenizer = upcycled(kind, norm), byte_level_tokenizer()
+    kind, cls, norm, method = CASES[arch]
+    model, tokenizer = upcycled(kind, norm, method=method), byte_level_tokenizer()
     info = write_gguf(model, export_target(model, cls), tmp_path / "m.gguf", tokenizer, out_type="f32")
-    assert info["arch"] == arch and info["tokenizer_pre"] == "gpt2"
+    arch = arch.split("-")[0]
+    assert info["arch"] == arch and info["tokenizer_pre"] == "gpt-2"
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     for key in REQUIRED_KEYS:
         assert key.format(arch=arch) in reader.fields, key
@@ -150,6 +163,32 @@ def test_gguf_reads_back_and_computes_the_stock_export(tmp_path, arch):
     assert np.abs(llama_cpp_forward(tmp_path / "m.gguf", ids) - expected).max() < 1e-4
 
 
+def test_gguf_names_and_formulas_are_llama_cpps_own():
+    """What llama.cpp refuses or computes its own way, against its source: the pre-tokenizer names upcycle writes
+    exist there with the regexes upcycle assumes, the archs exist and renormalize as gguf.RENORMALIZES says, and
+    qwen2moe's shared gate is the silu(z)/z that `llama_cpp_forward` computes (a zero gate weight is NaN there)."""
+    regexes = {"gpt-2": [GPT2_REGEX], "smollm": ["\\p{N}", GPT2_REGEX]}
+    assert set(PRE_TOKENIZERS.values()) == set(regexes)
+    for name, expected in regexes.items():
+        assert LLAMA_CPP["pre_type_regexes"][LLAMA_CPP["pre_tokenizers"][name]] == expected, name
+    assert set(ARCHS.values()) <= set(LLAMA_CPP["archs"])
+    assert RENORMALIZES == LLAMA_CPP["moe_renormalizes"]
+    assert LLAMA_CPP["shared_expert_gate"] == {"qwen2moe": "silu(z)/z"}
+    assert LLAMA_CPP["source"]["llama_cpp_commit"] and len(LLAMA_CPP["source"]["sdist_sha256"]) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qwen2moe_shared_gate_is_never_zero(tmp_path, dtype):
+    """The stand-in shared expert's gate (and a real one's) reaches llama.cpp nonzero, so silu(z)/z is 0.5, not
+    0/0, even from a float16 model in which qwen2_moe.SHARED_GATE rounds to zero."""
+    model, tokenizer = upcycled("llama", False), byte_level_tokenizer()
+    write_gguf(model.to(dtype), export_target(model, "qwen2_moe"), tmp_path / "m.gguf", tokenizer, out_type="f16")
+    model.float()
+    gates = [t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors if t.name.endswith("gate_inp_shexp.weight")]
+    assert len(gates) == 4 and all(t.tensor_type.name == "F32" and np.all(np.asarray(t.data) > 0) for t in gates)
+    assert np.isfinite(llama_cpp_forward(tmp_path / "m.gguf", [1, 5, 9, 2])).all()
+
+
 def test_gguf_weight_types_read_back_bit_for_bit(tmp_path):
     model, tokenizer = upcycled("mistral"), byte_level_tokenizer(digits=True)
     target = export_target(model, "mixtral")
@@ -162,6 +201,23 @@ def test_gguf_weight_types_read_back_bit_for_bit(tmp_path):
         assert stored.tensor_type.name == out_type.upper()
         assert np.asarray(stored.data).tobytes() == up.to(dtype).contiguous().view(torch.int16).numpy().tobytes()
         assert tensor["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"      # routers stay float32
+
+
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_0"])
+def test_gguf_quantized_types(tmp_path, out_type):
+    """Q8_0 and Q4_0 from the gguf package's quantizers: the expert weights in the type (rows whose length is not
+    a multiple of 32 fall back to F16), routers F32, and llama.cpp's graph on the dequantized file within the
+    quantization's drift of the model. The bounds are 2.5x the drift measured here (0.0038 and 0.073, on logits up
+    to 0.43): the quantizers are deterministic numpy, and the margin covers another CPU's summation order."""
+    model, tokenizer = upcycled("mistral"), byte_level_tokenizer()
+    write_gguf(model, export_target(model, "mixtral"), tmp_path / "m.gguf", tokenizer, out_type=out_type)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == out_type.upper() and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    ids = tokenizer("the cat sat on the mat")["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].double().numpy()
+    drift = np.abs(llama_cpp_forward(tmp_path / "m.gguf", ids) - expected).max()
+    assert 0 < drift < {"q8_0": 0.01, "q4_0": 0.2}[out_type]
 
 
 def test_gguf_command_and_refusals(tmp_path, capsys):
@@ -178,9 +234,15 @@ def test_gguf_command_and_refusals(tmp_path, capsys):
     assert "dense blocks [0, 2]" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     model = upcycled("mistral")          # renormalized top-k: Mixtral's llama arch, but not qwen2moe
-    with pytest.raises(UpcycleError, match="qwen2moe always uses them raw.*--export-class mixtral"):
+    with pytest.raises(UpcycleError, match="qwen2moe always uses them raw.*changes the function.*"
+                                           "--export-class mixtral, llama.cpp's llama arch, which keeps it"):
         gguf_plan(model, export_target(model, "qwen2_moe"), tokenizer)
     assert gguf_plan(model, export_target(model, "mixtral"), tokenizer)[0] == "llama"
+    # a qwen2moe file is written from a model converted with raw top-k weights, and the command says what that cost
+    upcycle.save(upcycled("llama", False), tmp_path / "raw", tokenizer=tokenizer)
+    assert main(["export", str(tmp_path / "raw"), str(tmp_path / "q2"), "--format", "gguf",
+                 "--export-class", "qwen2_moe"]) == 0
+    assert "note: llama.cpp's qwen2moe uses raw top-k weights" in capsys.readouterr().out
 
 
 def test_gguf_refuses_a_tokenizer_llama_cpp_would_split_differently(tmp_path):

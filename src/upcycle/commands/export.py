@@ -16,8 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-class", dest="export_class", default="auto", choices=("auto", *STOCK_CLASSES))
     parser.add_argument("--format", default="hf", choices=("hf", "gguf"),
                         help="hf: a stock transformers checkpoint; gguf: OUT/model.gguf for llama.cpp")
-    parser.add_argument("--gguf-type", dest="gguf_type", default="f16", choices=("f32", "f16", "bf16"),
-                        help="weight type of the GGUF file (quantize it with llama.cpp's llama-quantize)")
+    parser.add_argument("--gguf-type", dest="gguf_type", default="f16", choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
+                        help="weight type of the GGUF file (K-quants such as Q4_K: llama.cpp's llama-quantize "
+                             "on an f16 file)")
     parser.add_argument("--overwrite", action="store_true")
 
 
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(dumps(info))
     if args.format == "gguf":
         print(f"wrote {args.out}/model.gguf: runs with llama.cpp (llama-cli -m {args.out}/model.gguf)")
+        if "note" in info:
+            print(f"note: {info['note']}")
     else:
         print(f"wrote {args.out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
     return 0

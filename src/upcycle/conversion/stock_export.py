@@ -72,12 +72,12 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
     """`upcycle export IN OUT`: an upcycle-format folder -> a stock checkpoint, checked against the original;
     with `format="gguf"`, OUT holds `model.gguf` (weights as `gguf_type`) for llama.cpp instead."""
     from ..checkpoint.loading import load_tokenizer
-    from ..export.gguf import DTYPES
+    from ..export.gguf import FILE_TYPES
 
     if format not in ("hf", "gguf"):
         raise UpcycleError(f"export format must be hf or gguf, got {format!r}")
-    if gguf_type not in DTYPES:
-        raise UpcycleError(f"GGUF weight type must be one of {sorted(DTYPES)}, got {gguf_type!r}")
+    if gguf_type not in FILE_TYPES:
+        raise UpcycleError(f"GGUF weight type must be one of {sorted(FILE_TYPES)}, got {gguf_type!r}")
     src, out = Path(src), Path(out)
     with claim_output(out, kind="export", given=inputs(("upcycle folder", src)), overwrite=overwrite) as claim:
         if not src.is_dir():

@@ -4,8 +4,10 @@ Built on the `gguf` package (llama.cpp's own writer and tensor-name tables), fro
 (`layout.py`): the Mixtral export is llama.cpp's "llama" arch with experts, Qwen2-MoE "qwen2moe", Qwen3-MoE
 "qwen3moe". Each expert projection is stacked into one [E, out, in] tensor (`ffn_gate_exps`, ...), as llama.cpp's
 convert_hf_to_gguf.py does; the "llama" arch gets its q/k rows permuted to llama.cpp's rotary layout (the same
-permutation as that converter's). Weights are written as F32, F16 or BF16 (no quantization: llama.cpp's
-llama-quantize does that from this file), norms and routers always F32.
+permutation as that converter's). Weights are written as F32, F16, BF16, or quantized as Q8_0 or Q4_0 with the
+`gguf` package's own quantizers (which write no K-quant: llama.cpp's llama-quantize makes Q4_K and the rest from an
+F16 file); norms, routers and the shared expert's gate are always F32. Qwen2-MoE's shared-expert gate is never
+all zero (llama.cpp's silu(z)/z, qwen2_moe.py).
 
 What llama.cpp computes differently for these archs is refused before anything is written (docs/design.md
 principle 4), read from its model code: qwen2moe and qwen3moe have an MoE FFN in every block (no
@@ -26,12 +28,20 @@ from ..errors import UpcycleError
 from .gguf_vocab import gguf_vocab
 from .layout import export_config, export_state_dict
 from .protocol import StockClass
+from .qwen2_moe import SHARED_GATE
 
 # stock class -> llama.cpp arch
 ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # whether llama.cpp's graph for the arch renormalizes the top-k weights (qwen2moe.cpp passes norm_w = false)
 RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# what a conversion for qwen2moe gives up: with raw top-k weights the selected experts' weights sum to less than 1,
+# so a function-preserving method (copy; cluster, drop and spri at their preserving settings) no longer is
+RAW_TOPK = ("which changes the function: the raw top-k weights sum to less than 1, so no method preserves the dense "
+            "model then, copy included")
+# --gguf-type -> the llama.cpp file type it names
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0"}
+QUANTIZED = ("q8_0", "q4_0")
 # the keys llama.cpp reads for every one of these archs (tokenizer keys: gguf_vocab)
 REQUIRED_KEYS = ("general.architecture", "{arch}.context_length", "{arch}.embedding_length", "{arch}.block_count",
                  "{arch}.feed_forward_length", "{arch}.attention.head_count", "{arch}.attention.head_count_kv",
@@ -48,8 +58,8 @@ def gguf_problems(config: dict, arch: str) -> list[str]:
                         "block: convert with every block MoE)")
     renorm = config.get("norm_topk_prob", True)
     if renorm != RENORMALIZES[arch]:
-        fix = ("--set moe.normalize_topk=false" if renorm else "moe.normalize_topk=true")
-        extra = "; or --export-class mixtral, llama.cpp's llama arch" if arch == "qwen2moe" else ""
+        fix = (f"--set moe.normalize_topk=false ({RAW_TOPK})" if renorm else "moe.normalize_topk=true")
+        extra = "; or --export-class mixtral, llama.cpp's llama arch, which keeps it" if arch == "qwen2moe" else ""
         problems.append(f"top-k weights {'renormalized' if renorm else 'raw'} (llama.cpp's {arch} always "
                         f"{'renormalizes' if RENORMALIZES[arch] else 'uses them raw'}: convert with {fix}{extra})")
     if config.get("rope_scaling"):
@@ -66,9 +76,9 @@ def _permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(model: nn.Module, target: StockClass, config: dict, dtype: torch.dtype
-                 ) -> dict[str, np.ndarray]:
-    """Every tensor of the GGUF file by its llama.cpp name, as numpy arrays in the order they are written."""
+def gguf_tensors(model: nn.Module, target: StockClass, config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF file by its llama.cpp name, in the model's values and the order they are written
+    (`encode` gives each its type in the file)."""
     import gguf
 
     arch = ARCHS[target.name]
@@ -94,16 +104,32 @@ def gguf_tensors(model: nn.Module, target: StockClass, config: dict, dtype: torc
             heads = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
             tensor = _permute_rotary(tensor, heads)
         if name.endswith("ffn_gate_inp_shexp.weight"):
-            tensor = tensor.reshape(-1)      # llama.cpp reads the shared expert's sigmoid gate as a vector
-        tensor = tensor.detach().contiguous()
-        # norms, biases and routers stay F32, as llama.cpp's converter keeps 1-D tensors and routers
-        if tensor.ndim == 1 or name.endswith("ffn_gate_inp.weight") or dtype == torch.float32:
-            out[name] = tensor.float().numpy()
-        elif dtype == torch.float16:
-            out[name] = tensor.half().numpy()
-        else:                                # numpy has no bfloat16: its bits, written as raw BF16
-            out[name] = tensor.bfloat16().view(torch.int16).numpy()
+            # llama.cpp reads the shared expert's sigmoid gate as a vector, and computes it as silu(z)/z: a gate
+            # that rounded to zero in float16 would be NaN there (qwen2_moe.SHARED_GATE keeps sigmoid at 0.5)
+            tensor = tensor.reshape(-1).float()
+            if not tensor.any():
+                tensor = torch.full_like(tensor, SHARED_GATE)
+        out[name] = tensor.detach().contiguous()
     return out
+
+
+def encode(name: str, tensor: torch.Tensor, out_type: str) -> tuple[np.ndarray, str]:
+    """`tensor` as the numpy array the GGUF file holds and its GGML type name. Norms, biases, routers and the
+    shared expert's gate stay F32, as llama.cpp's converter keeps 1-D tensors and routers; a row whose length is
+    not a multiple of the quantization block is written F16, as that converter falls back."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if tensor.ndim == 1 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) or out_type == "f32":
+        return tensor.float().numpy(), "F32"
+    if out_type in QUANTIZED:
+        qtype = GGMLQuantizationType[out_type.upper()]
+        if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0:
+            return quantize(tensor.float().numpy(), qtype), qtype.name
+        return tensor.half().numpy(), "F16"
+    if out_type == "f16":
+        return tensor.half().numpy(), "F16"
+    return tensor.bfloat16().view(torch.int16).numpy(), "BF16"    # numpy has no bfloat16: its bits, raw
 
 
 def gguf_plan(model: nn.Module, target: StockClass, tokenizer, out_type: str = "f16") -> tuple[str, dict, dict]:
@@ -112,8 +138,8 @@ def gguf_plan(model: nn.Module, target: StockClass, tokenizer, out_type: str = "
     arch = ARCHS.get(target.name)
     if arch is None:
         raise UpcycleError(f"no llama.cpp arch for {target.architecture}")
-    if out_type not in DTYPES:
-        raise UpcycleError(f"GGUF weight type must be one of {sorted(DTYPES)}, got {out_type!r}")
+    if out_type not in FILE_TYPES:
+        raise UpcycleError(f"GGUF weight type must be one of {sorted(FILE_TYPES)}, got {out_type!r}")
     config = export_config(model, target)
     problems = gguf_problems(config, arch)
     if problems:
@@ -131,15 +157,14 @@ def write_gguf(model: nn.Module, target: StockClass, path: Path, tokenizer, *, o
     import gguf
 
     arch, config, vocab = gguf_plan(model, target, tokenizer, out_type)
-    tensors = gguf_tensors(model, target, config, DTYPES[out_type])
+    tensors = {name: encode(name, t, out_type) for name, t in gguf_tensors(model, target, config).items()}
     head_dim = config["head_dim"]
     # Mixtral's intermediate_size is its experts' width (mixtral.py); the Qwen classes name it apart
     expert_width = config.get("moe_intermediate_size", config["intermediate_size"])
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[out_type])
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[out_type]])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -171,8 +196,8 @@ def write_gguf(model: nn.Module, target: StockClass, path: Path, tokenizer, *, o
     writer.add_add_eos_token(vocab["add_eos_token"])
     if vocab["chat_template"]:
         writer.add_chat_template(vocab["chat_template"])
-    for tensor_name, array in tensors.items():
-        raw = gguf.GGMLQuantizationType.BF16 if out_type == "bf16" and array.dtype == np.int16 else None
+    for tensor_name, (array, ggml_type) in tensors.items():
+        raw = gguf.GGMLQuantizationType[ggml_type] if ggml_type not in ("F32", "F16") else None
         writer.add_tensor(tensor_name, array, raw_dtype=raw)
     try:
         writer.write_header_to_file()
@@ -181,24 +206,34 @@ def write_gguf(model: nn.Module, target: StockClass, path: Path, tokenizer, *, o
     finally:
         writer.close()
     check_gguf(path, arch, tensors, vocab)
-    return {"format": "gguf", "arch": arch, "file": path.name, "weight_type": out_type, "tensors": len(tensors),
+    info = {"format": "gguf", "arch": arch, "file": path.name, "weight_type": out_type, "tensors": len(tensors),
             "tokenizer_pre": vocab["pre"], "via": target.architecture}
+    if not RENORMALIZES[arch]:
+        info["note"] = (f"llama.cpp's {arch} uses raw top-k weights: this model was converted with "
+                        f"moe.normalize_topk=false, {RAW_TOPK} (its report's check says by how much); "
+                        "--export-class mixtral writes llama.cpp's llama arch, which renormalizes")
+    return info
 
 
-def check_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], vocab: dict) -> None:
-    """Read the file back with gguf.GGUFReader: every tensor there with its shape and bytes, nothing else, and
-    the keys llama.cpp requires; an UpcycleError otherwise."""
+def check_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]], vocab: dict) -> None:
+    """Read the file back with gguf.GGUFReader: every tensor there with its type, shape and bytes, nothing else,
+    and the keys llama.cpp requires; an UpcycleError otherwise."""
     import gguf
+    from gguf.quants import quant_shape_from_byte_shape
 
     reader = gguf.GGUFReader(str(path))
     found = {t.name: t for t in reader.tensors}
     if set(found) != set(tensors):
         raise UpcycleError(f"{path}: tensors read back differ (missing {sorted(set(tensors) - set(found))[:5]}, "
                            f"extra {sorted(set(found) - set(tensors))[:5]})")
-    for tensor_name, array in tensors.items():
+    for tensor_name, (array, ggml_type) in tensors.items():
         t = found[tensor_name]
-        # ggml lists dimensions innermost first: reversed, they are the numpy shape written
-        if tuple(int(n) for n in reversed(t.shape)) != array.shape or \
+        # ggml lists dimensions innermost first, in elements: reversed, they are the numpy shape written (a
+        # quantized tensor's numpy rows are its blocks' bytes)
+        shape = tuple(int(n) for n in reversed(t.shape))
+        written = array.shape if ggml_type in ("F32", "F16", "BF16") else \
+            quant_shape_from_byte_shape(array.shape, gguf.GGMLQuantizationType[ggml_type])
+        if t.tensor_type.name != ggml_type or shape != written or \
                 np.asarray(t.data).tobytes() != np.ascontiguousarray(array).tobytes():
             raise UpcycleError(f"{path}: tensor {tensor_name} reads back different")
     keys = [k.format(arch=arch) for k in REQUIRED_KEYS]

@@ -1,8 +1,11 @@
 """A Hugging Face fast tokenizer as the GGUF vocabulary llama.cpp reads (`tokenizer.ggml.*`).
 
-Only byte-level BPE tokenizers ("gpt2" in llama.cpp: SmolLM, Llama 3, Qwen and GPT-2 style) are written, and only
-when their pre-tokenizer is one whose llama.cpp regexes are known to equal it (PRE_TOKENIZERS): llama.cpp splits
-text with its own regexes named by `tokenizer.ggml.pre`, and a wrong name silently tokenizes differently.
+Only byte-level BPE tokenizers (llama.cpp's "gpt2" vocabulary model: SmolLM, Llama 3, Qwen and GPT-2 style) are
+written, and only when their pre-tokenizer is one whose llama.cpp regexes are known to equal it (PRE_TOKENIZERS):
+llama.cpp splits text with its own regexes named by `tokenizer.ggml.pre`, refuses a name it does not know, and
+tokenizes differently under a wrong one. The names are llama.cpp's own (`tokenizer_pre == "..."` in its
+src/llama-vocab.cpp); tests/fixtures/llama_cpp_facts.json holds them as read from the llama.cpp that
+benchmarks/runtimes_check.py runs, and tests/test_export_gguf.py checks these against it.
 llama.cpp's convert_hf_to_gguf.py recognises many more tokenizers by hashing their output on a test text; for a
 tokenizer refused here, run it on the stock transformers export (docs/runtimes.md).
 """
@@ -14,10 +17,10 @@ import json
 from ..errors import UpcycleError
 
 # HF pre-tokenizer (as the JSON of tokenizer.json, reduced by `_shape`) -> llama.cpp's `tokenizer.ggml.pre`.
-# "gpt2": GPT-2's regex alone; "smollm": every digit split off first, then GPT-2's regex (llama.cpp's
+# "gpt-2": GPT-2's regex alone; "smollm": every digit split off first, then GPT-2's regex (llama.cpp's
 # LLAMA_VOCAB_PRE_TYPE_SMOLLM uses the regexes "\p{N}" and GPT-2's, the HF Digits(individual_digits) + ByteLevel).
 PRE_TOKENIZERS = {
-    ("ByteLevel",): "gpt2",
+    ("ByteLevel",): "gpt-2",
     ("Digits(individual)", "ByteLevel"): "smollm",
 }
 # gguf.TokenType values (llama.cpp's llama_token_type)

@@ -1,7 +1,10 @@
 """Qwen2MoeForCausalLM: Llama, Mistral and Qwen2 decoders, dense blocks by `mlp_only_layers`, a shared expert.
 
-Qwen2-MoE gates its shared expert by sigmoid(shared_expert_gate x): a zero gate weight gives 0.5, so the shared
-expert's down projection is written x2 (with several shared experts, their concatenation: their outputs add up).
+Qwen2-MoE gates its shared expert by sigmoid(shared_expert_gate x). The gate weight is written as SHARED_GATE in
+every entry, so that sigmoid(gate x) rounds to exactly 0.5, and the shared expert's down projection is written x2
+(with several shared experts, their concatenation: their outputs add up). Not zero: llama.cpp computes this
+sigmoid as silu(z) / z (src/models/qwen2moe.cpp), which is 0 / 0 = NaN at z = 0 in every block; at z = 1e-20 x it
+is 0.5 there too. In float16 (smallest subnormal 6e-8) the value rounds to zero, which the GGUF writer repairs.
 With no shared expert, Qwen2-MoE (whose blocks always have one) gets a shared expert of width 1 with all weights
 zero: its output is exactly zero, and so is every gradient of it and of its gate (h = act(0) * 0, a fixed point of
 training), so it stays a no-op. Width 0 would be the same function, but every load in transformers 5 then warns
@@ -16,6 +19,10 @@ from dataclasses import dataclass
 
 from .protocol import StockClass
 from .qwen3_moe import sparse_layout
+
+# the shared expert's gate weight, every entry: sigmoid(SHARED_GATE * sum(x)) = 0.5 exactly in float32 and
+# bfloat16 while |sum(x)| < 1e13 (0.5 + z/4 rounds to 0.5 for |z| < 2**-24), and nonzero for llama.cpp's silu(z)/z
+SHARED_GATE = 1e-20
 
 
 def head_dim(config) -> int:
@@ -40,9 +47,10 @@ class Qwen2Moe(StockClass):
         tensors = {f"{layer_name}.shared_expert.gate_proj.weight": gate.contiguous(),
                    f"{layer_name}.shared_expert.up_proj.weight": up.contiguous(),
                    f"{layer_name}.shared_expert.down_proj.weight": down.contiguous(),
-                   f"{layer_name}.shared_expert_gate.weight": torch.zeros(1, D, dtype=model.dtype)}
+                   f"{layer_name}.shared_expert_gate.weight": torch.full((1, D), SHARED_GATE, dtype=model.dtype)}
         folded = ([{"layer": layer_name, "scale": 2.0, "into": "shared_expert.down_proj",
-                    "why": "sigmoid(shared_expert_gate x) = 0.5 for the zero gate weight"}] if s is not None else [])
+                    "why": f"sigmoid(shared_expert_gate x) = 0.5 for the gate weight {SHARED_GATE}"}]
+                  if s is not None else [])
         return tensors, folded
 
     def model_tensors(self, model, prefix):
