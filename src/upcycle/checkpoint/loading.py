@@ -31,6 +31,7 @@ from ..data.assets import DEFAULT_MODEL_NAMES, resolve_model_name
 from ..errors import UpcycleError
 from .agreement import check_dense_checkpoint
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
+from .sentence_modules import read_sentence_modules
 from .upcycle_format import MOE_CONFIG
 from .upcycle_format import load as load_upcycled
 
@@ -217,19 +218,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path: str | Path):
-    """The model's tokenizer; None when a local folder has no tokenizer files (tiny test models, vision models:
+    """The model's tokenizer, with the folder's sentence-transformers modules as `sentence_modules` (None when it
+    has none); None when a local folder has no tokenizer files (tiny test models, vision models:
     the probe then uses seeded random ids). Tokenizer files that do not load are an error, not a silent None
     that would turn a text probe into random ids; a tokenizer that asks to run the folder's code is refused."""
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
         if not folder.is_dir():         # a hub id without a tokenizer (or offline): nothing local to report
             return None
         raise UpcycleError(f"{path}: the tokenizer files there do not load ({type(e).__name__}: {_one_line(e)}); "
                            f"fix or remove them") from None
+    # sentence-transformers' pooling and normalization travel with the tokenizer (save_tokenizer writes them)
+    tokenizer.sentence_modules = read_sentence_modules(folder) if folder.is_dir() else None
+    return tokenizer
 
 
 def dense_weights(name: str, path: str, config, dtype: str = "float32") -> nn.Module:

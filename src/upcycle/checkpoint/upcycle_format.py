@@ -37,6 +37,7 @@ from ..errors import UpcycleError
 from .agreement import check_checkpoint
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
+from .sentence_modules import write_sentence_modules
 from .skeleton import tensor_specs
 from .writer import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 
@@ -127,12 +128,15 @@ LOAD_ONLY_KEYS = ("is_local", "local_files_only")
 
 
 def save_tokenizer(tokenizer, directory: str | os.PathLike, model_config: dict | None = None) -> None:
-    """`tokenizer.save_pretrained`, with a tokenizer_config.json that serves transformers 4.x and 5.x alike:
+    """`tokenizer.save_pretrained` and the source's sentence-transformers modules (`sentence_modules.py`), with a
+    tokenizer_config.json that serves transformers 4.x and 5.x alike:
     a `tokenizer_class` both load; for a causal LM, `model_input_names` ["input_ids", "attention_mask"]; and a
     real `model_max_length`: the tokenizer's own when it has one, else the model's max_position_embeddings.
     `model_config`: the model's config as a dict; by default the config.json already written in `directory`
     (every caller writes it first)."""
     tokenizer.save_pretrained(directory)
+    if getattr(tokenizer, "sentence_modules", None):         # read by loading.load_tokenizer
+        write_sentence_modules(tokenizer.sentence_modules, directory)
     path = Path(directory) / "tokenizer_config.json"
     if not path.exists():
         return

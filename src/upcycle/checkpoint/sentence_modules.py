@@ -1,0 +1,109 @@
+"""sentence-transformers' modules of a source folder, carried into every folder upcycle writes from it.
+
+A sentence-transformers model is a transformers folder plus `modules.json`, the modules applied after the
+transformer (all-MiniLM-L6-v2: mean pooling, then L2 normalization), each configured in its own subfolder
+(`1_Pooling/config.json`), and `sentence_bert_config.json` (the transformer's maximum length). Without them,
+`SentenceTransformer(folder)` falls back to mean pooling alone, and a model trained with normalized embeddings
+gives vectors of norm about 5 instead of 1. So `load_tokenizer` reads them with the tokenizer (they describe how
+text becomes an embedding, as the tokenizer does) and `save_tokenizer` writes them beside it: a converted folder,
+a trained run's `model/`, an export.
+
+Only what cannot run code is carried: the files of sentence-transformers' own module classes, as JSON, text or
+safetensors (a Dense projection's weights), never a pickle, a link or another class (whose module sentence-
+transformers would import). The transformer module must be the folder itself (`path` ""): upcycle writes that
+part. A source whose modules cannot be carried is converted all the same, with a warning that says what is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import warnings
+from pathlib import Path
+
+MODULES_FILE = "modules.json"
+ROOT_FILES = (MODULES_FILE, "sentence_bert_config.json", "config_sentence_transformers.json")
+CARRIED_SUFFIXES = (".json", ".txt", ".safetensors")
+OWN_CLASSES = "sentence_transformers."
+TRANSFORMER_CLASSES = ("sentence_transformers.models.Transformer", "sentence_transformers.base.models.Transformer")
+MAX_BYTES = 256 << 20          # a Dense projection is a few MB; anything near this is not a module's config
+
+
+class NotCarried(ValueError):
+    """Why a source's sentence-transformers modules cannot be carried."""
+
+
+def _regular_file(path: Path) -> bool:
+    """A plain file, not a link (or a link's target) and not a device or pipe."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _module_files(folder: Path, module: dict) -> dict[str, bytes]:
+    """The files of one entry of modules.json, by their path relative to the folder."""
+    kind, sub = module.get("type"), module.get("path")
+    if not isinstance(kind, str) or not kind.startswith(OWN_CLASSES):
+        raise NotCarried(f"module {kind!r} is not one of sentence-transformers' own")
+    if not isinstance(sub, str):
+        raise NotCarried(f"module {kind} has no path")
+    if kind in TRANSFORMER_CLASSES:
+        if sub != "":
+            raise NotCarried(f"its transformer lives in the subfolder {sub!r}, not the folder upcycle writes")
+        return {}
+    if sub in ("", ".", "..") or "/" in sub or "\\" in sub:
+        raise NotCarried(f"module {kind} has the path {sub!r}, not a subfolder's name")
+    directory = folder / sub
+    if not directory.exists():                 # Normalize has nothing to store, and some folders omit it
+        return {}
+    if directory.is_symlink() or not directory.is_dir():
+        raise NotCarried(f"{sub} is not a plain folder")
+    files = {}
+    for entry in sorted(directory.iterdir()):
+        if not _regular_file(entry) or not entry.name.endswith(CARRIED_SUFFIXES):
+            raise NotCarried(f"{sub}/{entry.name} is not a JSON, text or safetensors file")
+        files[f"{sub}/{entry.name}"] = entry.read_bytes()
+    return files
+
+
+def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
+    """The sentence-transformers files of `folder` by relative path, or None when it has none or they cannot be
+    carried (with a warning naming why)."""
+    folder = Path(folder)
+    if not (folder / MODULES_FILE).exists():
+        return None
+    try:
+        files = {name: (folder / name).read_bytes() for name in ROOT_FILES
+                 if (folder / name).exists() and _check_regular(folder / name)}
+        modules = json.loads(files[MODULES_FILE])
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise NotCarried(f"{MODULES_FILE} is not a list of modules")
+        for name in ROOT_FILES[1:]:
+            if name in files:
+                json.loads(files[name])
+        for module in modules:
+            files.update(_module_files(folder, module))
+        if sum(map(len, files.values())) > MAX_BYTES:
+            raise NotCarried(f"its module files hold more than {MAX_BYTES >> 20} MiB")
+    except (NotCarried, OSError, ValueError) as e:
+        warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes "
+                      f"({e}); SentenceTransformer on the output will use mean pooling alone", stacklevel=2)
+        return None
+    return files
+
+
+def _check_regular(path: Path) -> bool:
+    if not _regular_file(path):
+        raise NotCarried(f"{path.name} is not a plain file")
+    return True
+
+
+def write_sentence_modules(files: dict[str, bytes], directory: str | os.PathLike) -> None:
+    """Write `files` (read_sentence_modules') into `directory`, a folder upcycle is writing."""
+    directory = Path(directory)
+    for name, data in files.items():
+        path = directory / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)

