@@ -9,7 +9,7 @@ COMMANDS = {
     "convert": "convert a dense model to an MoE model and write it to OUT",
     "export": "write an upcycle-format folder as a stock transformers checkpoint",
     "train": "train a model (upcycled or dense) and write the run to OUT",
-    "eval": "held-out perplexity (causal LMs) or zero-shot + retrieval (CLIP), as JSON",
+    "eval": "held-out perplexity (causal LMs), zero-shot + retrieval (CLIP) or pair retrieval (encoders), as JSON",
     "analyze": "what the experts learned: every docs/methods.md §5 metric per MoE layer as analysis.json, PNG "
                "figures and a self-contained report.html",
     "compare": "which method wins: convert with each method, train each with one recipe, evaluate and diagnose, "

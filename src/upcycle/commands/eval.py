@@ -1,4 +1,5 @@
-"""`upcycle eval MODEL`: held-out perplexity (causal LMs) or zero-shot and retrieval (CLIP), as JSON.
+"""`upcycle eval MODEL`: held-out perplexity (causal LMs), zero-shot and retrieval (CLIP), or pair retrieval
+(text encoders: BERT, all-MiniLM-L6-v2), as JSON.
 
 The held-out budget is training's (docs/training.md, "Watching a run"): `upcycle.config.EVAL_TOKENS` tokens in
 rows of 256 by default, and for a training run folder the run's own `eval_tokens`, `sequence_length` and held-out

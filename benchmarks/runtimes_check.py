@@ -1,0 +1,360 @@
+"""The runtime check: what upcycle writes, run by the real programs that read it, against `upcycle.load`.
+
+    .venv/bin/python benchmarks/runtimes_check.py                 # every part; about 25 min on 2 cores
+    .venv/bin/python benchmarks/runtimes_check.py --only llama.cpp
+    .venv/bin/python benchmarks/runtimes_check.py --docs          # docs/runtimes.md's table from the JSON
+
+- llama.cpp: llama-cpp-python, built once from its source distribution into a cached environment
+  (`$UPCYCLE_CACHE/runtimes/llama-cpp-python-VERSION`, CPU only; the first build takes about 35 minutes on 2
+  cores). For every GGUF arch and weight type upcycle writes, from conversions of the embedded SmolLM2-135M, the
+  file is loaded in llama.cpp and its token ids, greedy continuations and logits at every prompt position are
+  compared with the upcycle folder loaded by `upcycle.load` and run by transformers. The same source
+  distribution gives tests/fixtures/llama_cpp_facts.json (benchmarks/llama_cpp_facts.py), the names and formulas
+  the default test run checks without llama.cpp.
+- ONNX Runtime: docs/runtimes.md's recipe on a stock Qwen3-MoE export, against transformers.
+- sentence-transformers: `SentenceTransformer(folder)` of a copy-upcycled all-MiniLM-L6-v2 against the dense one.
+- torchtitan: benchmarks/torchtitan_check.py (its own environment; see there).
+
+Results: benchmarks/results/runtimes/runtimes.json, with every version and the machine. A part that was not run
+is recorded as such, with the reason, never left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "runtimes" / "runtimes.json"
+DOCS = ROOT / "docs" / "runtimes.md"
+LLAMA_CPP_PYTHON = "0.3.36"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "In 1984 there were 12,345 apples and 67 pears.",
+           "Über naïve café — 東京 and emoji 🙂:", "Question: What do bees make?\nAnswer:"]
+NEW_TOKENS = 20
+# case -> how the SmolLM2 conversion is made and exported, and the GGUF weight types written from it
+CASES = {
+    "llama (mixtral, copy)": {"method": "copy", "export_class": "mixtral",
+                              "types": ("f32", "f16", "bf16", "q8_0", "q4_0")},
+    "llama (mixtral, cluster)": {"method": "cluster", "export_class": "mixtral", "types": ("f16",)},
+    "qwen2moe (copy, raw top-k)": {"method": "copy", "export_class": "qwen2_moe", "normalize_topk": False,
+                                   "types": ("f32", "f16")},
+    "qwen2moe (spri, shared expert)": {"method": "spri", "export_class": "qwen2_moe", "normalize_topk": False,
+                                       "types": ("f16",)},
+    # Qwen3-MoE takes Qwen3 sources only (their q/k norms): a seeded random Qwen3 with SmolLM2's tokenizer
+    "qwen3moe (copy, random Qwen3)": {"method": "copy", "export_class": "qwen3_moe", "source": "qwen3",
+                                      "types": ("f32", "f16")},
+}
+BUILD_FLAGS = ("-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+               "-DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def llama_cpp_env(cache: Path) -> tuple[Path, Path]:
+    """(python of the cached llama-cpp-python environment, its source distribution), built on first use."""
+    home = cache / "runtimes"
+    venv = home / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    sdist = home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    stamp = venv / "upcycle-built.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("sdist_sha256") == (sha256(sdist) if sdist.is_file()
+                                                                                   else None):
+        return venv / "bin" / "python", sdist
+    home.mkdir(parents=True, exist_ok=True)
+    if not sdist.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(home)], check=True)
+    if venv.exists():
+        shutil.rmtree(venv)            # a build that did not finish (no stamp): ours, under the cache
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source into {venv} (about 35 min on 2 cores)",
+          flush=True)
+    env = {**os.environ, "CMAKE_ARGS": BUILD_FLAGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(sdist)], check=True, env=env)
+    stamp.write_text(json.dumps({"version": LLAMA_CPP_PYTHON, "sdist_sha256": sha256(sdist)}))
+    return venv / "bin" / "python", sdist
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("upcycle", "torch", "transformers", "gguf", "onnxruntime", "onnx", "sentence-transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    out["upcycle_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip() or None
+    return out
+
+
+def convert_case(case: dict, folder: Path) -> None:
+    from upcycle.config import ConvertConfig, build
+
+    if (folder / "upcycle_report.json").is_file():
+        return
+    moe = {"num_experts": 4, "top_k": 2, "normalize_topk": case.get("normalize_topk", True)}
+    model = random_qwen3(folder.parent / "source") if case.get("source") == "qwen3" else "default"
+    cfg = {"model": model, "method": case["method"], "moe": moe, "placement": {"every": 1},
+           "calibration": {"tokens": 8192}}
+    from upcycle.conversion.pipeline import convert
+
+    convert(build(ConvertConfig, cfg), folder, overwrite=True, progress=False)
+
+
+def random_qwen3(folder: Path) -> str:
+    """A seeded random Qwen3 (4 blocks, width 256) with the embedded SmolLM2's tokenizer, as a dense folder.
+    Its weights are drawn with std 0.1 rather than 0.02, so that its next-token distributions are peaked
+    enough for a greedy continuation to mean something."""
+    import transformers
+
+    from upcycle.checkpoint.loading import load_tokenizer
+    from upcycle.data.assets import default_model_path
+
+    if not (folder / "config.json").is_file():
+        tokenizer = load_tokenizer(default_model_path())
+        config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=64, max_position_embeddings=2048, initializer_range=0.1,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-6)
+        torch.manual_seed(0)
+        transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def reference(folder: Path) -> list[dict]:
+    """What upcycle + transformers give for every prompt: token ids, logits at every position, greedy ids."""
+    import upcycle
+    from upcycle.checkpoint.loading import load_tokenizer
+
+    model, tokenizer = upcycle.load(folder), load_tokenizer(folder)
+    rows = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+            greedy, seq = [], list(ids)
+            for _ in range(NEW_TOKENS):
+                token = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+                greedy.append(token)
+                seq.append(token)
+            rows.append({"ids": ids, "logits": logits, "greedy": greedy})
+    return rows
+
+
+def compare(ours: list[dict], theirs: dict, work: Path) -> dict:
+    """One GGUF file's llama.cpp results against the reference, prompt by prompt."""
+    if not theirs["loaded"]:
+        return {"loaded": False, "error": theirs["error"]}
+    prompts = []
+    for mine, got in zip(ours, theirs["prompts"], strict=True):
+        logits = np.load(work / got["logits"])
+        same = mine["ids"] == got["ids"]
+        diff = float(np.abs(logits - mine["logits"]).max()) if same else None
+        agree = next((i for i, (a, b) in enumerate(zip(mine["greedy"], got["greedy"], strict=True)) if a != b),
+                     NEW_TOKENS)
+        prompts.append({"tokens_identical": same, "logits_finite": bool(np.isfinite(logits).all()),
+                        "max_abs_logit_diff": diff,
+                        "argmax_agree": float((logits.argmax(-1) == mine["logits"].argmax(-1)).mean()) if same
+                        else None,
+                        "greedy_identical_tokens": agree})
+    return {"loaded": True, "metadata": theirs["metadata"], "prompts": prompts,
+            "tokenization_identical": all(p["tokens_identical"] for p in prompts),
+            "all_finite": all(p["logits_finite"] for p in prompts),
+            "greedy_identical": sum(p["greedy_identical_tokens"] == NEW_TOKENS for p in prompts),
+            "max_abs_logit_diff": max(p["max_abs_logit_diff"] for p in prompts if p["max_abs_logit_diff"] is not None)
+            if any(p["max_abs_logit_diff"] is not None for p in prompts) else None,
+            "logit_scale": float(max(np.abs(m["logits"]).max() for m in ours))}
+
+
+def check_llama_cpp(work: Path, cache: Path) -> dict:
+    from upcycle.conversion.stock_export import export_folder
+
+    python, sdist = llama_cpp_env(cache)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp_facts.py"), str(sdist)], check=True)
+    results, files, refs = {}, {}, {}
+    for name, case in CASES.items():
+        folder = work / name.split(" ")[0] / case["method"]
+        t = time.perf_counter()
+        convert_case(case, folder)
+        refs[name] = reference(folder)
+        for out_type in case["types"]:
+            out = work / "gguf" / f"{folder.parent.name}-{case['method']}-{out_type}"
+            export_folder(folder, out, export_class=case["export_class"], format="gguf", gguf_type=out_type,
+                          overwrite=True)
+            files[f"{name} {out_type}"] = str(out / "model.gguf")
+        print(f"{name}: converted, referenced and exported in {time.perf_counter() - t:.0f} s", flush=True)
+    request, result = work / "request.json", work / "llama_cpp.json"
+    request.write_text(json.dumps({"files": files, "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+                                   "threads": os.cpu_count() or 2}))
+    # -I: the worker sees neither the current directory nor PYTHON* variables (it runs nothing of a user's)
+    log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
+                          str(result)], capture_output=True, text=True)
+    if log.returncode:
+        raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
+    ran = json.loads(result.read_text())
+    for name, case in CASES.items():
+        report = json.loads((work / name.split(" ")[0] / case["method"] / "upcycle_report.json").read_text())
+        # how far the conversion itself is from the dense model (qwen2moe's raw top-k moves it: RAW_TOPK)
+        results[name] = {"conversion_max_abs_logit_diff_to_dense": report["max_abs_logit_diff"],
+                         "conversion_kl_to_dense": report["kl_to_dense"], "files": {}}
+    for key, theirs in ran["files"].items():
+        name, out_type = key.rsplit(" ", 1)
+        results[name]["files"][out_type] = compare(refs[name], theirs, work)
+    facts = json.loads((ROOT / "tests" / "fixtures" / "llama_cpp_facts.json").read_text())
+    return {"llama_cpp_python": ran["llama_cpp_python"], "llama_cpp_commit": facts["source"]["llama_cpp_commit"],
+            "sdist_sha256": facts["source"]["sdist_sha256"], "system_info": ran["system_info"],
+            "source_model": "the embedded SmolLM2-135M-Instruct, 4 experts, top-2, every block",
+            "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cases": results}
+
+
+def check_onnx(work: Path) -> dict:
+    """docs/runtimes.md's ONNX recipe on a stock Qwen3-MoE export of the SmolLM2 copy conversion."""
+    import onnxruntime
+    import transformers
+
+    from upcycle.conversion.stock_export import export_folder
+
+    folder = work / "qwen3moe" / "copy"
+    convert_case(CASES["qwen3moe (copy, random Qwen3)"], folder)
+    stock = work / "stock-qwen3moe"
+    export_folder(folder, stock, export_class="qwen3_moe", overwrite=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(stock, experts_implementation="batched_mm").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(stock)
+
+    class Logits(torch.nn.Module):            # docs/runtimes.md's recipe: ids and mask in, logits out
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids = torch.ones(1, 8, dtype=torch.long)
+    dims = {0: "batch", 1: "sequence"}
+    onnx_file = work / "model.onnx"
+    torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)), str(onnx_file),
+                      input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                      dynamic_axes={"input_ids": dims, "attention_mask": dims, "logits": dims}, dynamo=False)
+    session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    diffs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            enc = tokenizer(prompt, return_tensors="pt")
+            got = session.run(["logits"], {"input_ids": enc["input_ids"].numpy(),
+                                           "attention_mask": enc["attention_mask"].numpy()})[0]
+            diffs.append(float(np.abs(got - model(**enc).logits.numpy()).max()))
+    return {"onnxruntime": onnxruntime.__version__, "export": "Qwen3MoeForCausalLM, experts_implementation "
+            "batched_mm, torch.onnx.export (TorchScript exporter)", "max_abs_logit_diff": max(diffs),
+            "prompts": len(PROMPTS)}
+
+
+def check_sentence_transformers(work: Path) -> dict:
+    from sentence_transformers import SentenceTransformer, __version__
+
+    from upcycle.config import CheckConfig, ConvertConfig, MoEConfig
+    from upcycle.conversion.pipeline import convert
+    from upcycle.data.assets import minilm_path
+
+    folder = work / "minilm-copy"
+    convert(ConvertConfig(model="minilm", method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                          check=CheckConfig(tokens=32)), folder, overwrite=True, progress=False)
+    dense = SentenceTransformer(str(minilm_path()), device="cpu").encode(PROMPTS)
+    moe_model = SentenceTransformer(str(folder), device="cpu")
+    moe = moe_model.encode(PROMPTS)
+    return {"sentence_transformers": __version__, "modules": [type(m).__name__ for m in moe_model],
+            "max_abs_embedding_diff": float(np.abs(dense - moe).max()),
+            "norms": [float(x) for x in np.linalg.norm(moe, axis=1)]}
+
+
+def check_torchtitan(work: Path, cache: Path) -> dict:
+    log = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torchtitan_check.py"), "--work",
+                          str(work / "torchtitan"), "--json", str(work / "torchtitan.json")],
+                         capture_output=True, text=True)
+    if log.returncode:
+        return {"ran": False, "why": log.stderr.strip().splitlines()[-1] if log.stderr.strip() else "failed"}
+    return json.loads((work / "torchtitan.json").read_text())
+
+
+PARTS = {"llama.cpp": check_llama_cpp, "onnx": check_onnx, "sentence-transformers": check_sentence_transformers,
+         "torchtitan": check_torchtitan}
+NOT_RUN = {"lm-eval": "not run by this script: lm-eval 0.4.13's `hf` model scoring an export with a local task "
+                      "was checked by hand (the issue that opened this check); its environment is not built here",
+           "vLLM": "not run: no GPU and no vLLM build for this CPU"}
+
+
+def docs_table(data: dict) -> str:
+    """docs/runtimes.md's table of llama.cpp results, from the JSON."""
+    llama = data["parts"].get("llama.cpp", {})
+    lines = ["| GGUF file (arch, conversion) | type | loads | tokens identical | greedy 20 identical | "
+             "max logit diff (logits up to) | finite |", "|---|---|---|---|---|---|---|"]
+    for name, case in llama.get("cases", {}).items():
+        for out_type, r in case["files"].items():
+            if not r["loaded"]:
+                lines.append(f"| {name} | {out_type} | no: {r['error']} | | | | |")
+                continue
+            n = len(r["prompts"])
+            lines.append(f"| {name} | {out_type} | yes | {'yes' if r['tokenization_identical'] else 'NO'} | "
+                         f"{r['greedy_identical']}/{n} prompts | {r['max_abs_logit_diff']:.2g} "
+                         f"({r['logit_scale']:.0f}) | {'yes' if r['all_finite'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- runtimes table: benchmarks/runtimes_check.py --docs -->", "<!-- end of runtimes table -->"
+
+
+def write_docs(data: dict) -> None:
+    text = DOCS.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOCS.write_text(f"{head}{BEGIN}\n{docs_table(data)}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {list(PARTS)}")
+    parser.add_argument("--work", type=Path, default=ROOT / "out" / "runtimes-check")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--docs", action="store_true", help="only regenerate docs/runtimes.md's table")
+    args = parser.parse_args()
+    if args.docs:
+        write_docs(json.loads(args.out.read_text()))
+        return
+    from upcycle.data.text import cache_dir
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    args.work.mkdir(parents=True, exist_ok=True)
+    data = json.loads(args.out.read_text()) if args.out.is_file() else {"parts": {}}
+    data.update({"machine": machine(), "versions": versions(), "not_run": NOT_RUN})
+    for part in args.only.split(","):
+        t = time.perf_counter()
+        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "torchtitan") else {}
+        data["parts"][part] = {**PARTS[part](args.work, **kwargs), "seconds": round(time.perf_counter() - t)}
+        data["parts"][part]["date"] = time.strftime("%Y-%m-%d")
+        print(f"{part}: done in {data['parts'][part]['seconds']} s", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1) + "\n")       # after each part: a later failure keeps it
+    write_docs(data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The runtime check's committed results and the tools behind them: docs/runtimes.md's table is generated from
+benchmarks/results/runtimes/runtimes.json (never edited by hand), the results say llama.cpp loaded every arch
+upcycle writes with finite logits, they came from the same llama.cpp as the fast guard's facts, and the facts
+reader parses llama.cpp's source as it is written."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "runtimes" / "runtimes.json"
+FACTS = json.loads((ROOT / "tests" / "fixtures" / "llama_cpp_facts.json").read_text())
+
+
+def bench(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def test_the_docs_table_is_the_committed_results():
+    check = bench("runtimes_check")
+    docs = (ROOT / "docs" / "runtimes.md").read_text()
+    table = docs.split(check.BEGIN, 1)[1].split(check.END, 1)[0].strip()
+    assert table == check.docs_table(json.loads(RESULTS.read_text()))
+
+
+def test_llama_cpp_ran_every_arch_and_type_upcycle_writes():
+    from upcycle.export.gguf import ARCHS, FILE_TYPES
+
+    llama = json.loads(RESULTS.read_text())["parts"]["llama.cpp"]
+    assert (llama["llama_cpp_commit"], llama["sdist_sha256"]) == (FACTS["source"]["llama_cpp_commit"],
+                                                                  FACTS["source"]["sdist_sha256"])
+    seen_archs, seen_types = set(), set()
+    for case in llama["cases"].values():
+        for out_type, result in case["files"].items():
+            assert result["loaded"] and result["all_finite"] and result["tokenization_identical"], out_type
+            seen_archs.add(result["metadata"]["general.architecture"])
+            seen_types.add(out_type)
+            if out_type in ("f32", "f16", "bf16"):            # unquantized: llama.cpp computes the same model
+                assert result["greedy_identical"] >= len(result["prompts"]) - 1
+    assert seen_archs == set(ARCHS.values()) and seen_types == set(FILE_TYPES)
+
+
+def test_the_facts_reader_parses_llama_cpps_source(tmp_path, monkeypatch):
+    """A miniature of llama.cpp's files in a source distribution: the names with their pre-tokenizer types, the
+    regexes of a case group, the archs, norm_w and the shared gate's expression."""
+    facts = bench("llama_cpp_facts")
+    vocab = '''
+        } else if (
+                tokenizer_pre == "gpt-2"   ||
+                tokenizer_pre == "phi-2") {
+            pre_type = LLAMA_VOCAB_PRE_TYPE_GPT2;
+        } else if (
+            tokenizer_pre == "smollm") {
+            pre_type = LLAMA_VOCAB_PRE_TYPE_SMOLLM;
+            clean_spaces = false;
+        switch (vocab.get_pre_type()) {
+            case LLAMA_VOCAB_PRE_TYPE_SMOLLM:
+            case LLAMA_VOCAB_PRE_TYPE_CODESHELL:
+                regex_exprs = {
+                    "\\\\p{N}",
+                    "'s|'t| ?\\\\p{L}+",
+                };
+                break;
+    '''
+    files = {"CHANGELOG.md": "## [9.9.9]\n- feat: update llama.cpp to ggml-org/llama.cpp@abc1234\n## [9.9.8]\n",
+             "vendor/llama.cpp/src/llama-vocab.cpp": vocab,
+             "vendor/llama.cpp/src/llama-arch.cpp": '{ LLM_ARCH_LLAMA, "llama" },\n{ LLM_ARCH_QWEN2MOE, "qwen2moe" },',
+             "vendor/llama.cpp/src/models/llama.cpp": "build_moe_ffn(cur, a,\n  LLM_FFN_SILU, true,\n  il);",
+             "vendor/llama.cpp/src/models/qwen2moe.cpp": "build_moe_ffn(cur,\n LLM_FFN_SILU, false, x);\n"
+             "ggml_tensor * cur_gate = ggml_div(ctx0, ggml_silu(ctx0, cur_gate_inp), cur_gate_inp);",
+             "vendor/llama.cpp/src/models/qwen3moe.cpp": "build_moe_ffn(cur, LLM_FFN_SILU, true, x);"}
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    out = tmp_path / "facts.json"
+    monkeypatch.setattr(sys, "argv", ["llama_cpp_facts.py", str(sdist), "--out", str(out)])
+    facts.main()
+    got = json.loads(out.read_text())
+    assert got["pre_tokenizers"] == {"gpt-2": "GPT2", "phi-2": "GPT2", "smollm": "SMOLLM"}
+    assert got["pre_type_regexes"] == {"SMOLLM": ["\\p{N}", "'s|'t| ?\\p{L}+"],
+                                       "CODESHELL": ["\\p{N}", "'s|'t| ?\\p{L}+"]}
+    assert got["archs"] == ["llama", "qwen2moe"]
+    assert got["moe_renormalizes"] == {"llama": True, "qwen2moe": False, "qwen3moe": True}
+    assert got["shared_expert_gate"] == {"qwen2moe": "silu(z)/z"}
+    assert got["source"]["version"] == "9.9.9" and got["source"]["llama_cpp_commit"] == "abc1234"
