@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "runtimes" / "runtimes.json"
 DOCS = ROOT / "docs" / "runtimes.md"
 LLAMA_CPP_PYTHON = "0.3.36"
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "In 1984 there were 12,345 apples and 67 pears.",
-           "Über naïve café — 東京 and emoji 🙂:", "Question: What do bees make?\nAnswer:"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
+           "In 1984 there were 12,345 apples and 67 pears.", "Über naïve café — 東京 and emoji 🙂:",
+           "Question: What do bees make?\nAnswer:"]
 NEW_TOKENS = 20
 # case -> how the SmolLM2 conversion is made and exported, and the GGUF weight types written from it
 CASES = {

@@ -2,14 +2,14 @@
 
     VENV/bin/python -I benchmarks/torchtitan_worker.py REQUEST.json RESULT.json
 
-REQUEST: {"folder": the export, "sequences": [[ids], ...], "logits": .npz path to write (one array each)}. The model is torchtitan's own
-Qwen3 MoE (`torchtitan.models.qwen3`, the layers its configs build, sized from the export's config.json), the
-weights go through torchtitan's Hugging Face state-dict adapter (`Qwen3StateDictAdapter.from_hf`) into
-`load_state_dict` (every parameter; only its load-balancing buffers start at their zeros), and the forward runs
-on the CPU twice: as torchtitan computes (experts in bfloat16), and with its experts in float32
-(`float32_experts`). RESULT says whether `to_hf` gives
-back every tensor of the export unchanged (the road back to a Hugging Face checkpoint after training). Needs
-torchtitan, torch, safetensors and numpy; nothing of upcycle.
+REQUEST: {"folder": the export, "sequences": [[ids], ...], "logits": .npz path to write (one array each)}.
+The model is torchtitan's own Qwen3 MoE (`torchtitan.models.qwen3`, the layers its configs build, sized from
+the export's config.json). The weights go through torchtitan's Hugging Face state-dict adapter
+(`Qwen3StateDictAdapter.from_hf`) into `load_state_dict`: every parameter; only its load-balancing buffers start
+at their zeros. The forward runs on the CPU twice: as torchtitan computes (experts in bfloat16), and with its
+experts in float32 (`float32_experts`). RESULT says whether `to_hf` gives back every tensor of the export
+unchanged, the road back to a Hugging Face checkpoint after training. Needs torchtitan, torch, safetensors and
+numpy; nothing of upcycle.
 """
 
 from __future__ import annotations
