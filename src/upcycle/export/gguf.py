@@ -116,14 +116,18 @@ def gguf_tensors(model: nn.Module, target: StockClass, config: dict) -> dict[str
 def encode(name: str, tensor: torch.Tensor, out_type: str) -> tuple[np.ndarray, str]:
     """`tensor` as the numpy array the GGUF file holds and its GGML type name. Norms, biases, routers and the
     shared expert's gate stay F32, as llama.cpp's converter keeps 1-D tensors and routers; a row whose length is
-    not a multiple of the quantization block is written F16, as that converter falls back."""
+    not a multiple of the quantization block is written F16, as that converter falls back; a Q4_0 file keeps its
+    embeddings and output matrix at Q8_0."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     if tensor.ndim == 1 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) or out_type == "f32":
         return tensor.float().numpy(), "F32"
     if out_type in QUANTIZED:
-        qtype = GGMLQuantizationType[out_type.upper()]
+        # the embeddings and output matrix lose the most to 4 bits: llama-quantize keeps them at a higher type
+        # for its 4-bit files, and so does this writer (Q8_0)
+        low = out_type == "q4_0" and name in ("token_embd.weight", "output.weight")
+        qtype = GGMLQuantizationType["Q8_0" if low else out_type.upper()]
         if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0:
             return quantize(tensor.float().numpy(), qtype), qtype.name
         return tensor.half().numpy(), "F16"
