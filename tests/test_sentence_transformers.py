@@ -5,7 +5,6 @@ and so does a trained run's `model/` for its own weights. Modules that could run
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -31,8 +30,15 @@ def minilm_moe(tmp_path_factory):
     return minilm_path(), out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def offline():
+    """A local folder: nothing for sentence-transformers to ask a hub for."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
 def encode(folder, texts=TEXTS) -> np.ndarray:
-    os.environ["HF_HUB_OFFLINE"] = "1"         # a local folder: nothing to ask a hub for
     return st.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
 
 
