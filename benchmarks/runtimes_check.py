@@ -50,6 +50,11 @@ F32_CACHE = "f32+f32-kv-cache"          # an F32 file run with llama.cpp's K/V c
 CASES = {
     "llama (mixtral, copy)": {"method": "copy", "export_class": "mixtral",
                               "types": ("f32", "f16", "bf16", "q8_0", "q4_0")},
+    # SmolLM2's published tokenizer splits digits first (llama.cpp's "smollm"); the embedded one, rebuilt from a
+    # GGUF file by transformers, does not ("gpt-2"): this case gives the folder the published pre-tokenizer
+    "llama (mixtral, copy, SmolLM2's own pre-tokenizer)": {"method": "copy", "folder": "copy-smollm-pre",
+                                                           "export_class": "mixtral", "digits": True,
+                                                           "types": ("f16",)},
     "llama (mixtral, cluster)": {"method": "cluster", "export_class": "mixtral", "types": ("f16",)},
     "qwen2moe (copy, raw top-k)": {"method": "copy", "export_class": "qwen2_moe", "normalize_topk": False,
                                    "types": ("f32", "f16")},
@@ -127,6 +132,15 @@ def convert_case(case: dict, folder: Path) -> None:
     from upcycle.conversion.pipeline import convert
 
     convert(build(ConvertConfig, cfg), folder, overwrite=True, progress=False)
+    if case.get("digits"):
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True}, spec["pre_tokenizer"]]}
+        (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+
+
+def case_folder(work: Path, name: str, case: dict) -> Path:
+    return work / name.split(" ")[0] / case.get("folder", case["method"])
 
 
 def random_qwen3(folder: Path) -> str:
@@ -202,12 +216,12 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp_facts.py"), str(sdist)], check=True)
     results, files, refs = {}, {}, {}
     for name, case in CASES.items():
-        folder = work / name.split(" ")[0] / case["method"]
+        folder = case_folder(work, name, case)
         t = time.perf_counter()
         convert_case(case, folder)
         refs[name] = reference(folder)
         for out_type in case["types"]:
-            out = work / "gguf" / f"{folder.parent.name}-{case['method']}-{out_type}"
+            out = work / "gguf" / f"{folder.parent.name}-{folder.name}-{out_type}"
             export_folder(folder, out, export_class=case["export_class"], format="gguf", gguf_type=out_type,
                           overwrite=True)
             files[f"{name} {out_type}"] = str(out / "model.gguf")
@@ -225,7 +239,7 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
         raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
     ran = json.loads(result.read_text())
     for name, case in CASES.items():
-        report = json.loads((work / name.split(" ")[0] / case["method"] / "upcycle_report.json").read_text())
+        report = json.loads((case_folder(work, name, case) / "upcycle_report.json").read_text())
         # how far the conversion itself is from the dense model (qwen2moe's raw top-k moves it: RAW_TOPK)
         results[name] = {"conversion_max_abs_logit_diff_to_dense": report["max_abs_logit_diff"],
                          "conversion_kl_to_dense": report["kl_to_dense"], "files": {}}

@@ -19,7 +19,7 @@ from conftest import digest
 from upcycle.cli import main
 from upcycle.config import TrainConfig
 from upcycle.errors import UpcycleError
-from upcycle.train import checkpoint
+from upcycle.train import run_state
 from upcycle.train.trainer import TrainingStopped, checkpoints, train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
@@ -118,7 +118,7 @@ def test_resume_never_runs_code_from_the_run_folder(tiny_lm, tmp_path):
     # 1. a crafted optimizer.pt, with the manifest rewritten to match it: torch.load(weights_only=True) refuses it
     ckpt = checkpoints(run)[-1]
     torch.save({"state": _Payload(marker), "param_groups": []}, ckpt / "optimizer.pt")
-    checkpoint.write_manifest(ckpt, step=2, processes=1)
+    run_state.write_manifest(ckpt, step=2, processes=1)
     with pytest.raises(UpcycleError, match="not plain tensor data"):
         train(cfg, run, resume=True, progress=False)
     assert not marker.exists()
@@ -166,14 +166,14 @@ def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
     run = tmp_path / "run"
     train(_cfg(moe, train_txt, held), run, stop_after=1, progress=False)
     ckpt = checkpoints(run)[-1]
-    assert checkpoint.problem(ckpt, processes=1) is None
-    assert "this run has 2 process" in checkpoint.problem(ckpt, processes=2)
+    assert run_state.problem(ckpt, processes=1) is None
+    assert "this run has 2 process" in run_state.problem(ckpt, processes=2)
     data = bytearray((ckpt / "trainer.json").read_bytes())
     data[-2] ^= 1                                           # same size, one bit flipped
     (ckpt / "trainer.json").write_bytes(bytes(data))
-    assert "hash" in checkpoint.problem(ckpt, processes=1)
+    assert "hash" in run_state.problem(ckpt, processes=1)
     (ckpt / "manifest.json").unlink()
-    assert "no manifest" in checkpoint.problem(ckpt, processes=1)
+    assert "no manifest" in run_state.problem(ckpt, processes=1)
     with pytest.raises(UpcycleError, match="no complete checkpoint"):
         train(_cfg(moe, train_txt, held), run, resume=True, progress=False)
 
@@ -203,8 +203,8 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(tiny_lm, tmp_path
     with pytest.raises(TrainingStopped, match=r"step 3: task loss nan.*keeps checkpoint step-0000002"):
         train(_cfg(moe, train_txt, held, checkpoint_every=1), run, progress=False)
     assert checkpoints(run)[-1].name == "step-0000002" and not (run / "model").exists()
-    assert checkpoint.problem(checkpoints(run)[-1], processes=1) is None
-    weights = checkpoint.load_file(str(checkpoints(run)[-1] / "model.safetensors"))
+    assert run_state.problem(checkpoints(run)[-1], processes=1) is None
+    weights = run_state.load_file(str(checkpoints(run)[-1] / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 

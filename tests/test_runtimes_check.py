@@ -29,22 +29,25 @@ def test_the_docs_table_is_the_committed_results():
     assert table == check.docs_table(json.loads(RESULTS.read_text()))
 
 
-def test_llama_cpp_ran_every_arch_and_type_upcycle_writes():
+def test_llama_cpp_ran_every_arch_type_and_pre_tokenizer_upcycle_writes():
     from upcycle.export.gguf import ARCHS, FILE_TYPES
+    from upcycle.export.gguf_vocab import PRE_TOKENIZERS
 
     check = bench("runtimes_check")
     llama = json.loads(RESULTS.read_text())["parts"]["llama.cpp"]
     assert (llama["llama_cpp_commit"], llama["sdist_sha256"]) == (FACTS["source"]["llama_cpp_commit"],
                                                                   FACTS["source"]["sdist_sha256"])
-    seen_archs, seen_types = set(), set()
+    seen_archs, seen_types, seen_pre = set(), set(), set()
     for case in llama["cases"].values():
         for out_type, result in case["files"].items():
             assert result["loaded"] and result["all_finite"] and result["tokenization_identical"], out_type
             seen_archs.add(result["metadata"]["general.architecture"])
+            seen_pre.add(result["metadata"]["tokenizer.ggml.pre"])
             seen_types.add(out_type)
             if out_type in ("f32", "f16", "bf16", check.F32_CACHE):   # unquantized: the same model computed
                 assert result["greedy_identical"] >= len(result["prompts"]) - 1
     assert seen_archs == set(ARCHS.values()) and seen_types - {check.F32_CACHE} == set(FILE_TYPES)
+    assert seen_pre == set(PRE_TOKENIZERS.values())          # each pre-tokenizer name upcycle writes, in llama.cpp
 
 
 def test_the_facts_reader_parses_llama_cpps_source(tmp_path, monkeypatch):

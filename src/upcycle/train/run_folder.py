@@ -1,7 +1,7 @@
 """A training run's folder OUT, and what a run may and may not do to it (docs/training.md, "What `--overwrite`
 and `--resume` may and may not do"):
 
-  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.train.checkpoint`)   model/
+  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.train.run_state`)   model/
 
 - A new run is checked before anything is written (`check_fresh_out`: OUT is not an input, does not hold one,
   is not the current directory; an existing run needs --resume or --overwrite).
@@ -26,7 +26,7 @@ from ..checkpoint.ownership import GROWING, write_marker
 from ..config import TrainConfig, build, to_dict
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix
-from . import checkpoint
+from . import run_state
 
 RUN_CONFIG = "run_config.yaml"
 INPUTS = "inputs.json"           # the run's model and data as absolute paths (the run config keeps them as typed)
@@ -37,7 +37,7 @@ RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every", "repo
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.train.checkpoint.problem`)."""
+    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.train.run_state.problem`)."""
     folder = out / CHECKPOINTS
     return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
 
@@ -66,7 +66,7 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
         raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
                            f"from {out / RUN_CONFIG}); resuming continues the same run")
     found = checkpoints(out)
-    chosen, skipped = checkpoint.newest_complete(found, processes=processes)
+    chosen, skipped = run_state.newest_complete(found, processes=processes)
     for message in skipped:
         print(f"[upcycle] {message}", file=sys.stderr)
     if chosen is None:

@@ -11,7 +11,7 @@
 The optimizer is AdamW with fresh state (CLIP-UP: optimizer state is re-initialized after upcycling), linear
 warmup then linear or cosine decay. `accelerate launch` runs the same loop on many processes: DDP, or FSDP2
 (`--use_fsdp --fsdp_version 2`; `upcycle.train.sharding`: each process holds a shard of the weights, optimizer
-state and EMA teacher; DeepSpeed and Megatron are refused). Checkpoints (`upcycle.train.checkpoint`: model,
+state and EMA teacher; DeepSpeed and Megatron are refused). Checkpoints (`upcycle.train.run_state`: model,
 optimizer, schedule, step, EMA teacher, every process's RNG, in safetensors/JSON with a manifest of sizes and
 hashes) hold whole state (gathered under FSDP) and are written to a temporary folder and renamed, so a
 checkpoint is either complete or absent. Resuming restores all of it and the data order, so the run continues
@@ -50,7 +50,7 @@ from ..core.moe import moe_layers
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import atomic_directory, json_text
-from . import checkpoint, sharding
+from . import run_state, sharding
 from .evaluate import progress_bars
 from .freezing import Freezer
 from .objective import Objective
@@ -147,8 +147,8 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
 
     # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
     resume_from = resume_point(cfg, out, accelerator.num_processes) if resume else None
-    if resume_from is not None and checkpoint.step_of(resume_from) >= cfg.steps and (out / "model").is_dir():
-        step = checkpoint.step_of(resume_from)
+    if resume_from is not None and run_state.step_of(resume_from) >= cfg.steps and (out / "model").is_dir():
+        step = run_state.step_of(resume_from)
         print(f"[upcycle] the run in {out} finished at step {step} of {cfg.steps}: nothing to resume, nothing "
               f"written", file=sys.stderr)
         return {"step": step, "steps": cfg.steps, "interrupted": False, "finished_before": True,
@@ -191,7 +191,7 @@ def _accelerator(cfg: TrainConfig):
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
     if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
-        # upcycle.train.checkpoint writes whole state gathered by upcycle.train.sharding (FSDP2); these engines
+        # upcycle.train.run_state writes whole state gathered by upcycle.train.sharding (FSDP2); these engines
         # shard differently, and a checkpoint that resumes wrong is worse than none
         raise UpcycleError(f"`upcycle train` runs on one process, DDP or FSDP2; "
                            f"{accelerator.distributed_type.name} is not supported")
@@ -242,7 +242,7 @@ class _Training:
         self._prepare(model)
         self.state = {"step": 0, "tokens": 0}
         if resume_from is not None:
-            self.state = checkpoint.load(resume_from, model=self.inner, optimizer=self.optimizer,
+            self.state = run_state.load(resume_from, model=self.inner, optimizer=self.optimizer,
                                          scheduler=self.scheduler, rank=self.rank, device=accelerator.device,
                                          teacher=self.reg.teacher, sharded=self.sharded)
         self.layers = moe_layers(self.inner)   # upcycle's own MoE layers (none for a dense or a stock MoE model)
@@ -383,15 +383,15 @@ class _Training:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
-        checkpoint.save_rng(tmp, self.rank)
+        run_state.save_rng(tmp, self.rank)
         model_state, optimizer_state, teacher_state = self._whole_state()
         if self.is_main:
             with self._whole_model(model_state) as model:
-                checkpoint.save_main(tmp, model=model, optimizer_state=optimizer_state, scheduler=self.scheduler,
+                run_state.save_main(tmp, model=model, optimizer_state=optimizer_state, scheduler=self.scheduler,
                                      step=step, tokens=self.state["tokens"], teacher_state=teacher_state)
         self.acc.wait_for_everyone()
         if self.is_main:
-            checkpoint.write_manifest(tmp, step=step, processes=self.world)
+            run_state.write_manifest(tmp, step=step, processes=self.world)
             final = folder / f"step-{step:07d}"
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

@@ -1,4 +1,4 @@
-"""Training checkpoints in formats that cannot execute code, verified before they are resumed.
+"""A training run's resumable state (its checkpoints), in formats that cannot execute code, verified before resuming.
 
 A run folder may come from someone else (a shared cluster directory, a downloaded run), so everything in it is
 data, never code. Accelerate's `save_state`/`load_state` unpickles `custom_checkpoint_*.pkl` and RNG files with
