@@ -82,3 +82,21 @@ def test_every_document_reference_in_the_code_resolves():
                 problems.append(f"{where}: {doc} has no principle {principle}")
     assert seen > 20, "the code cites the docs by file and section; the pattern found too few"
     assert not problems, "\n".join(problems)
+
+
+def test_only_files_py_renames_an_output_into_place():
+    """One atomic-write helper: every rename that puts a file or folder in place (`os.replace`, `os.rename`,
+    `Path.replace(target)`, `Path.rename(target)`) is in upcycle/files.py, and the rest of the package writes
+    through it (`atomic_directory`, `replace_directory`, `atomic_write`, `move_files`). A one-argument
+    `.replace(x)` is a Path's: `str.replace` takes two, and `dataclasses.replace` is called with keywords."""
+    found = []
+    for path, tree in _modules():
+        if path == SOURCE / "files.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                call, owner = node.func, getattr(node.func.value, "id", None)
+                if (owner == "os" and call.attr in ("replace", "rename", "renames")) or \
+                        (call.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -1,10 +1,12 @@
 """Writing outputs whole or not at all: a temporary sibling renamed into place when the work succeeded.
 
-`atomic_directory` (a folder) and `atomic_write_text` (one file) write next to the output and rename at the end,
-so a failed or killed run leaves no partial output (docs/design.md principle 4). Temporaries carry their owner's
-host and process id, so a later run can remove the ones a killed process left and leave alone those still being
-written.
-Which outputs a command may write at all is `upcycle.checkpoint.folders`' job; nothing here ever deletes an input.
+`atomic_directory` (a folder) and `atomic_write` / `atomic_write_text` (one file) write next to the output and
+rename at the end, so a failed or killed run leaves no partial output (docs/design.md principle 4). Temporaries
+carry their owner's host and process id, so a later run can remove the ones a killed process left and leave alone
+those still being written.
+Every rename that puts an output in place is here (`replace_directory`, `atomic_write`, `move_files`): the rest
+of the package writes through these. Which outputs a command may write at all is `upcycle.checkpoint.folders`'
+job; nothing here ever deletes an input.
 """
 
 from __future__ import annotations
@@ -168,6 +170,13 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def move_files(source: Path, names: list[str], into: Path) -> None:
+    """Rename the files `names` of folder `source` into folder `into` (on one file system), in the order given,
+    each replacing what `into` holds under its name: a reader sees each file old or new, never half written."""
+    for name in names:
+        os.replace(source / name, into / name)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import UpcycleError
+from ..files import move_files
 from .folders import claim_output
 from .ownership import indexed_shards
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite
@@ -107,8 +108,7 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
         save_folder_files(model, tmp, state_dict=state_dict, max_shard_bytes=parse_size(max_shard_size))
         written = sorted(p.name for p in tmp.iterdir())
         # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
-        for name in sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)):
-            os.replace(tmp / name, folder / name)
+        move_files(tmp, sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)), folder)
         for name in existing:
             if name not in written:
                 (folder / name).unlink()

@@ -27,7 +27,7 @@ from ..checkpoint.folders import claim_output
 from ..checkpoint.ownership import GROWING, MARKER, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..errors import UpcycleError
-from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, temp_prefix
+from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, move_files, temp_prefix
 from ..machine import machine
 from ..version import __version__
 from .cell import finished, run_cell, write_json
@@ -168,8 +168,7 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     figures = Path(tempfile.mkdtemp(prefix=temp_prefix(plan.out / "figures"), dir=plan.out))
     try:
         names = write_figures(cells, table, plan.task, figures)
-        for name in names:
-            os.replace(figures / name, plan.out / name)
+        move_files(figures, names, plan.out)
     finally:
         shutil.rmtree(figures, ignore_errors=True)
     return names

@@ -19,11 +19,11 @@ import json
 import os
 import pathlib
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..files import atomic_write
 from .wikimarkup import strip_wiki_markup
 
 __all__ = [
@@ -182,17 +182,13 @@ def _read_article_cache(cache: pathlib.Path) -> list[Article] | None:
 
 
 def _write_article_cache(cache: pathlib.Path, articles: list[Article]) -> None:
-    # Write-then-rename so a crash or a concurrent reader never sees half a file.
-    fd, tmp_name = tempfile.mkstemp(dir=cache.parent, prefix=cache.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+    # atomic: a crash or a concurrent reader never sees half a file
+    def write(tmp: pathlib.Path) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as handle:
             for article in articles:
-                row = {"title": article.title, "text": article.text}
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp_name, cache)
-    except BaseException:
-        pathlib.Path(tmp_name).unlink(missing_ok=True)
-        raise
+                handle.write(json.dumps({"title": article.title, "text": article.text}, ensure_ascii=False) + "\n")
+
+    atomic_write(cache, write)
 
 
 def wikipedia_split(

@@ -49,7 +49,7 @@ from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
-from ..files import atomic_directory, json_text
+from ..files import atomic_directory, json_text, replace_directory
 from . import run_state, sharding
 from .evaluate import progress_bars
 from .freezing import Freezer
@@ -392,9 +392,7 @@ class _Training:
         self.acc.wait_for_everyone()
         if self.is_main:
             run_state.write_manifest(tmp, step=step, processes=self.world)
-            final = folder / f"step-{step:07d}"
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            replace_directory(tmp, folder / f"step-{step:07d}")
             for old in checkpoints(self.folder.path)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         self.folder.committed()
