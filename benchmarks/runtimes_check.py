@@ -122,6 +122,7 @@ def versions() -> dict:
 
 def convert_case(case: dict, folder: Path) -> None:
     from upcycle.config import ConvertConfig, build
+    from upcycle.conversion.pipeline import convert
 
     if (folder / "upcycle_report.json").is_file():
         return
@@ -129,8 +130,6 @@ def convert_case(case: dict, folder: Path) -> None:
     model = random_qwen3(folder.parent / "source") if case.get("source") == "qwen3" else "default"
     cfg = {"model": model, "method": case["method"], "moe": moe, "placement": {"every": 1},
            "calibration": {"tokens": 8192}}
-    from upcycle.conversion.pipeline import convert
-
     convert(build(ConvertConfig, cfg), folder, overwrite=True, progress=False)
     if case.get("digits"):
         spec = json.loads((folder / "tokenizer.json").read_text())
@@ -260,8 +259,9 @@ def check_onnx(work: Path) -> dict:
 
     from upcycle.conversion.stock_export import export_folder
 
-    folder = work / "qwen3moe" / "copy"
-    convert_case(CASES["qwen3moe (copy, random Qwen3)"], folder)
+    name = "qwen3moe (copy, random Qwen3)"
+    folder = case_folder(work, name, CASES[name])
+    convert_case(CASES[name], folder)
     stock = work / "stock-qwen3moe"
     export_folder(folder, stock, export_class="qwen3_moe", overwrite=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(stock, experts_implementation="batched_mm").eval()
@@ -312,7 +312,8 @@ def check_sentence_transformers(work: Path) -> dict:
             "norms": [float(x) for x in np.linalg.norm(moe, axis=1)]}
 
 
-def check_torchtitan(work: Path, cache: Path) -> dict:
+def check_torchtitan(work: Path) -> dict:
+    """benchmarks/torchtitan_check.py, which builds its own environment under the upcycle cache."""
     log = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torchtitan_check.py"), "--work",
                           str(work / "torchtitan"), "--json", str(work / "torchtitan.json")],
                          capture_output=True, text=True)
@@ -382,7 +383,7 @@ def check_lm_eval(work: Path, cache: Path) -> dict:
 
     python = lm_eval_env(cache)
     case = CASES["llama (mixtral, copy)"]
-    folder = work / "llama" / case["method"]
+    folder = case_folder(work, "llama (mixtral, copy)", case)
     convert_case(case, folder)
     stock = work / "stock-mixtral"
     export_folder(folder, stock, export_class="mixtral", overwrite=True)
@@ -470,13 +471,14 @@ def main() -> None:
     data.update({"machine": machine(), "versions": versions(), "not_run": NOT_RUN})
     for part in args.only.split(","):
         t = time.perf_counter()
-        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "lm-eval", "torchtitan") else {}
+        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "lm-eval") else {}
         data["parts"][part] = {**PARTS[part](args.work, **kwargs), "seconds": round(time.perf_counter() - t)}
         data["parts"][part]["date"] = time.strftime("%Y-%m-%d")
         print(f"{part}: done in {data['parts'][part]['seconds']} s", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=1) + "\n")       # after each part: a later failure keeps it
-    write_docs(data)
+    if args.out == RESULTS:                  # the docs quote the committed results, not a trial elsewhere
+        write_docs(data)
 
 
 if __name__ == "__main__":

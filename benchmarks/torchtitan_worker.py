@@ -76,14 +76,13 @@ def main() -> None:
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cpu")
-    buffers = {name for name, _ in model.named_buffers()}
+    model.init_states()                    # every buffer to_empty left unset (rope caches, expert-bias counters)
     missing, unexpected = model.load_state_dict(titan_sd, strict=False)
-    missing = [m for m in missing if m not in buffers]          # rope caches and expert-bias counters
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = [m for m in missing if m not in buffers]          # buffers keep init_states' values (zeros)
     if missing or unexpected:
         raise SystemExit(f"torchtitan's model and the adapted state dict differ: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    model.init_states()                                         # the buffers to_empty left unset: zeros
-    model.load_state_dict(titan_sd, strict=False)               # the weights again, over what init_states drew
     model.eval()
     logits = {}
     for experts in ("bfloat16", "float32"):

@@ -75,14 +75,16 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
     if not (folder / MODULES_FILE).exists():
         return None
     try:
-        files = {name: (folder / name).read_bytes() for name in ROOT_FILES
-                 if (folder / name).exists() and _check_regular(folder / name)}
-        modules = json.loads(files[MODULES_FILE])
+        files, parsed = {}, {}
+        for name in ROOT_FILES:
+            if (folder / name).exists():
+                if not _regular_file(folder / name):
+                    raise NotCarried(f"{name} is not a plain file")
+                files[name] = (folder / name).read_bytes()
+                parsed[name] = json.loads(files[name])      # each is JSON; a malformed one is not carried
+        modules = parsed[MODULES_FILE]
         if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
             raise NotCarried(f"{MODULES_FILE} is not a list of modules")
-        for name in ROOT_FILES[1:]:
-            if name in files:
-                json.loads(files[name])
         for module in modules:
             files.update(_module_files(folder, module))
         if sum(map(len, files.values())) > MAX_BYTES:
@@ -92,12 +94,6 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
                       f"({e}); SentenceTransformer on the output will use mean pooling alone", stacklevel=2)
         return None
     return files
-
-
-def _check_regular(path: Path) -> bool:
-    if not _regular_file(path):
-        raise NotCarried(f"{path.name} is not a plain file")
-    return True
 
 
 def write_sentence_modules(files: dict[str, bytes], directory: str | os.PathLike) -> None:

@@ -42,6 +42,7 @@ RAW_TOPK = ("which changes the function: the raw top-k weights sum to less than 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0"}
 QUANTIZED = ("q8_0", "q4_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")      # GGML types whose numpy array holds one value per element
 # the keys llama.cpp reads for every one of these archs (tokenizer keys: gguf_vocab)
 REQUIRED_KEYS = ("general.architecture", "{arch}.context_length", "{arch}.embedding_length", "{arch}.block_count",
                  "{arch}.feed_forward_length", "{arch}.attention.head_count", "{arch}.attention.head_count_kv",
@@ -201,6 +202,7 @@ def write_gguf(model: nn.Module, target: StockClass, path: Path, tokenizer, *, o
     if vocab["chat_template"]:
         writer.add_chat_template(vocab["chat_template"])
     for tensor_name, (array, ggml_type) in tensors.items():
+        # F32 and F16 are named by the numpy dtype; BF16 (raw int16 bits) and the quantized types by their type
         raw = gguf.GGMLQuantizationType[ggml_type] if ggml_type not in ("F32", "F16") else None
         writer.add_tensor(tensor_name, array, raw_dtype=raw)
     try:
@@ -235,7 +237,7 @@ def check_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]]
         # ggml lists dimensions innermost first, in elements: reversed, they are the numpy shape written (a
         # quantized tensor's numpy rows are its blocks' bytes)
         shape = tuple(int(n) for n in reversed(t.shape))
-        written = array.shape if ggml_type in ("F32", "F16", "BF16") else \
+        written = array.shape if ggml_type in FLOAT_TYPES else \
             quant_shape_from_byte_shape(array.shape, gguf.GGMLQuantizationType[ggml_type])
         if t.tensor_type.name != ggml_type or shape != written or \
                 np.asarray(t.data).tobytes() != np.ascontiguousarray(array).tobytes():

@@ -243,8 +243,8 @@ class _Training:
         self.state = {"step": 0, "tokens": 0}
         if resume_from is not None:
             self.state = run_state.load(resume_from, model=self.inner, optimizer=self.optimizer,
-                                         scheduler=self.scheduler, rank=self.rank, device=accelerator.device,
-                                         teacher=self.reg.teacher, sharded=self.sharded)
+                                        scheduler=self.scheduler, rank=self.rank, device=accelerator.device,
+                                        teacher=self.reg.teacher, sharded=self.sharded)
         self.layers = moe_layers(self.inner)   # upcycle's own MoE layers (none for a dense or a stock MoE model)
         self.router_steps = round(cfg.regularizers.router_until * cfg.steps)
         self.skipped = 0
@@ -388,7 +388,7 @@ class _Training:
         if self.is_main:
             with self._whole_model(model_state) as model:
                 run_state.save_main(tmp, model=model, optimizer_state=optimizer_state, scheduler=self.scheduler,
-                                     step=step, tokens=self.state["tokens"], teacher_state=teacher_state)
+                                    step=step, tokens=self.state["tokens"], teacher_state=teacher_state)
         self.acc.wait_for_everyone()
         if self.is_main:
             run_state.write_manifest(tmp, step=step, processes=self.world)
