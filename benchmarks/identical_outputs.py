@@ -1,0 +1,131 @@
+"""Fingerprints of what upcycle writes, to show that a change of structure leaves every output byte-identical.
+
+Runs four jobs on the embedded SmolLM2-135M with fixed seeds, each with the installed `upcycle` command:
+  demo     upcycle convert default OUT --method copy --num-experts 8 --top-k 2 --every 2   (make demo's command)
+  cluster  upcycle convert default OUT --method cluster --num-experts 4 --top-k 2 --layers 3,9 (4,096 tokens)
+  merge    three sources (the base with seeded perturbations of its FFNs, written here), router `data`, every
+           block MoE, each source's own text; and the same merge written as stock Mixtral (--export hf)
+  export   upcycle export demo OUT (the stock class `auto` picks); the merge as GGUF (--format gguf, mixtral)
+and writes, per job, the SHA-256 of every file it wrote. JSON files are hashed after the measured wall times
+(`timings_s`) are taken out: the only field that differs between two runs of the same job.
+
+    .venv/bin/python benchmarks/identical_outputs.py OUT/fingerprints.json [--work out/identical]
+    .venv/bin/python benchmarks/identical_outputs.py OUT/after.json --compare OUT/before.json
+
+With --compare it exits 1 and names every file whose fingerprint differs (or that one side lacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+UPCYCLE = [sys.executable, "-m", "upcycle.cli"]
+VOLATILE_KEYS = {"timings_s"}   # measured seconds: the one thing two runs of one job do not share
+SOURCES = ("prose", "code", "sums")
+
+
+def _drop_volatile(value):
+    if isinstance(value, dict):
+        return {k: _drop_volatile(v) for k, v in value.items() if k not in VOLATILE_KEYS}
+    if isinstance(value, list):
+        return [_drop_volatile(v) for v in value]
+    return value
+
+
+def fingerprint(path: Path) -> str:
+    if path.suffix == ".json":
+        text = json.dumps(_drop_volatile(json.loads(path.read_text())), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprints(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): fingerprint(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run(*args) -> None:
+    quiet = ["--quiet"] if args[0] == "convert" else []
+    subprocess.run([*UPCYCLE, *map(str, args), *quiet, "--overwrite"], check=True, cwd=ROOT)
+
+
+def make_sources(base: Path, work: Path) -> list[tuple[Path, Path]]:
+    """Three 'fine-tunes': the base with a seeded perturbation of every FFN weight, and a text file each."""
+    tensors = load_file(str(base / "model.safetensors"))
+    texts = {
+        "prose": "The history of the town dates back to the twelfth century, when a small market grew by the river.",
+        "code": "def area(radius):\n    import math\n    return math.pi * radius ** 2\n\nprint(area(2.0))",
+        "sums": "Question: What is 37 + 48? Answer: 85. Question: What is 12 + 9? Answer: 21.",
+    }
+    made = []
+    for seed, name in enumerate(SOURCES):
+        folder = work / "sources" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        changed = {k: (v + rng.normal(0, 0.002, v.shape).astype(v.dtype)) if ".mlp." in k else v
+                   for k, v in tensors.items()}
+        save_file(changed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(base / "config.json", folder / "config.json")
+        data = work / "sources" / f"{name}.txt"
+        data.write_text("\n".join(f"{texts[name]} ({i})" for i in range(40)) + "\n")
+        made.append((folder, data))
+    return made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--work", type=Path, default=ROOT / "out" / "identical")
+    parser.add_argument("--compare", type=Path)
+    args = parser.parse_args()
+    from upcycle.data.assets import default_model_path   # the embedded model's plain folder (from its wheel)
+
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    base = default_model_path()
+    jobs = {
+        "demo": ["convert", "default", work / "demo", "--method", "copy", "--num-experts", 8, "--top-k", 2,
+                 "--every", 2],
+        "cluster": ["convert", "default", work / "cluster", "--method", "cluster", "--num-experts", 4, "--top-k", 2,
+                    "--layers", "3,9", "--calibration-tokens", 4096],
+        "export-hf": ["export", work / "demo", work / "export-hf"],
+    }
+    experts = [f"--expert={folder}={data}" for folder, data in make_sources(base, work)]
+    merge = ["convert", "default", None, *experts, "--router", "data", "--every", 1, "--top-k", 2,
+             "--calibration-tokens", 1024]
+    jobs["merge"] = [*merge[:2], work / "merge", *merge[3:]]
+    jobs["merge-mixtral"] = [*merge[:2], work / "merge-mixtral", *merge[3:], "--export", "hf", "--export-class",
+                             "mixtral"]
+    jobs["export-gguf"] = ["export", work / "merge", work / "export-gguf", "--format", "gguf", "--export-class",
+                           "mixtral"]
+    result = {}
+    for name, job in jobs.items():
+        print(f"{name}: upcycle {' '.join(map(str, job))}", flush=True)
+        run(*job)
+        result[name] = fingerprints(job[2])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    if args.compare:
+        before = json.loads(args.compare.read_text())
+        differ = [f"{job}/{file}" for job in sorted(set(before) | set(result))
+                  for file in sorted(set(before.get(job, {})) | set(result.get(job, {})))
+                  if before.get(job, {}).get(file) != result.get(job, {}).get(file)]
+        print("identical" if not differ else "differ: " + ", ".join(differ))
+        sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
