@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "identical")
     parser.add_argument("--compare", type=Path)
     args = parser.parse_args()
-    from upcycle.data.assets import default_model_path   # the embedded model's plain folder (from its wheel)
+    from upcycle.data.assets import default_model_path  # the embedded model's plain folder (from its wheel)
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

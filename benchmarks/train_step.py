@@ -39,7 +39,7 @@ from upcycle.conversion.preservation import count_parameters
 from upcycle.machine import machine
 from upcycle.train.objective import Objective
 from upcycle.train.step import train_step
-from upcycle.train.trainer import make_optimizer
+from upcycle.train.optimizer import make_optimizer
 
 RESULTS = Path(__file__).parent / "results"
 PRESETS = {  # (layers, hidden, intermediate, heads, kv heads, vocabulary, experts, top-k)

@@ -20,7 +20,9 @@ from upcycle.cli import main
 from upcycle.config import TrainConfig
 from upcycle.errors import UpcycleError
 from upcycle.train import run_state
-from upcycle.train.trainer import TrainingStopped, checkpoints, train
+from upcycle.train.run_folder import checkpoints
+from upcycle.train.stopping import TrainingStopped
+from upcycle.train.trainer import train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
 

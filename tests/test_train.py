@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from upcycle.config import RECIPES, FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.errors import UpcycleError
 from upcycle.train.freezing import Freezer
-from upcycle.train.trainer import checkpoints, lr_factor, train
+from upcycle.train.run_folder import checkpoints
+from upcycle.train.schedule import lr_factor
+from upcycle.train.trainer import train
 
 BIN = Path(sys.executable).parent
 TIMING = ("tokens_per_s", "seconds")

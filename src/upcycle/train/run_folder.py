@@ -14,6 +14,7 @@ and `--resume` may and may not do"):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -22,11 +23,14 @@ from pathlib import Path
 
 import yaml
 
+from ..checkpoint.folders import Input, inputs
 from ..checkpoint.ownership import GROWING, write_marker
 from ..config import TrainConfig, build, to_dict
+from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix
 from . import run_state
+from .stopping import TrainingStopped
 
 RUN_CONFIG = "run_config.yaml"
 INPUTS = "inputs.json"           # the run's model and data as absolute paths (the run config keeps them as typed)
@@ -79,6 +83,25 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
     return chosen
 
 
+def finished_run(cfg: TrainConfig, out: Path, checkpoint: Path | None) -> dict | None:
+    """The summary of a run that already reached its last step and wrote its model (a resume of it writes
+    nothing), or None."""
+    if checkpoint is None or run_state.step_of(checkpoint) < cfg.steps or not (out / "model").is_dir():
+        return None
+    step = run_state.step_of(checkpoint)
+    print(f"[upcycle] the run in {out} finished at step {step} of {cfg.steps}: nothing to resume, nothing "
+          f"written", file=sys.stderr)
+    return {"step": step, "steps": cfg.steps, "interrupted": False, "finished_before": True,
+            "checkpoint": str(checkpoint), "model": str(out / "model")}
+
+
+def train_inputs(cfg: TrainConfig, recipe: str | None = None) -> list[Input]:
+    """Every path a run reads, for the output checks: the model (the embedded model's cache and wheel too), its
+    data and held-out data, the recipe."""
+    return [*(Input(what, path) for what, path in model_inputs(cfg.model)),
+            *inputs(("training data", cfg.data), ("held-out data", cfg.eval_data), ("recipe", recipe))]
+
+
 def never_started(out: Path) -> bool:
     """Whether OUT is a run of upcycle's that stopped before its first checkpoint (a process killed at once leaves
     its config, inputs and log): nothing in it to resume or keep."""
@@ -87,6 +110,22 @@ def never_started(out: Path) -> bool:
     if not out.is_dir() or out.is_symlink() or (out / "model").exists() or own_output(out) != "train":
         return False
     return not checkpoints(out)
+
+
+def check_request(cfg: TrainConfig, out: Path, *, resume: bool, overwrite: bool, stop_after: int | None) -> bool:
+    """The run asked for is possible (checked before anything is read); whether it replaces OUT: a run that
+    stopped before its first checkpoint left nothing to resume, so it starts again."""
+    if resume and overwrite:
+        raise UpcycleError("--resume continues the run in OUT and --overwrite replaces it: give one of them")
+    if stop_after is not None and stop_after < 1:
+        raise UpcycleError(f"stop_after must be a step from 1 to steps ({cfg.steps}), got {stop_after}")
+    if not resume and not overwrite and never_started(out):
+        print(f"[upcycle] {out} holds a run that stopped before its first checkpoint (nothing to resume): "
+              f"starting it again", file=sys.stderr)
+        overwrite = True
+    if not resume:
+        check_fresh_out(out, overwrite)
+    return overwrite
 
 
 def check_fresh_out(out: Path, overwrite: bool) -> None:
@@ -132,6 +171,13 @@ class RunFolder:
             name = broadcast_object_list([name])[0]
         self.path = Path(name)
 
+    def record(self, cfg: TrainConfig) -> None:
+        """A new run's config, and what it read as paths that mean the same from any directory (`upcycle analyze
+        RUN`): the model by its recorded location, data files made absolute (names such as 'digits' kept)."""
+        (self.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (self.path / INPUTS).write_text(json.dumps({"model": recorded_location(cfg.model), "data": _absolute(cfg.data),
+                                                    "eval_data": _absolute(cfg.eval_data)}, indent=1) + "\n")
+
     def committed(self) -> None:
         """The run holds its first checkpoint: a staged run becomes OUT, and nothing is removed any more."""
         if not self.provisional:
@@ -152,6 +198,22 @@ class RunFolder:
             for child in self.path.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
 
+    @contextlib.contextmanager
+    def undone_on_failure(self):
+        """Whatever stops the run (an error, Ctrl-C, `TrainingStopped`) first undoes a run that holds no
+        checkpoint yet (`discard`); the message then says what OUT holds."""
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.discard()
+            raise KeyboardInterrupt(f"aborted; {self.state()}") from None
+        except TrainingStopped as e:
+            self.discard()
+            raise TrainingStopped(f"{e}; {self.state()}") from None
+        except BaseException:
+            self.discard()
+            raise
+
     def state(self) -> str:
         """What OUT holds now, for the message of a run that stops early."""
         if self.provisional:
@@ -159,6 +221,11 @@ class RunFolder:
         found = checkpoints(self.out)
         return (f"{self.out} keeps checkpoint {found[-1].name} (continue with --resume)" if found else
                 f"{self.out} holds no checkpoint")
+
+
+def _absolute(path: str | None) -> str | None:
+    """A data path as an absolute path when it is a file here (names such as 'digits' stay as they are)."""
+    return str(Path(path).expanduser().resolve()) if path is not None and Path(path).expanduser().exists() else path
 
 
 def read_log(path: Path, upto: int) -> list[str]:

@@ -61,6 +61,14 @@ class PlainTorch:
         return tensor
 
 
+def micro_batches(batch: dict[str, torch.Tensor], rank: int, micro: int, grad_accum: int) -> list[dict]:
+    """This process's `grad_accum` micro-batches of `micro` rows each, cut from the step's global batch (its
+    rows rank * micro * grad_accum onwards), so every process count sees the same global batch."""
+    share = micro * grad_accum
+    mine = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
+    return [{k: v[m * micro:(m + 1) * micro] for k, v in mine.items()} for m in range(grad_accum)]
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """Whether `flag` holds on any process (all processes must take the same branch)."""
     value = torch.tensor([float(flag)], device=accelerator.device)

@@ -1,0 +1,114 @@
+"""Where a run computes: the Accelerator (one process, DDP, or FSDP2; DeepSpeed and Megatron refused), and the
+model, optimizer and schedule put on it. Under FSDP the model is sharded first (on CPU processes here with
+`upcycle.train.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
+regularizers take its sharded parameters, so the EMA teacher copies each process's shard."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from ..errors import UpcycleError
+from . import sharding
+from .freezing import Freezer
+from .objective import Objective
+from .optimizer import make_optimizer
+from .schedule import make_scheduler
+
+
+def make_accelerator(cfg: TrainConfig):
+    """The run's Accelerator, refused for DeepSpeed, Megatron, FSDP1 and a batch that does not split evenly."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Accelerate keeps one state per process: without a reset, a second run in the same Python process with
+        # another mixed_precision is refused. Under `accelerate launch` (WORLD_SIZE > 1) the launcher's state stays.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
+    # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
+    accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    world = accelerator.num_processes
+    if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
+        # upcycle.train.run_state writes whole state gathered by upcycle.train.sharding (FSDP2); these engines
+        # shard differently, and a checkpoint that resumes wrong is worse than none
+        raise UpcycleError(f"`upcycle train` runs on one process, DDP or FSDP2; "
+                           f"{accelerator.distributed_type.name} is not supported")
+    sharded_by = sharding_of(accelerator)
+    if sharded_by is not None:
+        sharding.check_version()
+        if sharded_by == "cpu":
+            # every CPU process loads the whole model: transformers' rank-0-only loading (Accelerate's
+            # cpu_ram_efficient_loading) leaves the other ranks empty for Accelerate's GPU preparation to fill
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
+                           f"{world} x {cfg.grad_accum}")
+    return accelerator
+
+
+def sharding_of(accelerator) -> str | None:
+    """Who shards the model under FSDP: "accelerate" (its plugin, in `prepare`; GPUs), "cpu" (CPU processes,
+    where Accelerate leaves the plugin unused: `sharding.shard_on_cpu`), or None (not FSDP)."""
+    kind = accelerator.distributed_type.name
+    if kind == "FSDP":
+        return "accelerate"
+    return "cpu" if kind == "MULTI_CPU" and sharding.requested() else None
+
+
+@dataclass
+class Prepared:
+    """The model as the step runs it (`model`: wrapped, maybe compiled) and as checkpoints, the teacher and the
+    losses read it (`inner`), with its optimizer, schedule and objective, and the dtypes the final model keeps."""
+
+    model: nn.Module
+    inner: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    objective: Objective
+    dtypes: dict[str, torch.dtype]
+
+
+def prepare(model: nn.Module, cfg: TrainConfig, accelerator, freezer: Freezer) -> Prepared:
+    """Optimizer and schedule; model and optimizer through Accelerate (sharded first under FSDP)."""
+    sharded_by = sharding_of(accelerator)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}   # the final model's, under FSDP
+    # without FSDP the objective is built on the CPU before `prepare` moves the model, then moved along
+    objective = Objective(model, cfg.regularizers) if sharded_by is None else None
+    if sharded_by is not None:
+        sharding.check_dtypes(model, accelerator.mixed_precision)
+    if sharded_by == "cpu":
+        sharding.shard_on_cpu(model, accelerator.num_processes, accelerator.mixed_precision)
+    optimizer = make_optimizer(model, cfg, fused=accelerator.device.type == "cuda" and sharded_by is None)
+    scheduler = make_scheduler(optimizer, cfg)
+    if sharded_by == "cpu":       # the optimizer only: Accelerate would wrap the sharded model in DDP
+        model, optimizer = model, accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    if cfg.compile:         # the step runs the compiled model; checkpoints, teacher and losses read `inner`
+        model = torch.compile(model)
+    if sharded_by is not None:
+        freezer.rebind(inner)
+        objective = Objective(inner, cfg.regularizers)
+    else:
+        objective.to(accelerator.device)
+    return Prepared(model, inner, optimizer, scheduler, objective, dtypes)
+
+
+def _has_accelerator() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return torch.cuda.is_available() or bool(mps is not None and mps.is_available())
+
+
+def _mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"

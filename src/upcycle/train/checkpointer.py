@@ -1,0 +1,109 @@
+"""The checkpoint manager of a run: writes a checkpoint of the whole state (`upcycle.train.run_state`'s files)
+into a temporary folder that `upcycle.files.replace_directory` puts in place when complete, keeps the newest
+`keep_checkpoints`, resumes from one, and writes the final model. Under FSDP every process helps gather the whole
+tensors and the main process writes them, so a checkpoint reads the same whatever wrote it."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
+from ..files import atomic_directory, replace_directory
+from . import run_state, sharding
+from .accelerator import Prepared
+from .run_folder import CHECKPOINTS, RunFolder, checkpoints
+from .step import any_process
+
+
+class Checkpointer:
+    def __init__(self, folder: RunFolder, accelerator, parts: Prepared, *, sharded: bool, keep: int) -> None:
+        self.folder, self.acc, self.parts, self.sharded, self.keep = folder, accelerator, parts, sharded, keep
+        self.is_main, self.rank = accelerator.is_main_process, accelerator.process_index
+
+    def load(self, checkpoint: Path) -> dict:
+        """Restore a checkpoint into the prepared parts; the run's counters (step, tokens)."""
+        parts = self.parts
+        return run_state.load(checkpoint, model=parts.inner, optimizer=parts.optimizer, scheduler=parts.scheduler,
+                              rank=self.rank, device=self.acc.device, teacher=parts.objective.teacher,
+                              sharded=self.sharded)
+
+    def drop_partial(self) -> None:
+        """Remove checkpoint writes a crash cut off (main process, when a run resumes)."""
+        for stale in (self.folder.path / CHECKPOINTS).glob(".step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def save(self, step: int, tokens: int) -> None:
+        """Every process's RNG, then the main process's state, into a temporary folder renamed when complete;
+        then the oldest checkpoints beyond `keep` go."""
+        folder = self.folder.path / CHECKPOINTS
+        tmp = folder / f".step-{step:07d}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        run_state.save_rng(tmp, self.rank)
+        model_state, optimizer_state, teacher_state = self._whole_state()
+        if self.is_main:
+            with self._whole_model(model_state) as model:
+                run_state.save_main(tmp, model=model, optimizer_state=optimizer_state,
+                                    scheduler=self.parts.scheduler, step=step, tokens=tokens,
+                                    teacher_state=teacher_state)
+        self.acc.wait_for_everyone()
+        if self.is_main:
+            run_state.write_manifest(tmp, step=step, processes=self.acc.num_processes)
+            replace_directory(tmp, folder / f"step-{step:07d}")
+            for old in checkpoints(self.folder.path)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.folder.committed()
+
+    def save_model(self, tokenizer, *, moe: bool) -> None:
+        """OUT/model (written by the main process; under FSDP every process first helps gather the weights,
+        written in the dtypes the model was loaded in): an upcycle folder for a model with upcycle's MoE layers,
+        else a plain transformers folder."""
+        state = sharding.full_model_state(self.parts.inner, self.is_main) if self.sharded else None
+        if not self.is_main:
+            return
+        with self._whole_model(state, self.parts.dtypes) as model, \
+                atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
+            if moe:
+                save_folder_files(model, tmp, tokenizer=tokenizer)
+            else:
+                model.save_pretrained(tmp)
+                if tokenizer is not None:
+                    save_tokenizer(tokenizer, tmp)
+
+    def _whole_state(self) -> tuple[dict | None, dict | None, dict | None]:
+        """(model, optimizer, teacher) state for the main process to write: the optimizer's and teacher's own
+        state dicts (the model is written from itself), or under FSDP all three gathered whole, every process
+        taking part; None on the other processes."""
+        teacher, optimizer = self.parts.objective.teacher, self.parts.optimizer
+        if not self.sharded:
+            if not self.is_main:
+                return None, None, None
+            return None, optimizer.state_dict(), None if teacher is None else teacher.state_dict()
+        keep = self.is_main
+        model = sharding.full_model_state(self.parts.inner, keep)
+        optimizer_state = sharding.full_optimizer_state(optimizer, keep)
+        teachers = None if teacher is None else {
+            layer: {k: sharding.gather(v, keep) for k, v in state.items()}
+            for layer, state in teacher.state_dict()["teachers"].items()}
+        if not keep:
+            return None, None, None
+        return model, optimizer_state, None if teachers is None else {"teachers": teachers}
+
+    def _whole_model(self, state: dict | None, dtypes: dict | None = None):
+        """The model to write: itself, or under FSDP itself with the gathered whole tensors in place."""
+        if state is None:
+            return contextlib.nullcontext(self.parts.inner)
+        return sharding.full_parameters(self.parts.inner, state, dtypes)
+
+
+def finite_parameters(model: nn.Module, accelerator) -> bool:
+    """Every weight finite on every process (each checks its own shard under FSDP): a state worth keeping."""
+    finite = all(bool(torch.isfinite(sharding.local(p)).all()) for p in model.parameters())
+    return not any_process(accelerator, not finite)
