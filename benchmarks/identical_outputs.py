@@ -7,7 +7,8 @@ Runs four jobs on the embedded SmolLM2-135M with fixed seeds, each with the inst
            block MoE, each source's own text; and the same merge written as stock Mixtral (--export hf)
   export   upcycle export demo OUT (the stock class `auto` picks); the merge as GGUF (--format gguf, mixtral)
 and writes, per job, the SHA-256 of every file it wrote. JSON files are hashed after the measured wall times
-(`timings_s`) are taken out: the only field that differs between two runs of the same job.
+(`timings_s`) are taken out, the only field that differs between two runs of the same job, and the work folder's
+path is written as <work>.
 
     .venv/bin/python benchmarks/identical_outputs.py OUT/fingerprints.json [--work out/identical]
     .venv/bin/python benchmarks/identical_outputs.py OUT/after.json --compare OUT/before.json
@@ -42,9 +43,13 @@ def _drop_volatile(value):
     return value
 
 
-def fingerprint(path: Path) -> str:
-    if path.suffix == ".json":
-        text = json.dumps(_drop_volatile(json.loads(path.read_text())), sort_keys=True)
+def fingerprint(path: Path, work: Path) -> str:
+    """SHA-256 of the file's bytes; of JSON without `timings_s`; with the work folder's path written as <work> in
+    JSON and YAML (a merge records its sources' paths), so two work folders can be compared."""
+    if path.suffix in (".json", ".yaml"):
+        text = path.read_text().replace(str(work), "<work>")
+        if path.suffix == ".json":
+            text = json.dumps(_drop_volatile(json.loads(text)), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -53,8 +58,8 @@ def fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fingerprints(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): fingerprint(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+def fingerprints(folder: Path, work: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): fingerprint(p, work) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def run(*args) -> None:
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "identical")
     parser.add_argument("--compare", type=Path)
+    parser.add_argument("--rehash", action="store_true", help="hash the work folder's outputs again, run nothing")
     args = parser.parse_args()
     from upcycle.data.assets import default_model_path  # the embedded model's plain folder (from its wheel)
 
@@ -114,8 +120,9 @@ def main() -> None:
     result = {}
     for name, job in jobs.items():
         print(f"{name}: upcycle {' '.join(map(str, job))}", flush=True)
-        run(*job)
-        result[name] = fingerprints(job[2])
+        if not args.rehash:
+            run(*job)
+        result[name] = fingerprints(job[2], work)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.compare:
