@@ -209,7 +209,7 @@ def compare(ours: list[dict], theirs: dict, work: Path) -> dict:
 
 
 def check_llama_cpp(work: Path, cache: Path) -> dict:
-    from upcycle.conversion.stock_export import export_folder
+    from upcycle.export.from_folder import export_folder
 
     python, sdist = llama_cpp_env(cache)
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp_facts.py"), str(sdist)], check=True)
@@ -257,7 +257,7 @@ def check_onnx(work: Path) -> dict:
     import onnxruntime
     import transformers
 
-    from upcycle.conversion.stock_export import export_folder
+    from upcycle.export.from_folder import export_folder
 
     name = "qwen3moe (copy, random Qwen3)"
     folder = case_folder(work, name, CASES[name])
@@ -379,7 +379,7 @@ def check_lm_eval(work: Path, cache: Path) -> dict:
     choice's log-likelihood against upcycle.load's."""
     import upcycle
     from upcycle.checkpoint.loading import load_tokenizer
-    from upcycle.conversion.stock_export import export_folder
+    from upcycle.export.from_folder import export_folder
 
     python = lm_eval_env(cache)
     case = CASES["llama (mixtral, copy)"]

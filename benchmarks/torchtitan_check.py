@@ -57,8 +57,8 @@ def main() -> None:
     from runtimes_check import random_qwen3
     from upcycle.config import ConvertConfig, build
     from upcycle.conversion.pipeline import convert
-    from upcycle.conversion.stock_export import export_folder
     from upcycle.data.text import cache_dir
+    from upcycle.export.from_folder import export_folder
 
     python = titan_env(cache_dir())
     work = args.work

@@ -38,8 +38,8 @@ from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.preservation import count_parameters
 from upcycle.machine import machine
 from upcycle.train.objective import Objective
-from upcycle.train.step import train_step
 from upcycle.train.optimizer import make_optimizer
+from upcycle.train.step import train_step
 
 RESULTS = Path(__file__).parent / "results"
 PRESETS = {  # (layers, hidden, intermediate, heads, kv heads, vocabulary, experts, top-k)

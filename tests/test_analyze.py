@@ -16,8 +16,8 @@ from upcycle.analyze.run import AnalyzeOptions, analyze
 from upcycle.analyze.target import resolve_target, select_checkpoints
 from upcycle.cli import main
 from upcycle.config import CheckConfig
-from upcycle.conversion.stock_export import export_folder
 from upcycle.errors import UpcycleError
+from upcycle.export.from_folder import export_folder
 from upcycle.train.trainer import train
 
 

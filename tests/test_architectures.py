@@ -12,12 +12,12 @@ import upcycle
 from conftest import make_tiny
 from upcycle import ConvertConfig, MoEConfig, convert
 from upcycle.config import CalibrationConfig, CheckConfig, PlacementConfig
-from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.core import architectures
 from upcycle.core.architectures import PIXELS, Family, Tower, family_of
 from upcycle.core.ffn import FFNWeights, activation_fn
 from upcycle.core.moe import moe_layers
 from upcycle.errors import UpcycleError
+from upcycle.probe import make_probe, probe_output
 
 
 def _canonical(ffn, x):

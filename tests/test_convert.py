@@ -15,9 +15,9 @@ from upcycle import methods as registry
 from upcycle.cli import main
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
-from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
+from upcycle.probe import make_probe, probe_output
 
 
 def cfg(model="x", **overrides) -> ConvertConfig:

@@ -13,12 +13,12 @@ from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import convert, upcycle_model
-from upcycle.conversion.stock_export import export_hf
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import moe_layers
 from upcycle.errors import UpcycleError
 from upcycle.export.qwen2_moe import SHARED_GATE
+from upcycle.export.stock_folder import export_hf
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -17,8 +17,8 @@ from conftest import TOY_WORDS, make_tiny
 from upcycle.checkpoint.upcycle_format import save_tokenizer
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import upcycle_model
-from upcycle.conversion.stock_export import export_hf
 from upcycle.data.clip_pairs import caption_tokenizer
+from upcycle.export.stock_folder import export_hf
 
 IDS = torch.randint(4, 26, (1, 6), generator=torch.Generator().manual_seed(0))
 STOCK_EXPORTS = {  # stock class: (source, placement every n-th block, export class)

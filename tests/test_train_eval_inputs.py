@@ -24,7 +24,7 @@ RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet"
 @pytest.fixture(scope="module")
 def exported(tiny_lm, tmp_path_factory) -> Path:
     """The tiny upcycled Llama exported to the stock Qwen2-MoE class (with its tokenizer)."""
-    from upcycle.conversion.stock_export import export_folder
+    from upcycle.export.from_folder import export_folder
 
     out = tmp_path_factory.mktemp("export") / "qwen2moe"
     export_folder(tiny_lm[1], out)

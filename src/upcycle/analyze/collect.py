@@ -4,7 +4,7 @@
 a stock Qwen2-MoE / Qwen3-MoE / Mixtral block), its input at each real token (forward pre-hooks; nothing of the
 model's forward is changed), with the source of each token; and per source, the next-token NLL and, given the
 dense model, the token-level KL(dense || model) of the output distributions at the real tokens (teacher
-forcing on the same rows; `conversion.preservation.compare`, the conversion report's own KL).
+forcing on the same rows; `upcycle.probe.compare`, the conversion report's own KL).
 `snapshot_metrics` turns that into `analysis.layer_metrics` per layer.
 
 An encoder (docs/contrastive.md) predicts no token, so it has no NLL and no output distribution to take a KL
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis import layer_metrics
-from ..conversion.preservation import ProbeOutput, compare
 from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
+from ..probe import ProbeOutput, compare
 from ..train.contrastive import is_encoder
 from ..train.embedding import last_hidden, mean_pool, trim
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from ..conversion.stock_export import export_folder
+    from ..export.from_folder import export_folder
 
     info = export_folder(args.src, args.out, export_class=args.export_class, overwrite=args.overwrite,
                          format=args.format, gguf_type=args.gguf_type)

@@ -22,13 +22,14 @@ from ..core.moe import MoELayer
 from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
 from ..errors import UpcycleError
 from ..export.protocol import StockClass
+from ..export.stock_folder import export_hf
 from ..methods import Method
+from ..probe import compare, make_probe, probe_output
 from .blockwise import MethodLayers, convert_blocks, method_groups
 from .calibration import real_tokens
 from .layer_check import layer_probe
-from .preservation import compare, count_parameters, make_probe, probe_output, rounding_noise
+from .preservation import count_parameters, rounding_noise
 from .report import CalibrationSummary, Converted, Timings
-from .stock_export import export_hf
 
 
 def convert_in_memory(model: nn.Module, cfg: ConvertConfig, method: Method, args: dict, *, promised: bool,

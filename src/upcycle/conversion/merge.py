@@ -24,7 +24,7 @@ router rows (near 1: the router cannot tell them apart, mergekit-moe's "degenera
 against its source's FFN on held-out inputs (0 for copies: the expert is the source's tensors).
 
 `export: hf` writes the upcycle folder first, then rewrites it as the stock class a block at a time and checks
-the stock model's logits against ours (`stock_export.export_streamed`, `stock_export.check_export`).
+the stock model's logits against ours (`export.stock_folder.export_streamed`, `export.stock_folder.check_export`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ import torch
 from torch import nn
 
 from ..analysis.metrics import diversity, expert_similarity
+from ..checkpoint.averaged import AveragedReader
 from ..checkpoint.lazy import checkpoint_names
 from ..checkpoint.loading import DTYPES, load_tokenizer, resolve_device
 from ..checkpoint.skeleton import empty_model
+from ..checkpoint.streamed import StreamSource
 from ..checkpoint.upcycle_format import moe_spec, save_configs
 from ..checkpoint.writer import parse_size
 from ..config import ConvertConfig
@@ -53,16 +55,17 @@ from ..core.surgery import Target, layer_generator, tower_cfg
 from ..data.text import read_texts
 from ..errors import UpcycleError
 from ..export.layout import choose_export
+from ..export.stock_folder import check_export, export_streamed
 from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
+from ..probe import make_probe
 from .blockwise import BlockVisit, Replayed, ReplayGroup
 from .calibration import Reservoir, text_batches
 from .planned import planned_model
-from .preservation import count_parameters, make_probe
+from .preservation import count_parameters
 from .report import Converted, LayerEntry, Timings
-from .sources import AveragedReader, Source, held_out_split, open_sources, source_name
-from .stock_export import check_export, export_streamed
-from .streaming import COMPUTE_DTYPE, StreamSource, stream_convert
+from .sources import Source, held_out_split, open_sources, source_name
+from .streaming import COMPUTE_DTYPE, stream_convert
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
 ALL_TOKENS = 10**12        # prompts are few: every token of them

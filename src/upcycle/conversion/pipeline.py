@@ -156,7 +156,7 @@ def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: P
     stream = stream_source(cfg, path, config) if claim is not None else None
     if stream is not None:
         load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
-        from .preservation import make_probe
+        from ..probe import make_probe
 
         probe = make_probe(stream.model, tokenizer, texts, cfg.check, cfg.seed, probe_source(cfg))
         phases("checkpoint opened (streaming)")

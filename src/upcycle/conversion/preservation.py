@@ -2,7 +2,7 @@
 
 docs/design.md principle 5 and docs/methods.md §5 ("Function preservation and drift"): the conversion records the dense
 model's outputs before any weight changes, converts in place (no second model in memory), runs the same batch
-again and reports
+(the probe: `upcycle/probe.py`, which also compares the outputs) again and reports
 
   max_abs_logit_diff  max |z_dense - z_moe| over every compared output entry
   relative_logit_diff the same divided by max |z_dense|
@@ -27,132 +27,17 @@ A real break (a wrong weight, a wrong scale) is not rounding and stays orders of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..config import CheckConfig
-from ..core.architectures import PIXELS, TOKEN_IDS, family_of, tower_config
 from ..core.ffn import FFNWeights, activation_fn
-from ..core.modes import eval_mode
-from ..data.packing import document_ids
-from ..errors import UpcycleError
+from ..probe import Probe, ProbeOutput, probe_output
 
 if TYPE_CHECKING:
     from ..core.architectures import Family
-
-
-@dataclass(frozen=True)
-class Probe:
-    inputs: dict[str, torch.Tensor]
-    source: str          # where the token ids came from
-
-
-@dataclass(frozen=True)
-class ProbeOutput:
-    values_NC: torch.Tensor   # rows compared (real tokens / texts), float32
-    name: str                 # which model output
-    is_distribution: bool     # softmax over C is a probability distribution
-
-
-def _max_positions(config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return None
-
-
-def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: CheckConfig, seed: int,
-               text_source: str = "held-out text") -> Probe:
-    """A deterministic batch holding what each tower of the model reads (its row of the architecture table):
-    seeded random pixels of the tower's image size, and token ids: `texts` through the model's tokenizer when both
-    exist (text too short for the batch is an error), else seeded random ids."""
-    cfg = model.config
-    towers = family_of(cfg).towers_of(cfg).values()
-    generator = torch.Generator().manual_seed(seed)
-    inputs, source = {}, "random pixels"
-    # pixels are drawn before token ids, so a seed gives the probe it always gave
-    for tower in (t for t in towers if t.input == PIXELS):
-        vision = tower_config(cfg, tower)
-        size = vision.image_size
-        inputs[PIXELS] = torch.randn(check.sequences, vision.num_channels, size, size, generator=generator)
-    text_tower = next((t for t in towers if t.input == TOKEN_IDS), None)
-    if text_tower is None:
-        return Probe(inputs, source)
-    text_cfg = tower_config(cfg, text_tower)
-    length = check.tokens
-    if (limit := _max_positions(text_cfg)) is not None:
-        length = min(length, limit)
-    ids, source = None, "random token ids"
-    if tokenizer is not None and texts:
-        flat = []
-        for text in texts:
-            flat += document_ids(tokenizer, text)
-            if len(flat) >= check.sequences * length:
-                break
-        if len(flat) < check.sequences * length:
-            # random ids in its place would check another thing than the user asked for, and say so only in JSON
-            raise UpcycleError(f"the probe text ({text_source}) holds {len(flat):,} tokens; the probe needs "
-                               f"check.sequences x check.tokens = {check.sequences} x {length} = "
-                               f"{check.sequences * length:,}: give more text or lower check.tokens")
-        ids = torch.tensor(flat[: check.sequences * length]).view(check.sequences, length)
-        source = text_source
-    if ids is None:
-        ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
-    return Probe(inputs, source)
-
-
-def input_device(model: nn.Module) -> torch.device:
-    """Where the model's inputs go: its input embedding's device (with --device cuda, the GPU), else its first
-    parameter that holds data (a lazily read model keeps blocks not yet read on the meta device)."""
-    try:
-        weight = getattr(model.get_input_embeddings(), "weight", None)
-    except (AttributeError, NotImplementedError):    # models without one input embedding (CLIP's two towers)
-        weight = None
-    if weight is not None and not weight.is_meta:
-        return weight.device
-    return next(p for p in model.parameters() if not p.is_meta).device
-
-
-@torch.no_grad()
-def probe_output(model: nn.Module, probe: Probe, outputs: tuple | None = None) -> ProbeOutput:
-    """The output the family's row names (the first of its `outputs` the model returns), its rows at real tokens;
-    `outputs` for a model outside the table (a stock MoE export compared with its dense source)."""
-    device = input_device(model)
-    with eval_mode(model):
-        out = model(**{k: v.to(device) for k, v in probe.inputs.items()})
-    outputs = outputs or family_of(model.config).outputs
-    name, dist = next(((n, d) for n, d in outputs if getattr(out, n, None) is not None), (None, False))
-    if name is None:
-        raise UpcycleError(f"{type(model).__name__} returns none of the outputs its architecture row compares "
-                           f"({', '.join(n for n, _ in outputs)})")
-    values = getattr(out, name)
-    mask = probe.inputs.get("attention_mask")
-    if values.dim() == 3:
-        values = (values[mask.to(values.device).bool()] if mask is not None and mask.shape == values.shape[:2]
-                  else values.flatten(0, 1))
-    return ProbeOutput(values.float().cpu(), name, dist)     # compared on the CPU: outputs of two devices
-
-
-def compare(dense: ProbeOutput, moe: ProbeOutput) -> dict:
-    """max |difference| and mean token KL(dense || upcycled)."""
-    diff = (dense.values_NC - moe.values_NC).abs().max().item()
-    kl = None
-    if dense.is_distribution:
-        # float64 in row chunks: a [rows, vocab] float64 temporary per term would cost GBs on a 50K vocabulary
-        total, rows = 0.0, dense.values_NC.shape[0]
-        for p_chunk, q_chunk in zip(dense.values_NC.split(64), moe.values_NC.split(64), strict=True):
-            logp, logq = p_chunk.double().log_softmax(-1), q_chunk.double().log_softmax(-1)
-            total += float((logp.exp() * (logp - logq)).sum())
-        kl = total / rows
-    scale = dense.values_NC.abs().max().item()
-    return {"compared_output": dense.name, "max_abs_logit_diff": diff, "kl_to_dense": kl,
-            "relative_logit_diff": diff / scale if scale > 0 else diff, "output_scale": scale,
-            "compared_rows": dense.values_NC.shape[0]}
 
 
 class ReorderedFFN(nn.Module):
@@ -226,13 +111,3 @@ def count_parameters(model: nn.Module) -> dict:
         per_expert = layer.experts.weights().num_params()
         inactive += (layer.num_experts - layer.top_k) * per_expert
     return {"total": total, "active_per_token": total - inactive}
-
-
-@torch.no_grad()
-def stock_probe_output(directory: Path, probe: Probe, dtype: torch.dtype, outputs: tuple) -> ProbeOutput:
-    """The probe through the written stock checkpoint, loaded whole with plain transformers (only run when
-    the output fits in memory: check.end_to_end)."""
-    from transformers import AutoModelForCausalLM
-
-    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=False).eval()
-    return probe_output(stock, probe, outputs)

@@ -25,7 +25,7 @@ from ..version import __version__
 if TYPE_CHECKING:
     import torch
 
-    from .preservation import Probe
+    from ..probe import Probe
 
 
 @dataclass
@@ -272,7 +272,7 @@ class Converted:
     after: dict                  # and of the MoE model
     layers: list[LayerEntry]
     promised: bool
-    measured: dict | None        # `preservation.compare` of the whole model; None when it did not run
+    measured: dict | None        # `probe.compare` of the whole model; None when it did not run
     noise: float | None          # the dense model's rounding noise on the probe (when promised and measured)
     compute_dtype: torch.dtype   # the dtype the check computed in
     probe: Probe | None

@@ -13,9 +13,6 @@ output's dtype like the base's.
 `held_out_split` is the one rule for a source's held-out documents when the recipe gives no `eval_data`: the
 merge measures router-source agreement on them and records the rule in its report, so `upcycle analyze` reads
 the same documents.
-
-`AveragedReader` reads a tensor as the mean of the sources' tensors (BTX's `non_ffn: average`: the experts'
-attention, embeddings and norms averaged), with the reader interface the streaming conversion uses.
 """
 
 from __future__ import annotations
@@ -115,39 +112,3 @@ def source_name(model: str, index: int) -> str:
     path = Path(model)
     name = path.parent.name if path.name == "model" and path.parent.name else path.name
     return f"{index}-{name or model}"
-
-
-class AveragedReader:
-    """A checkpoint whose every tensor is the mean over `readers` (a float32 mean of the floating tensors;
-    integer buffers are the first reader's)."""
-
-    def __init__(self, readers: list[CheckpointReader]):
-        self.readers = readers
-        self.folder = readers[0].folder
-
-    def names(self) -> list[str]:
-        return self.readers[0].names()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.readers[0]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.readers[0].shape(name)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.readers[0].dtype(name)
-
-    def get(self, name: str) -> torch.Tensor:
-        first = self.readers[0].get(name)
-        if not first.is_floating_point() or len(self.readers) == 1:
-            return first
-        # a copy: a tensor from the reader may share pages with its memory map, and an in-place sum there would
-        # show in the next read of that tensor (the source's own FFN read later in the same block)
-        total = first.to(torch.float32, copy=True)
-        for reader in self.readers[1:]:
-            total += reader.get(name).float()
-        return total / len(self.readers)         # float32: rounded once, to the output's dtype, by the caller
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()

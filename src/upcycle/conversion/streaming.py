@@ -22,19 +22,18 @@ is possible at any size; it costs another read of the dense checkpoint and of th
 from __future__ import annotations
 
 import contextlib
-import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..checkpoint.heap import trim_heap
-from ..checkpoint.lazy import blocks_on_demand, checkpoint_names, materialize, materialize_trunk, release
+from ..checkpoint.lazy import blocks_on_demand, materialize, materialize_trunk, release
 from ..checkpoint.loading import DTYPES, resolve_device
-from ..checkpoint.reader import CheckpointReader, NoWeights
-from ..checkpoint.skeleton import bytes_by_block, empty_model, tensor_specs
+from ..checkpoint.skeleton import bytes_by_block, tensor_specs
+from ..checkpoint.streamed import NotStreamable, StreamSource
 from ..checkpoint.writer import ShardedWriter
 from ..config import ConvertConfig
 from ..core.architectures import family_of
@@ -42,6 +41,7 @@ from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
 from ..export.protocol import StockClass
 from ..methods import Method
+from ..probe import Probe, compare, lazy_probe_output, stock_probe_output
 from .blockwise import (
     BlockVisit,
     BlockwiseResult,
@@ -55,7 +55,7 @@ from .blockwise import (
 from .calibration import first_block_inputs, real_tokens
 from .layer_check import layer_probe
 from .planned import layout_function, planned_model
-from .preservation import Probe, ProbeOutput, ReorderedFFN, probe_output, stock_probe_output
+from .preservation import ReorderedFFN
 from .report import CalibrationSummary, Converted, Timings
 
 COMPUTE_DTYPE = torch.float32
@@ -73,76 +73,23 @@ def largest_block_bytes(specs: list[tuple[str, tuple[int, ...], torch.dtype]], b
     return max(bytes_by_block(specs, block_paths).values(), default=0)
 
 
-class NotStreamable(UpcycleError):
-    """The checkpoint cannot be read tensor by tensor (no safetensors, or names the model does not have)."""
+def source_first_inputs(source: StreamSource) -> Callable[[dict, list[list[dict]]], list[dict]]:
+    """`first_inputs` of the block replay for a streamed source: the inputs of each tower's first block for each
+    list of batches, running whatever blocks come before it from disk; the trunk (embeddings, head: a large share
+    of a small model) is in memory only for this: the blocks take the hidden states from here on."""
 
-
-def check_shapes(model: nn.Module, reader: CheckpointReader, names: dict[str, str], path) -> None:
-    """Refuse a checkpoint whose tensors do not fit the model its config.json describes (a wrong intermediate
-    size, a hidden size that does not match), or that holds tensors the model has no place for (more blocks than
-    the config says), before any tensor is read."""
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-    wrong = [f"{key} is {list(reader.shape(key))} in the checkpoint, {list(shapes[name])} in the model"
-             for name, key in names.items() if reader.shape(key) != shapes[name]]
-    if wrong:
-        raise UpcycleError(f"{path}: the checkpoint does not fit its config.json ({len(wrong)} tensor(s): "
-                           f"{'; '.join(wrong[:3])})")
-    # not extra: what transformers itself drops on load, and buffers the model computes rather than stores (BERT's
-    # position_ids and rotary frequencies, which older checkpoints stored)
-    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    computed = {name.rsplit(".", 1)[-1] for name, _ in model.named_buffers()}
-    extra = sorted(n for n in set(reader.names()) - set(names.values())
-                   if not any(p.search(n) for p in ignored) and n.rsplit(".", 1)[-1] not in computed)
-    if extra:
-        raise UpcycleError(f"{path}: the checkpoint holds {len(extra)} tensor(s) its config.json has no place for "
-                           f"(e.g. {', '.join(extra[:3])}); the weights and config.json must describe one model")
-
-
-@dataclass
-class StreamSource:
-    """A dense checkpoint opened for streaming: its reader, the weightless model and the name map."""
-
-    reader: CheckpointReader
-    model: nn.Module
-    names: dict[str, str]
-    dtype: torch.dtype                      # the compute dtype
-    storage: torch.dtype | None = None      # weights are rounded to it as they are read (the output's dtype)
-    device: torch.device | None = None      # where blocks are read to and computed (None: the CPU)
-
-    @classmethod
-    def open(cls, path: str | Path, config, dtype: torch.dtype, *, model: nn.Module | None = None,
-             storage: torch.dtype | None = None, device: torch.device | None = None) -> StreamSource:
-        """`model`: the weightless model to read into (default: the dense model of `config`)."""
+    def first_inputs(towers: dict, batch_lists: list[list[dict]]) -> list[dict]:
+        materialize_trunk(source.model, source.reader, source.names, source.dtype, source.storage, source.device)
         try:
-            reader = CheckpointReader(path)
-        except NoWeights as e:       # damaged weights are an error here; only their absence means "load whole"
-            raise NotStreamable(str(e)) from None
-        try:
-            model = model if model is not None else empty_model(config, dtype)
-        except UpcycleError:
-            raise
-        except Exception as e:      # a config that builds no model (an unknown activation, a bad size)
-            raise UpcycleError(f"{path}: config.json does not build a {config.model_type} model "
-                               f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
-        names, missing = checkpoint_names(model, reader)
-        if missing:
-            raise NotStreamable(f"{path}: the checkpoint's tensor names do not match {type(model).__name__}'s "
-                                f"({len(missing)} not found, e.g. {missing[:3]})")
-        check_shapes(model, reader, names, path)
-        return cls(reader, model, names, dtype, storage, device)
-
-    def first_inputs(self, towers: dict, batch_lists: list[list[dict]]) -> list[dict]:
-        """The inputs of each tower's first block for each list of batches, running whatever blocks come
-        before it from disk; the trunk (embeddings, head: a large share of a small model) is in memory only for
-        this: the blocks take the hidden states from here on."""
-        materialize_trunk(self.model, self.reader, self.names, self.dtype, self.storage, self.device)
-        try:
-            with blocks_on_demand(self.model, self.reader, self.names, self.dtype, self.storage, self.device):
-                return [first_block_inputs(self.model, towers, batches, device=self.device)
+            with blocks_on_demand(source.model, source.reader, source.names, source.dtype, source.storage,
+                                  source.device):
+                return [first_block_inputs(source.model, towers, batches, device=source.device)
                         for batches in batch_lists]
         finally:
-            release(self.model)
-            self.reader.close()
+            release(source.model)
+            source.reader.close()
+
+    return first_inputs
 
 
 def stream_convert(source: StreamSource, cfg: ConvertConfig, directory: Path, groups: list[ReplayGroup],
@@ -197,7 +144,7 @@ def stream_convert(source: StreamSource, cfg: ConvertConfig, directory: Path, gr
 
     try:
         result = convert_blocks(model, family, targets, groups, build_layer, before_block=before_block,
-                                after_block=after_block, first_inputs=source.first_inputs, progress=progress,
+                                after_block=after_block, first_inputs=source_first_inputs(source), progress=progress,
                                 desc=desc)
         for name in planned_dtype:
             if not any(name.startswith(p + ".") for p in block_paths):
@@ -241,17 +188,6 @@ def _reordered(model: nn.Module, paths: list[str]):
             h.remove()
 
 
-@torch.no_grad()
-def lazy_probe_output(source: StreamSource, probe: Probe, reordered: list[str] | None = None) -> ProbeOutput:
-    """The probe through the whole model, each block read from disk for its forward and released after it;
-    with `reordered`, those blocks' FFNs summed in another order (the rounding-noise run)."""
-    model = source.model
-    materialize_trunk(model, source.reader, source.names, source.dtype, source.storage, source.device)
-    with blocks_on_demand(model, source.reader, source.names, source.dtype, source.storage, source.device), \
-            (_reordered(model, reordered) if reordered else contextlib.nullcontext()):
-        return probe_output(model, probe)
-
-
 def _end_to_end_wanted(setting, output_bytes: int) -> bool:
     """check.end_to_end: true/false as given; auto when the output would fit in the memory available now."""
     if setting != "auto":
@@ -271,7 +207,7 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
     from ..checkpoint.upcycle_format import moe_spec, save_configs
     from ..checkpoint.writer import parse_size
     from ..export.layout import choose_export
-    from .preservation import compare, count_parameters
+    from .preservation import count_parameters
 
     if method.needs_calibration and not calibration:
         raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE")
@@ -287,7 +223,7 @@ def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, 
         timings.dense_probe = time.perf_counter() - t
         if promised:
             t = time.perf_counter()
-            reordered = lazy_probe_output(source, probe, reordered=[t_.path for t_ in targets])
+            reordered = lazy_probe_output(source, probe, around=lambda m: _reordered(m, [t_.path for t_ in targets]))
             noise = (dense_out.values_NC - reordered.values_NC).abs().max().item()
             timings.rounding_noise = time.perf_counter() - t
     before = count_parameters(source.model)

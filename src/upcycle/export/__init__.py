@@ -1,1 +1,3 @@
-"""Stock transformers MoE classes an upcycled decoder exports to: one module per class, a registry, the layout."""
+"""Upcycled decoders written as stock checkpoints: the transformers MoE classes they export to (one module per
+class, a registry, the layout all share), the writers of a stock folder and their checks (`stock_folder.py`),
+`upcycle export` (`from_folder.py`) and GGUF for llama.cpp (`gguf.py`, `gguf_vocab.py`)."""

@@ -1,10 +1,8 @@
 """Writing a stock transformers MoE checkpoint and checking it against the upcycled model it came from.
 
-The layout (which class, its config, its tensors) is `upcycle.export`'s; here it is written and checked:
+The layout (which class, its config, its tensors) is `layout.py`'s; here it is written and checked:
   - `export_hf`: a model in memory, written with its stock config, loaded back with plain transformers and its
     logits compared with ours on a probe (`check.export_tolerance`);
-  - `export_folder`: `upcycle export IN OUT`, an upcycle folder loaded whole and exported that way, or with
-    `--format gguf` written as a GGUF file for llama.cpp (`upcycle.export.gguf`, checked by reading it back);
   - `export_streamed` + `check_export`: an upcycle folder rewritten as the stock class one block at a time (the
     several-source merge's `export: hf`), then the probe run through our folder (a block at a time) and through the
     stock checkpoint loaded whole, which is skipped, and said so, when that does not fit in memory.
@@ -12,26 +10,21 @@ The layout (which class, its config, its tensors) is `upcycle.export`'s; here it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint.folders import claim_output, inputs
 from ..checkpoint.lazy import block_paths, materialize, release
 from ..checkpoint.skeleton import output_bytes, tensor_specs
-from ..checkpoint.upcycle_format import load
+from ..checkpoint.streamed import StreamSource
 from ..checkpoint.writer import ShardedWriter
-from ..config import CheckConfig
 from ..core.modes import eval_mode
 from ..errors import UpcycleError
-from ..export.layout import export_specs, export_state_dict, export_target, write_stock_configs
-from ..export.protocol import StockClass
-from ..files import json_text
-from .preservation import Probe, compare, input_device, make_probe, stock_probe_output
-from .streaming import COMPUTE_DTYPE, StreamSource, lazy_probe_output
+from ..probe import Probe, compare, input_device, lazy_probe_output, stock_probe_output
+from .layout import export_specs, export_state_dict, export_target, write_stock_configs
+from .protocol import StockClass
 
 
 def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
@@ -65,50 +58,6 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     with eval_mode(model):
         ours = model(input_ids=input_ids).logits.float()
     return (stock(input_ids=input_ids).logits.float() - ours).abs().max().item()
-
-
-def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto", overwrite: bool = False,
-                  tolerance: float = 1e-5, format: str = "hf", gguf_type: str = "f16") -> dict:
-    """`upcycle export IN OUT`: an upcycle-format folder -> a stock checkpoint, checked against the original;
-    with `format="gguf"`, OUT holds `model.gguf` (weights as `gguf_type`) for llama.cpp instead."""
-    from ..checkpoint.loading import load_tokenizer
-    from ..export.gguf import FILE_TYPES
-
-    if format not in ("hf", "gguf"):
-        raise UpcycleError(f"export format must be hf or gguf, got {format!r}")
-    if gguf_type not in FILE_TYPES:
-        raise UpcycleError(f"GGUF weight type must be one of {sorted(FILE_TYPES)}, got {gguf_type!r}")
-    src, out = Path(src), Path(out)
-    with claim_output(out, kind="export", given=inputs(("upcycle folder", src)), overwrite=overwrite) as claim:
-        if not src.is_dir():
-            raise UpcycleError(f"{src} is not a folder; export takes a folder written by `upcycle convert`")
-        model = load(src)
-        target = export_target(model, export_class)          # refuse before writing anything
-        tokenizer = load_tokenizer(src)
-        if format == "gguf":
-            from ..export.gguf import gguf_plan
-
-            gguf_plan(model, target, tokenizer, gguf_type)
-        probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
-        report_file = src / "upcycle_report.json"
-        try:
-            report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise UpcycleError(f"{report_file} cannot be read ({type(e).__name__}: {e})") from None
-        if not isinstance(report, dict):
-            raise UpcycleError(f"{report_file} is not a conversion report (a JSON object)")
-        with claim.directory() as tmp:
-            if format == "gguf":
-                from ..export.gguf import write_gguf
-
-                info = write_gguf(model, target, tmp / "model.gguf", tokenizer,
-                                  out_type=gguf_type, name=src.resolve().name)
-            else:
-                info = export_hf(model, tmp, input_ids=probe_ids, tolerance=tolerance, export_class=export_class,
-                                 tokenizer=tokenizer)
-            report["export"] = {**info, "source_folder": str(src.resolve())}
-            (tmp / "upcycle_report.json").write_text(json_text(report, indent=2, where="upcycle_report.json"))
-    return report["export"]
 
 
 def export_streamed(folder: Path, directory: Path, planned: nn.Module, target: StockClass, *, tokenizer=None,
@@ -149,7 +98,7 @@ def check_export(folder: Path, directory: Path, reader_model: nn.Module, probe: 
     if size > psutil.virtual_memory().available:
         return {"checked": False, "why_not": f"the stock model ({size / 2**30:.1f} GiB in float32) does not fit "
                                              f"in the memory available"}
-    ours = lazy_probe_output(StreamSource.open(folder, reader_model.config, COMPUTE_DTYPE, model=reader_model),
+    ours = lazy_probe_output(StreamSource.open(folder, reader_model.config, torch.float32, model=reader_model),
                              probe)
     theirs = stock_probe_output(directory, probe, torch.float32, outputs)
     measured = compare(ours, theirs)
