@@ -89,7 +89,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.config import ConvertConfig, RegularizerConfig, build
     from upcycle.conversion.calibration import text_batches
     from upcycle.conversion.pipeline import upcycle_model
-    from upcycle.core.surgery import moe_layers
+    from upcycle.core.moe import moe_layers
     from upcycle.data.text import wikipedia_split
     from upcycle.train.objective import Objective
     from upcycle.train.step import train_step
@@ -147,7 +147,7 @@ def uncertain_share(model, teacher, batch: dict, fraction: float = 0.25) -> dict
     """The effect of an uncertain-only teacher: the share of the full EESD loss (per-token squared errors
     against the all-expert ensemble) carried by the `fraction` of tokens with the highest routing entropy,
     against `fraction` (what a random subset carries on average), mean over MoE layers."""
-    from upcycle.core.surgery import moe_layers
+    from upcycle.core.moe import moe_layers
     from upcycle.train.teacher import ensemble_output
 
     teacher.enabled = False

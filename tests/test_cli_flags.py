@@ -23,6 +23,7 @@ from upcycle.config import (
     ROUTER_INITS,
     SCHEDULES,
     STORAGE_DTYPES,
+    TASKS,
     ConvertConfig,
     TrainConfig,
     build,
@@ -32,7 +33,6 @@ from upcycle.config import (
 from upcycle.conversion.pipeline import validate as validate_convert
 from upcycle.errors import UpcycleError
 from upcycle.export.registry import STOCK_CLASSES
-from upcycle.train.tasks import TASKS
 
 COMMANDS = {"convert": (ConvertConfig, convert.CONFIG_FLAGS, convert.convert_config),
             "train": (TrainConfig, train.CONFIG_FLAGS, train.train_config)}

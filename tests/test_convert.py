@@ -1,5 +1,5 @@
 """`upcycle convert` end to end on tiny random models of every family: preservation, determinism,
-save/load identity, placement, and every bad input the issue lists."""
+save/load identity, placement, and bad inputs, each refused with a message that names it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from upcycle import methods as registry
 from upcycle.cli import main
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
-from upcycle.core.surgery import moe_layers
+from upcycle.core.moe import moe_layers
 from upcycle.errors import UpcycleError
 from upcycle.probe import make_probe, probe_output
 

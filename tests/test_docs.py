@@ -45,3 +45,44 @@ def test_the_configuration_page_holds_the_generated_key_table():
     shown = text.split(START, 1)[1].split(END, 1)[0].strip()
     assert shown == table().strip(), ("docs/configuration.md's key table is not what the config declares: "
                                       "regenerate it with `python -m upcycle.config_table`")
+
+
+# Words that tell how the code was made rather than what it does: an issue or a review that asked for it, the
+# session or wave of work it came in, a commit hash used as the date of a measurement. A reader of the code and
+# docs needs none of them; the history is in git.
+PROCESS_WORDS = re.compile(
+    r"\bissues?\s*#?\d+|\(issue\b|\bthe issue\b|\bas (?:the )?issue\b"
+    r"|\b(?:the|a|an|adversarial|code|last|first|second)\s+review(?:er)?s?\b|\breviewer'?s?\b"
+    r"|\b(?:this|that|the|a|each|one|two|three|several|first|second|third|last|next|previous|earlier|later|another)"
+    r"\s+sessions?\b"
+    r"|\bsessions?'s?\b(?!\.sh)|\bbetween sessions\b"
+    r"|\b(?:this|last|next|previous|the last)\s+(?:wave|round of work)\b|\bthis (?:change|PR|pull request)\b"
+    r"|\b(?:at|since|before|after|as of|from) commit [0-9a-f]{7,40}\b",
+    flags=re.IGNORECASE)
+# Records of provenance that name the commit which wrote a test fixture, so that it can be written again; and the
+# files that hold the rules themselves (their patterns and examples).
+EXEMPT = {"tests/fixtures/pre_layout/README.md", "tests/fixtures/reports_before/README.md",
+          "tests/test_old_checkpoints.py", "tests/test_docs.py", "tests/test_source_rules.py"}
+
+
+def _written_text() -> list[Path]:
+    files = [ROOT / "README.md", *DOCS, *(ROOT / "tests").rglob("*.py"), *(ROOT / "tests").rglob("*.md")]
+    for pattern in ("*.py", "*.yaml", "*.md"):
+        files += (ROOT / "src" / "upcycle").rglob(pattern)
+    return sorted(p for p in files if str(p.relative_to(ROOT)) not in EXEMPT)
+
+
+def test_no_file_narrates_how_it_was_made():
+    found = [f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}" for path in _written_text()
+             for n, line in enumerate(path.read_text().splitlines(), 1) for m in PROCESS_WORDS.finditer(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_process_word_pattern_catches_the_usual_phrases():
+    for phrase in ("every bad input the issue lists", "Issue 11 asked", "(issue 4)", "the adversarial review",
+                   "a reviewer's VM", "the session of this change had no GPU", "over two sessions",
+                   "The second session's runs", "541 s at commit 6b77dce", "differences between sessions"):
+        assert PROCESS_WORDS.search(phrase), phrase
+    for phrase in ("scope=\"session\"", "gpu_session.sh", "onnxruntime.InferenceSession", "seconds_this_session",
+                   "(under review; no arXiv id)", "llama.cpp's own commit 0c1e57098", "round(x, 4)"):
+        assert not PROCESS_WORDS.search(phrase), phrase

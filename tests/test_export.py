@@ -14,8 +14,7 @@ from upcycle.cli import main
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import convert, upcycle_model
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer
-from upcycle.core.surgery import moe_layers
+from upcycle.core.moe import MoELayer, moe_layers
 from upcycle.errors import UpcycleError
 from upcycle.export.qwen2_moe import SHARED_GATE
 from upcycle.export.stock_folder import export_hf

@@ -20,8 +20,7 @@ from conftest import make_tiny
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer
-from upcycle.core.surgery import moe_layers
+from upcycle.core.moe import MoELayer, moe_layers
 from upcycle.data.text import cache_dir
 from upcycle.export.stock_folder import export_hf
 

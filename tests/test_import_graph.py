@@ -132,21 +132,46 @@ def test_an_upward_import_is_reported():
                                      "upcycle.data.text -> upcycle.core.moe"]
 
 
-def test_the_short_names_import_as_modules_in_a_fresh_interpreter():
-    # `import upcycle.losses` works as well as `upcycle.losses` after `import upcycle`, and gives the training
-    # code's own functions. A fresh interpreter, since this one has already imported the package.
+def test_the_public_names_resolve_in_a_fresh_interpreter():
+    """Every name `upcycle` exports loads on first use, from its one home (a fresh interpreter, since this one has
+    already imported the package)."""
     import subprocess
     import sys
 
-    code = ("import upcycle.losses, upcycle.balance, upcycle.teacher\n"
-            "from upcycle.losses import dpsl, load_balance\n"
-            "import upcycle.train.losses as full, upcycle.train.teacher as teacher\n"
-            "assert dpsl is full.dpsl and load_balance is full.load_balance\n"
-            "assert upcycle.teacher.EMATeacher is teacher.EMATeacher\n"
-            "import upcycle\n"
-            "assert upcycle.losses.z_loss is full.z_loss\n")
+    code = ("import upcycle\n"
+            "for name in upcycle.__all__:\n"
+            "    assert getattr(upcycle, name) is not None, name\n"
+            "from upcycle.core.router import RoutingRecord\n"
+            "assert upcycle.RoutingRecord is RoutingRecord\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _only_imports(tree: ast.Module) -> bool:
+    """A module whose body is its docstring, imports and `__all__`: a second name for code that lives elsewhere."""
+    body = [node for node in tree.body
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            and not (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"])]
+    return bool(body) and all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in body)
+
+
+def test_no_module_is_an_alias_and_nothing_is_re_exported():
+    """Each name has one home: no module only re-exports others' names (a package's `__init__` may name its
+    public entry points), and no import is kept alive only to be re-exported (`noqa: F401`)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if path.name != "__init__.py" and _only_imports(ast.parse(text)):
+            found.append(f"{path.relative_to(PACKAGE)} only re-exports names of other modules")
+        found += [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+                  for n, line in enumerate(text.splitlines(), 1) if "noqa: F401" in line]
+    assert not found, "\n".join(found)
+
+
+def test_an_alias_module_is_recognized():
+    alias = ast.parse('"""Short names."""\nfrom .train.losses import z_loss\n__all__ = ["z_loss"]\n')
+    real = ast.parse('"""Losses."""\nimport torch\n\ndef z_loss(x):\n    return x\n')
+    assert _only_imports(alias) and not _only_imports(real)
 
 
 def closure(graph: dict[str, set[str]], start: str) -> set[str]:

@@ -9,7 +9,7 @@ from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.config import ConvertConfig, build
 from upcycle.conversion.pipeline import upcycle_model
-from upcycle.core.surgery import moe_layers
+from upcycle.core.moe import moe_layers
 from upcycle.methods import METHODS
 
 # methods whose experts are a deterministic function of the dense FFN (only the router is drawn)

@@ -171,7 +171,7 @@ def test_train_with_bf16_mixed_precision_stays_finite(tiny_lm, tmp_path):
 def test_bfloat16_weights_convert_and_train(tiny_lm, tmp_path):
     """--dtype bfloat16 conversion, then training the bfloat16 weights (routers stay float32)."""
     import upcycle
-    from upcycle.core.surgery import moe_layers
+    from upcycle.core.moe import moe_layers
 
     dense, _, train_txt, held = tiny_lm
     moe = tmp_path / "moe-bf16"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer, capacity_keep, padding_mask
+from upcycle.core.moe import MoELayer, padding_mask
+from upcycle.core.router import capacity_keep
 
 
 def random_layer(*, E=4, K=2, D=8, F=12, gated=True, bias=False, shared=0, seed=0, **options) -> MoELayer:

@@ -11,7 +11,7 @@ import upcycle
 from upcycle.checkpoint.loading import load_dense
 from upcycle.config import CheckConfig, ConvertConfig, build
 from upcycle.conversion.pipeline import convert, upcycle_model
-from upcycle.core.surgery import moe_layers
+from upcycle.core.moe import moe_layers
 from upcycle.probe import make_probe, probe_output
 
 pytestmark = pytest.mark.slow

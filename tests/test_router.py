@@ -146,7 +146,7 @@ def test_a_checkpoint_without_router_keys_still_loads(tiny_lm, tmp_path):
         layer.pop("score", None)
         layer.pop("route_scale", None)
     spec_file.write_text(json.dumps(spec))
-    from upcycle.core.surgery import moe_layers
+    from upcycle.core.moe import moe_layers
 
     model = upcycle.load(old)
     layers = moe_layers(model)

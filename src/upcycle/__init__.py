@@ -25,18 +25,14 @@ _NAMES = {
     "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.pipeline",
     "upcycle_model": "conversion.pipeline", "load": "checkpoint.save_load", "save": "checkpoint.save_load",
     "MoELayer": "core.moe",
-    "RoutingRecord": "core.moe", "METHODS": "methods",
+    "RoutingRecord": "core.router", "METHODS": "methods",
 }
-_MODULES = ("balance", "losses", "teacher")     # short public modules (upcycle/losses.py, ...)
-
-__all__ = [*_NAMES, *_MODULES, "__version__"]
+__all__ = [*_NAMES, "__version__"]
 
 
 def __getattr__(name: str):
     if name in _NAMES:
         value = getattr(import_module(f".{_NAMES[name]}", __name__), name)
-    elif name in _MODULES:
-        value = import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

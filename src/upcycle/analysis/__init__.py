@@ -7,4 +7,6 @@ metrics.py, similarity.py, routing.py, compactness.py, specialization.py: the nu
 layer.py: all of them for one layer; figures.py and html_report.py: pictures and a page from those dicts.
 """
 
-from .layer import layer_metrics  # noqa: F401  (the notebook entry point: upcycle.analysis.layer_metrics)
+from .layer import layer_metrics
+
+__all__ = ["layer_metrics"]     # the notebook entry point: upcycle.analysis.layer_metrics

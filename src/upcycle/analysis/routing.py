@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.moe import MoELayer, RoutingRecord
-from ..core.router import expert_counts, token_entropy
+from ..core.moe import MoELayer
+from ..core.router import RoutingRecord, expert_counts, token_entropy
 
 
 def routing_entropy(probs_TE: torch.Tensor, mask_T: torch.Tensor | None = None) -> float:

@@ -28,7 +28,7 @@ from torch import nn
 from ..config import MoEConfig
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import compute_dtype, grouped_ffn, tokens_per_call
-from .router import Router, RoutingRecord, capacity_keep, count_ids, router_logits  # noqa: F401  (re-exported)
+from .router import Router, RoutingRecord, count_ids
 
 
 class _CurrentMask:

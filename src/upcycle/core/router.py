@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import SCORES, MoEConfig  # noqa: F401  (SCORES: the score functions, listed with the config)
+from ..config import MoEConfig
 
 
 def router_logits(router: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .moe import MoELayer, RoutingRecord
+from .moe import MoELayer
+from .router import RoutingRecord
 
 
 def is_stock_moe(model_or_config) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import PlacementConfig
 from ..errors import UpcycleError
 from .architectures import Family, family_of, find_tower_layers, mask_root, tower_config
-from .moe import MoELayer, moe_layers, reset_padding_mask, set_padding_mask  # noqa: F401  (moe_layers: re-exported)
+from .moe import MoELayer, reset_padding_mask, set_padding_mask
 
 
 @dataclass(frozen=True)

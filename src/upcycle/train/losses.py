@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.router import token_entropy  # noqa: F401  (public name: upcycle.losses.token_entropy)
-from .dpsl import dpsl  # noqa: F401  (the losses in one place: upcycle.train.losses.dpsl)
+from ..core.router import token_entropy
 
 
 def _per_group(fn: Callable[[torch.Tensor], torch.Tensor], T: int, device, mask_T: torch.Tensor | None,

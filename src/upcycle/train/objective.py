@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..config import RegularizerConfig
-from ..core.moe import RoutingRecord, moe_layers
+from ..core.moe import moe_layers
+from ..core.router import RoutingRecord
 from ..core.stock_moe import StockRouting, is_stock_moe
 from ..errors import UpcycleError
 from . import losses

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import check_sequence_length, task_of
-from ..config import TASKS, TrainConfig  # noqa: F401  (TASKS: upcycle.train.tasks.TASKS)
+from ..config import TrainConfig
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import PackedBatches, SeededBatches, pack_documents
 from ..errors import UpcycleError
