@@ -70,7 +70,7 @@ def screenshot(report: Path, png: Path) -> str | None:
 
 def summary(analysis: dict) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
-    from upcycle.analysis.figures import layer_means
+    from upcycle.figures.plots import layer_means
 
     return {s["label"]: {**{k: (round(v, 5) if isinstance(v, float) else v) for k, v in layer_means(s).items()},
                          "nll_per_source": s["nll"]["per_source"],
@@ -94,7 +94,7 @@ def redraw() -> None:
     import tempfile
 
     sys.path.insert(0, str(ROOT / "src"))
-    from upcycle.analysis.figures import write_figures
+    from upcycle.figures.plots import write_figures
 
     for folder in sorted(RESULTS.glob("analysis_*/")):
         with tempfile.TemporaryDirectory() as tmp:

@@ -39,7 +39,8 @@ from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
 from upcycle.checkpoint.loading import load_model
-from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, recipe_path, to_dict
+from upcycle.config import ConvertConfig, TrainConfig, to_dict
+from upcycle.config_reader import build, load_recipe, recipe_path
 from upcycle.conversion.pipeline import convert
 from upcycle.core.moe import moe_layers
 from upcycle.core.router import router_logits

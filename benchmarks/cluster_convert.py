@@ -51,7 +51,8 @@ def peak_rss_mb() -> float:
 
 
 def child_convert(method: str, tokens: int) -> dict:
-    from upcycle.config import ConvertConfig, build
+    from upcycle.config import ConvertConfig
+    from upcycle.config_reader import build
     from upcycle.conversion.pipeline import convert
 
     cfg = build(ConvertConfig, {"model": "default", "method": method, "moe": {"num_experts": 8, "top_k": 2},

@@ -86,7 +86,8 @@ def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
 
 def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.checkpoint.loading import load_dense
-    from upcycle.config import ConvertConfig, RegularizerConfig, build
+    from upcycle.config import ConvertConfig, RegularizerConfig
+    from upcycle.config_reader import build
     from upcycle.conversion.calibration import text_batches
     from upcycle.conversion.pipeline import upcycle_model
     from upcycle.core.moe import moe_layers

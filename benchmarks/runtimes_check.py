@@ -121,7 +121,8 @@ def versions() -> dict:
 
 
 def convert_case(case: dict, folder: Path) -> None:
-    from upcycle.config import ConvertConfig, build
+    from upcycle.config import ConvertConfig
+    from upcycle.config_reader import build
     from upcycle.conversion.pipeline import convert
 
     if (folder / "upcycle_report.json").is_file():

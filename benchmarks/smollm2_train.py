@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from upcycle.config import recipe_path
+from upcycle.config_reader import recipe_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from upcycle import ConvertConfig, MoEConfig, PlacementConfig, convert
-from upcycle.config import RECIPES, TrainConfig, build, load_recipe
+from upcycle.config import TrainConfig
+from upcycle.config_reader import RECIPES, build, load_recipe
 from upcycle.data.clip_pairs import caption_tokenizer, digits_pairs
 from upcycle.data.tiny_clip import tiny_clip
 from upcycle.files import atomic_directory

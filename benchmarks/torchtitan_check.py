@@ -55,7 +55,8 @@ def main() -> None:
 
     import upcycle
     from runtimes_check import random_qwen3
-    from upcycle.config import ConvertConfig, build
+    from upcycle.config import ConvertConfig
+    from upcycle.config_reader import build
     from upcycle.conversion.pipeline import convert
     from upcycle.data.text import cache_dir
     from upcycle.export.from_folder import export_folder

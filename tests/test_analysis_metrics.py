@@ -1,4 +1,4 @@
-"""docs/methods.md §5 metrics of `upcycle.analysis` on constructed layers and labels with known answers."""
+"""docs/methods.md §5 metrics of `upcycle.metrics` on constructed layers and labels with known answers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
-from upcycle.analysis import layer_metrics
-from upcycle.analysis.compactness import relative_compactness
-from upcycle.analysis.metrics import diversity, expert_similarity
-from upcycle.analysis.routing import (
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer
+from upcycle.metrics import layer_metrics
+from upcycle.metrics.compactness import relative_compactness
+from upcycle.metrics.experts import diversity, expert_similarity
+from upcycle.metrics.routing import (
     expert_routing_probability,
     layer_routing_stats,
     load_cov,
@@ -18,10 +20,8 @@ from upcycle.analysis.routing import (
     record_stats,
     router_load,
 )
-from upcycle.analysis.similarity import expert_outputs, output_similarity, weight_similarity
-from upcycle.analysis.specialization import shuffled_baseline, source_metrics, specialization
-from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer
+from upcycle.metrics.similarity import expert_outputs, output_similarity, weight_similarity
+from upcycle.metrics.specialization import shuffled_baseline, source_metrics, specialization
 
 
 def _layer(experts: FFNWeights, router_ED: torch.Tensor, top_k: int = 1) -> MoELayer:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from conftest import make_tiny
-from upcycle.config import ConvertConfig, RegularizerConfig, build
+from upcycle.config import ConvertConfig, RegularizerConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer

@@ -26,10 +26,9 @@ from upcycle.config import (
     TASKS,
     ConvertConfig,
     TrainConfig,
-    build,
-    coerce,
     to_dict,
 )
+from upcycle.config_reader import build, coerce
 from upcycle.conversion.pipeline import validate as validate_convert
 from upcycle.errors import UpcycleError
 from upcycle.export.registry import STOCK_CLASSES

@@ -7,7 +7,8 @@ import torch
 
 from conftest import make_tiny
 from test_calibration import batches_for
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert, upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer

@@ -165,7 +165,8 @@ def test_copy_upcycled_encoder_gives_the_dense_embeddings_and_the_same_retrieval
 
 
 def test_train_and_eval_an_upcycled_encoder_with_every_router_regularizer(encoder_pair, tmp_path):
-    from upcycle.config import TrainConfig, build
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
     from upcycle.train.evaluate import evaluate_model
     from upcycle.train.run_folder import read_log
     from upcycle.train.trainer import train
@@ -193,7 +194,8 @@ def test_train_and_eval_an_upcycled_encoder_with_every_router_regularizer(encode
 def test_a_forward_without_negatives_is_refused_before_anything_is_written(encoder_pair, tmp_path):
     """One pair per forward (batch_size 1, or batch_size / grad_accum = 1) or pairs that all share one document
     train nothing (loss 0, gradient 0: no in-batch negative): refused, naming why, with OUT left unmade."""
-    from upcycle.config import TrainConfig, build
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
     from upcycle.train.trainer import train
 
     _, moe, data = encoder_pair

@@ -13,7 +13,8 @@ import upcycle
 from conftest import make_tiny
 from upcycle import methods as registry
 from upcycle.cli import main
-from upcycle.config import CheckConfig, ConvertConfig, build
+from upcycle.config import CheckConfig, ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
 from upcycle.core.moe import moe_layers
 from upcycle.errors import UpcycleError

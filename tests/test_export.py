@@ -11,7 +11,8 @@ import transformers as T
 import upcycle
 from conftest import make_tiny
 from upcycle.cli import main
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert, upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer, moe_layers

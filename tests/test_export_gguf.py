@@ -24,7 +24,8 @@ import transformers as T
 import upcycle
 from conftest import TOY_WORDS, make_tiny
 from upcycle.cli import main
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.errors import UpcycleError
 from upcycle.export.gguf import ARCHS, RENORMALIZES, REQUIRED_KEYS, gguf_plan, write_gguf

@@ -15,7 +15,8 @@ import transformers as T
 
 from conftest import TOY_WORDS, make_tiny
 from upcycle.checkpoint.upcycle_format import save_tokenizer
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.data.clip_pairs import caption_tokenizer
 from upcycle.export.stock_folder import export_hf

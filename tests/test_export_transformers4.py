@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer, moe_layers

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import upcycle
-from upcycle.config import CheckConfig, ConvertConfig, build
+from upcycle.config import CheckConfig, ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert
 from upcycle.data.assets import cache_is_intact, plain_from_gguf
 from upcycle.data.text import cache_dir

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 import upcycle
 from conftest import make_tiny
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.core.moe import moe_layers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ import yaml
 from conftest import make_tiny
 from upcycle.cli import main, parser
 from upcycle.commands.convert import convert_config
-from upcycle.config import ConvertConfig, TrainConfig, build, load_recipe, set_override
+from upcycle.config import ConvertConfig, TrainConfig
+from upcycle.config_reader import build, load_recipe, set_override
 from upcycle.conversion.pipeline import validate
 from upcycle.errors import UpcycleError
 

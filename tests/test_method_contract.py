@@ -7,7 +7,8 @@ import torch
 
 from conftest import make_tiny
 from test_calibration import batches_for
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.moe import moe_layers
 from upcycle.methods import METHODS

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from upcycle.analysis.metrics import diversity, expert_similarity, mean_pairwise_cosine
 from upcycle.core.ffn import FFNWeights
+from upcycle.metrics.experts import diversity, expert_similarity, mean_pairwise_cosine
 
 
 def test_identical_experts_have_similarity_one_and_diversity_zero():
@@ -37,7 +37,7 @@ def test_single_expert_has_no_pairs():
 def test_similarity_is_the_same_computed_in_column_blocks(monkeypatch):
     """The Gram matrix is accumulated a block of columns at a time (memory at real sizes); any block size gives
     the same numbers, for contiguous experts and for the expanded views copy-upcycling returns."""
-    import upcycle.analysis.metrics as metrics
+    import upcycle.metrics.experts as metrics
     from upcycle.core.ffn import FFNWeights
 
     g = torch.Generator().manual_seed(3)
@@ -54,7 +54,7 @@ def test_similarity_is_the_same_computed_in_column_blocks(monkeypatch):
 def test_expanded_experts_take_the_norm_shortcut_with_the_same_gram():
     """Copy-upcycled experts are one tensor expanded E times (stride 0): the Gram matrix is then its squared norm
     everywhere, computed once instead of E^2 times, and equal (to float64 rounding) to that of real copies."""
-    import upcycle.analysis.metrics as metrics
+    import upcycle.metrics.experts as metrics
 
     g = torch.Generator().manual_seed(5)
     one = torch.randn(7, 9, generator=g)

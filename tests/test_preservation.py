@@ -12,7 +12,8 @@ import torch
 import upcycle
 from conftest import make_tiny
 from upcycle import methods as registry
-from upcycle.config import CheckConfig, ConvertConfig, build
+from upcycle.config import CheckConfig, ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import PreservationError, convert, upcycle_model
 from upcycle.conversion.preservation import FLOOR_ULPS, ReorderedFFN, rounding_noise
 from upcycle.core.ffn import FFNWeights

@@ -9,7 +9,8 @@ import torch
 
 import upcycle
 from upcycle.checkpoint.loading import load_dense
-from upcycle.config import CheckConfig, ConvertConfig, build
+from upcycle.config import CheckConfig, ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert, upcycle_model
 from upcycle.core.moe import moe_layers
 from upcycle.probe import make_probe, probe_output

@@ -11,7 +11,8 @@ import pytest
 from upcycle.cli import main, parser
 from upcycle.commands.convert import convert_config
 from upcycle.commands.train import train_config
-from upcycle.config import RECIPES, ConvertConfig, build, load_recipe, recipe_names, recipe_path
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import RECIPES, build, load_recipe, recipe_names, recipe_path
 from upcycle.errors import UpcycleError
 
 ROOT = Path(__file__).resolve().parents[1]

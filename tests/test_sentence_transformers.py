@@ -58,7 +58,8 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
     """After training, SentenceTransformer(run/model) is the trained model, mean-pooled and normalized as the
     source was: upcycle's own embedding of the trained weights (mean pool, then L2) within 1e-5."""
     from upcycle.checkpoint.loading import load_model
-    from upcycle.config import TrainConfig, build
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
     from upcycle.train.embedding import embed_texts
     from upcycle.train.trainer import train
 

@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny
 from test_calibration import batches_for
 from upcycle.checkpoint.skeleton import tensor_specs
-from upcycle.config import ConvertConfig, build
+from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.planned import planned_model
 from upcycle.methods import METHODS, get_method

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from upcycle.config import RECIPES, FreezeRule, RegularizerConfig, TrainConfig
+from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
+from upcycle.config_reader import RECIPES
 from upcycle.errors import UpcycleError
 from upcycle.train.freezing import Freezer
 from upcycle.train.run_folder import checkpoints
@@ -223,7 +224,7 @@ def test_train_selects_only_the_named_parameters(tiny_lm, groups, expected):
 @pytest.mark.parametrize("recipe", sorted((RECIPES / "train").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_train_recipes_are_valid(recipe):
-    from upcycle.config import build, load_recipe
+    from upcycle.config_reader import build, load_recipe
 
     cfg = build(TrainConfig, load_recipe(recipe))      # raises for a key out of its range or choices
     assert cfg.steps >= 1 and cfg.model

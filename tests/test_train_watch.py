@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from upcycle.cli import main
-from upcycle.config import EVAL_TOKENS, TrainConfig, build
+from upcycle.config import EVAL_TOKENS, TrainConfig
+from upcycle.config_reader import build
 from upcycle.errors import UpcycleError
 
 RUN = ["--steps", "4", "--batch-size", "4", "--sequence-length", "32", "--lr", "3e-3", "--eval-every", "2",

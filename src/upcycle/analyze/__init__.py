@@ -1,3 +1,3 @@
 """`upcycle analyze`: load a target (model, exported model or training run), run it on named data sources and
 write every docs/methods.md §5 metric as analysis.json, figures and report.html. The numbers come from
-`upcycle.analysis` (pure functions of tensors); this package only loads, runs and writes."""
+`upcycle.metrics` (pure functions of tensors); this package only loads, runs and writes."""

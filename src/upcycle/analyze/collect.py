@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..analysis import layer_metrics
 from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
+from ..metrics import layer_metrics
 from ..probe import ProbeOutput, compare
 from ..train.contrastive import is_encoder
 from ..train.embedding import last_hidden, mean_pool, trim

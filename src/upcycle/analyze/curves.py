@@ -1,5 +1,5 @@
 """A training run's curves, read from its log.jsonl: what `upcycle analyze RUN` stores as analysis.json's
-"training" section and draws as training.png (`upcycle.analysis.figures.training_figure`, docs/training.md,
+"training" section and draws as training.png (`upcycle.figures.plots.training_figure`, docs/training.md,
 "Watching a run").
 
     steps                    the steps that updated the weights (x axis of every per-step series)

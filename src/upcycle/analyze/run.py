@@ -17,8 +17,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..analysis.figures import write_figures
-from ..analysis.html_report import render_report
 from ..checkpoint.folders import Input, claim_output, inputs
 from ..checkpoint.loading import check_sequence_length, dense_config, load_dense
 from ..conversion.sources import held_out_split
@@ -32,6 +30,8 @@ from ..data.source_texts import (
     user_source_texts,
 )
 from ..errors import UpcycleError
+from ..figures.html_report import render_report
+from ..figures.plots import write_figures
 from ..files import file_problem, json_text
 from ..machine import machine
 from .collect import capture, moe_modules, snapshot_metrics

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import STORAGE_DTYPES, ConvertConfig, build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
+from ..config import STORAGE_DTYPES, ConvertConfig
+from ..config_reader import build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
 from ..errors import UpcycleError
 from .flags import ConfigFlag, add_config_flags, apply_sets, dumps, flag_values, nested, quiet_transformers
 

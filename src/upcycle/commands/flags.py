@@ -2,7 +2,7 @@
 
 A flag of `convert` or `train` that sets a config key is declared once, as a `ConfigFlag` naming its dotted key:
 the parser takes the key's existence, default (shown in the help) and allowed values from the config dataclass,
-and the flag's text becomes the key's value through the config's own rule (`upcycle.config.coerce`:
+and the flag's text becomes the key's value through the config's own rule (`upcycle.config_reader.coerce`:
 `--calibration-tokens 1e5` means what `--set calibration.tokens=1e5` means), so a flag cannot drift from its key.
 Configuration precedence (docs/design.md principle 8): dataclass defaults < `--config recipe.yaml` < explicit
 flags < `--set key=value` (repeatable, dotted keys, YAML values).
@@ -17,7 +17,7 @@ import math
 import typing
 from dataclasses import dataclass
 
-from ..config import coerce, refuse_overwrite_key, set_override
+from ..config_reader import coerce, refuse_overwrite_key, set_override
 from ..errors import UpcycleError
 
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import TrainConfig, build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
+from ..config import TrainConfig
+from ..config_reader import build, load_recipe, recipe_names, recipe_path, refuse_overwrite_key
 from .flags import ConfigFlag, add_config_flags, apply_sets, dumps, flag_values, nested, whole_number
 
 CONFIG_FLAGS = (

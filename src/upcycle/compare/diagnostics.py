@@ -1,6 +1,6 @@
 """The analysis metrics of a model's MoE layers on held-out inputs of its task, for `upcycle compare`.
 
-The numbers are `upcycle.analysis.layer_metrics` (docs/methods.md §5, the functions `upcycle analyze` reports) on each
+The numbers are `upcycle.metrics.layer_metrics` (docs/methods.md §5, the functions `upcycle analyze` reports) on each
 MoE layer's inputs at the real tokens of a fixed held-out batch: the first `DIAGNOSTIC_TOKENS` tokens of the
 held-out text (causal LM), the first `DIAGNOSTIC_PAIRS` held-out image-caption pairs (CLIP: each tower's
 layers see their own modality), or the held-out texts the contrastive task keeps for it (its `eval_rows`: the
@@ -20,9 +20,9 @@ import math
 import torch
 from torch import nn
 
-from ..analysis import layer_metrics
 from ..core.modes import eval_mode
 from ..core.moe import moe_layers
+from ..metrics import layer_metrics
 from ..train.embedding import trim
 
 DIAGNOSTIC_TOKENS = 2048       # causal LM: held-out tokens (whole rows)

@@ -32,17 +32,8 @@ from pathlib import Path
 
 from ..checkpoint.folders import Input, inputs
 from ..checkpoint.loading import dense_config
-from ..config import (
-    ConvertConfig,
-    TrainConfig,
-    build,
-    coerce,
-    load_recipe,
-    recipe_path,
-    refuse_overwrite_key,
-    set_override,
-    to_dict,
-)
+from ..config import ConvertConfig, TrainConfig, to_dict
+from ..config_reader import build, coerce, load_recipe, recipe_path, refuse_overwrite_key, set_override
 from ..conversion.pipeline import validate as validate_convert
 from ..core.architectures import family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analysis.figures import STYLE
+from ..figures.plots import STYLE
 from .plan import DENSE
 from .table import METRICS, metric, row_key
 

@@ -28,8 +28,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..analysis.metrics import diversity, expert_similarity
-from ..analysis.routing import layer_routing_stats
 from ..config import ConvertConfig
 from ..core.architectures import Family, find_tower_layers
 from ..core.modes import eval_mode
@@ -37,6 +35,8 @@ from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg
 from ..errors import UpcycleError
 from ..methods import Method
+from ..metrics.experts import diversity, expert_similarity
+from ..metrics.routing import layer_routing_stats
 from .calibration import Reservoir, first_block_inputs, replay_block
 from .layer_check import layer_check
 from .report import LayerCalibration, LayerEntry, RoutingAtInit

@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..analysis.metrics import diversity, expert_similarity
 from ..checkpoint.averaged import AveragedReader
 from ..checkpoint.lazy import checkpoint_names
 from ..checkpoint.loading import DTYPES, load_tokenizer, resolve_device
@@ -58,6 +57,7 @@ from ..export.layout import choose_export
 from ..export.stock_folder import check_export, export_streamed
 from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
+from ..metrics.experts import diversity, expert_similarity
 from ..probe import make_probe
 from .blockwise import BlockVisit, Replayed, ReplayGroup
 from .calibration import Reservoir, text_batches

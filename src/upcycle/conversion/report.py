@@ -84,7 +84,7 @@ class Preservation:
 
 @dataclass
 class RoutingAtInit:
-    """How a layer's router splits the calibration tokens at init (`analysis.routing.layer_routing_stats`)."""
+    """How a layer's router splits the calibration tokens at init (`metrics.routing.layer_routing_stats`)."""
 
     router_load: list[float]
     router_load_cov: float

@@ -25,7 +25,8 @@ import yaml
 
 from ..checkpoint.folders import Input, inputs
 from ..checkpoint.ownership import GROWING, write_marker
-from ..config import TrainConfig, build, to_dict
+from ..config import TrainConfig, to_dict
+from ..config_reader import build
 from ..data.assets import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix

@@ -6,7 +6,7 @@ TensorBoard is the log's numbers, at float32), under these tags:
 
     loss/<term>                        task, each regularizer (unweighted), eesd, total
     lr  tokens  tokens_per_s  seconds  grad_norm
-    routing/<layer>/entropy|load_cov|dropped      per MoE layer (`upcycle.analysis.routing.record_stats`)
+    routing/<layer>/entropy|load_cov|dropped      per MoE layer (`upcycle.metrics.routing.record_stats`)
     eval/<metric>                      perplexity, nll, tokens; CLIP: zero_shot/accuracy, image_to_text/R@1 ...
     skipped                            1 at a step that did not update the weights
 

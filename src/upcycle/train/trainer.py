@@ -19,11 +19,11 @@ import os
 import time
 from pathlib import Path
 
-from ..analysis.routing import record_stats
 from ..checkpoint.folders import claim_output
 from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
+from ..metrics.routing import record_stats
 from .accelerator import make_accelerator, prepare, sharding_of
 from .checkpointer import Checkpointer, finite_parameters
 from .evaluate import progress_bars

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..core.ffn import FFNWeights, activation_fn
 
 # the Gram matrix accumulated a block of columns at a time (no float64 copy of whole experts), and its cosines
-from .metrics import cosine_matrix, gram_matrix
+from .experts import cosine_matrix, gram_matrix
 
 
 def _summary(cos_EE: torch.Tensor) -> dict:

@@ -12,7 +12,7 @@ import base64
 import html
 import math
 
-from .figures import block_index, is_embedding_analysis, layer_means
+from .plots import block_index, is_embedding_analysis, layer_means
 
 CSS = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1040px;

@@ -1,6 +1,6 @@
 """Every docs/methods.md §5 metric of one MoE layer on a set of its input tokens, as one plain dict:
 
-    from upcycle.analysis import layer_metrics
+    from upcycle.metrics import layer_metrics
     m = layer_metrics(layer, x_TD)                     # x_TD: the layer's inputs (the FFN inputs) [T, D]
     m = layer_metrics(layer, x_TD, sources_T, ["wiki", "code"])     # + specialization by data source
 
@@ -24,7 +24,7 @@ import torch
 
 from ..core.moe import MoELayer
 from .compactness import relative_compactness
-from .metrics import diversity
+from .experts import diversity
 from .routing import expert_routing_probability, load_cov, probability_histograms, router_load, routing_entropy
 from .similarity import expert_outputs, output_similarity, weight_similarity
 from .specialization import source_metrics
