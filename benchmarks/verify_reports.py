@@ -26,7 +26,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import upcycle
-from upcycle.data.assets import resolve_model_name
+from upcycle.data.model_names import resolve_model_name
 from upcycle.data.text import wikipedia_split
 
 

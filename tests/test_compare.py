@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from conftest import write_tiny_lm
 from upcycle.cli import main
-from upcycle.compare.plan import CompareRequest, make_plan
+from upcycle.compare.plan import make_plan
+from upcycle.compare.request import CompareRequest
 from upcycle.compare.study import compare
 from upcycle.errors import UpcycleError
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_tiny
-from upcycle.compare.plan import CompareRequest
+from upcycle.compare.request import CompareRequest
 from upcycle.compare.study import compare
 from upcycle.data.text_pairs import read_text_pairs
 from upcycle.errors import UpcycleError

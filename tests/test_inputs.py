@@ -305,16 +305,16 @@ def test_local_path_typo_is_a_missing_folder_at_once(tmp_path, monkeypatch, caps
 
 
 def test_hub_ids_and_files_as_model_names(tmp_path, monkeypatch):
-    from upcycle.data import assets
-    from upcycle.data.assets import resolve_model_name
+    from upcycle.data import model_names
+    from upcycle.data.model_names import resolve_model_name
 
     monkeypatch.chdir(tmp_path)
     # no folder `HuggingFaceTB` here: a hub id, passed on untouched when the hub can be reached
-    monkeypatch.setattr(assets, "hub_reachable", lambda: True)
+    monkeypatch.setattr(model_names, "hub_reachable", lambda: True)
     assert resolve_model_name("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
     assert resolve_model_name("gpt2") == "gpt2"
     # and refused at once when it cannot (no half-minute of retries)
-    monkeypatch.setattr(assets, "hub_reachable", lambda: False)
+    monkeypatch.setattr(model_names, "hub_reachable", lambda: False)
     with pytest.raises(UpcycleError, match="the hub .* cannot be reached from this machine"):
         resolve_model_name("gpt2")
     (tmp_path / "model.safetensors").write_bytes(b"")

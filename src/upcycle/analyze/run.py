@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..checkpoint.folders import Input, claim_output, inputs
 from ..checkpoint.loading import check_sequence_length, dense_config, load_dense
 from ..conversion.sources import held_out_split
-from ..data.assets import model_inputs
+from ..data.model_names import model_inputs
 from ..data.source_texts import (
     DEFAULT_SOURCES,
     SourceRows,

@@ -27,7 +27,8 @@ from ..config import STORAGE_DTYPES
 from ..core.architectures import family_of, find_family
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import track_padding_masks
-from ..data.assets import DEFAULT_MODEL_NAMES, resolve_model_name
+from ..data.assets import DEFAULT_MODEL_NAMES
+from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
 from .agreement import check_dense_checkpoint
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from ..compare.plan import KEEP, CompareRequest
+from ..compare.request import KEEP, CompareRequest
 from ..compare.study import compare
 from .flags import comma_list, quiet_transformers, whole_number
 

@@ -63,7 +63,7 @@ def run_defaults(run: Path) -> dict:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..checkpoint.folders import Input, claim_output, inputs
-    from ..data.assets import model_inputs
+    from ..data.model_names import model_inputs
     from ..train.evaluate import evaluate_model
 
     if args.quiet:

@@ -27,7 +27,8 @@ from ..train.run_state import newest_complete
 from ..train.tasks import make_task
 from ..train.trainer import train
 from .diagnostics import diagnose, held_out_batches
-from .plan import DENSE, Cell, Plan
+from .plan import Cell, Plan
+from .request import DENSE
 
 RESULT = "cell.json"
 

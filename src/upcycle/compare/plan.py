@@ -26,43 +26,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.folders import Input, inputs
 from ..checkpoint.loading import dense_config
 from ..config import ConvertConfig, TrainConfig, to_dict
-from ..config_reader import build, coerce, load_recipe, recipe_path, refuse_overwrite_key, set_override
+from ..config_reader import build, recipe_path
 from ..conversion.pipeline import validate as validate_convert
 from ..core.architectures import family_of
-from ..data.assets import DEFAULT_MODEL_NAMES, model_inputs
+from ..data.assets import DEFAULT_MODEL_NAMES
+from ..data.model_names import model_inputs
 from ..errors import UpcycleError
 from ..methods import get_method
+from .request import DENSE, CompareRequest, eesd_label, parse_grid, read_recipes
 from .text_calibration import CALIBRATION_TEXTS, TextCalibration, text_calibration
 
-DENSE = "dense"                # the dense-continued baseline's method name
-KEEP = ("all", "models", "results")
 STUDY = "study.json"
 FORMAT = "upcycle-compare"
 CALIBRATION_PAIRS = Path("calibration") / "train_pairs.safetensors"
-
-
-@dataclass(frozen=True)
-class CompareRequest:
-    """What the user asked for, as written (the CLI's flags, or a script's arguments)."""
-
-    model: str
-    methods: tuple[str, ...]
-    train_recipe: str | None
-    seeds: tuple[int | str, ...] = (0,)
-    eesd: tuple[str | float, ...] | None = None     # "none" or a coefficient; None: the recipe's own
-    train_sets: tuple[str, ...] = ()                # KEY=VALUE on the train config
-    convert_recipe: str | None = None
-    convert_sets: tuple[str, ...] = ()              # KEY=VALUE on the convert config (every method)
-    method_sets: tuple[str, ...] = ()               # METHOD.KEY=VALUE on one method's convert config
-    method_recipes: tuple[str, ...] = ()            # METHOD=RECIPE: that method's train recipe
-    keep: str = "models"
 
 
 @dataclass(frozen=True)
@@ -103,69 +85,6 @@ class Plan:
         return self.out / "conversions" / f"{cell.method}-seed-{cell.seed}"
 
 
-def eesd_label(value: float | None) -> str:
-    return "none" if not value else f"{value:g}"
-
-
-def _eesd_settings(values: tuple[str | float, ...] | None) -> list[float | None]:
-    """--eesd values as coefficients (none = 0.0); None = keep the recipe's own value."""
-    if values is None:
-        return [None]
-    if not values:
-        raise UpcycleError("--eesd needs at least one value: none or a coefficient such as 1.0")
-    out = []
-    for text in values:
-        if isinstance(text, str) and text.strip().lower() in ("none", "off"):
-            value = 0.0
-        else:
-            value = coerce(text, float, "--eesd value")
-            if not (math.isfinite(value) and value >= 0):
-                raise UpcycleError(f"--eesd values are none or a finite coefficient >= 0, got {text!r}")
-        if value in out:
-            raise UpcycleError(f"--eesd lists {eesd_label(value)} twice")
-        out.append(value)
-    return out
-
-
-def _seeds(values: tuple[int | str, ...]) -> list[int]:
-    if not values:
-        raise UpcycleError("--seeds needs at least one seed")
-    seeds = [coerce(v, int, "--seeds value") for v in values]
-    if any(s < 0 for s in seeds):
-        raise UpcycleError(f"--seeds must be whole numbers >= 0, got {list(values)}")
-    if len(set(seeds)) != len(seeds):
-        raise UpcycleError(f"--seeds lists a seed twice: {seeds}")
-    return seeds
-
-
-def _methods(names: tuple[str, ...]) -> list[str]:
-    if not names:
-        raise UpcycleError("--methods needs at least one method (see `upcycle methods`)")
-    for name in names:
-        if name == DENSE:
-            raise UpcycleError("the dense-continued baseline is always run: leave 'dense' out of --methods")
-        get_method(name)                       # an unknown method is refused with the list of known ones
-    if len(set(names)) != len(names):
-        raise UpcycleError(f"--methods lists a method twice: {list(names)}")
-    return list(names)
-
-
-def _split_method_key(assignment: str, sep: str, what: str, methods: list[str]) -> tuple[str, str]:
-    """'drop.method_args.ratio=0.25' -> ('drop', 'method_args.ratio=0.25') (sep '.'); 'spri=r.yaml' (sep '=')."""
-    method, found, rest = assignment.partition(sep)
-    if not found or not rest:
-        raise UpcycleError(f"{what} {assignment!r}: expected METHOD{sep}...")
-    if method not in methods:
-        raise UpcycleError(f"{what} {assignment!r}: {method!r} is not one of --methods ({', '.join(methods)})")
-    return method, rest
-
-
-def _recipe(path: str | None, what: str) -> dict:
-    data = load_recipe(recipe_path(path, "convert" if what == "convert recipe" else "train"))   # a name or a file
-    refuse_overwrite_key(data, f"{what} {path}")
-    return data
-
-
 def task_of_model(model: str) -> str:
     """The task the dense model trains on, from its config alone (no weights read): its family's (CLIP), else
     contrastive for an encoder (a family that attends both ways, not configured as a decoder: what
@@ -179,37 +98,14 @@ def task_of_model(model: str) -> str:
 
 def make_plan(request: CompareRequest, out: str | Path) -> Plan:
     """Every cell's configs, checked (method, arguments, ranges, recipes, OUT, existing cells) before any output."""
-    if request.keep not in KEEP:
-        raise UpcycleError(f"--keep must be one of {', '.join(KEEP)}, got {request.keep!r}")
-    methods = _methods(tuple(request.methods))
-    eesd = _eesd_settings(None if request.eesd is None else tuple(request.eesd))
-    seeds = _seeds(tuple(request.seeds))
-    if request.train_recipe is None:
-        raise UpcycleError("compare needs a training recipe (--config, e.g. clip-up or a YAML file): every cell "
-                           "trains with it, so the methods get the same token budget")
+    methods, eesd, seeds = parse_grid(request)
     task = task_of_model(request.model)             # also: the model exists and its architecture is supported
     out = Path(out).expanduser()
     root = out.absolute()
-
-    base_train = _recipe(request.train_recipe, "recipe")
-    method_recipes = {}
-    for assignment in request.method_recipes:
-        method, path = _split_method_key(assignment, "=", "--method-config", methods)
-        method_recipes[method] = _recipe(path, "recipe")
-    base_convert = _recipe(request.convert_recipe, "convert recipe")
-    for assignment in request.convert_sets:
-        refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--convert-set {assignment}")
-        set_override(base_convert, assignment)
-    method_sets: dict[str, dict] = {m: {} for m in methods}
-    for assignment in request.method_sets:
-        method, rest = _split_method_key(assignment, ".", "--method-set", methods)
-        set_override(method_sets[method], rest)
+    recipes = read_recipes(request, methods)
 
     def train_config(method: str, model: str, seed: int, value: float | None) -> TrainConfig:
-        data = json.loads(json.dumps(method_recipes.get(method, base_train)))    # a deep copy
-        for assignment in request.train_sets:
-            refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--set {assignment}")
-            set_override(data, assignment)
+        data = recipes.train_data(method)
         data["model"], data["seed"] = model, seed
         if value is not None:
             data.setdefault("regularizers", {})["eesd"] = value
@@ -225,13 +121,13 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
                 train = train_config(method, request.model, seed, value)
                 coefficient = train.regularizers.eesd          # the recipe's own when --eesd is not given
                 name = f"{method}-eesd-{eesd_label(coefficient)}-seed-{seed}"
-                data = json.loads(json.dumps(base_convert))
+                data = json.loads(json.dumps(recipes.convert))
                 recipe_method = data.get("method")
                 data["method"], data["model"], data["seed"] = method, request.model, seed
                 # a convert recipe's method_args belong to the method it names; other methods start from none
                 args = dict(data.get("method_args") or {}) if recipe_method in (None, method) else {}
-                data["method_args"] = {**args, **method_sets[method].get("method_args", {})}
-                for key, section in method_sets[method].items():
+                data["method_args"] = {**args, **recipes.method_sets[method].get("method_args", {})}
+                for key, section in recipes.method_sets[method].items():
                     if key != "method_args":
                         data[key] = {**data.get(key, {}), **section} if isinstance(section, dict) else section
                 texts = False

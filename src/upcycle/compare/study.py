@@ -31,7 +31,8 @@ from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, mo
 from ..machine import machine
 from ..version import __version__
 from .cell import finished, run_cell, write_json
-from .plan import FORMAT, STUDY, CompareRequest, Plan, compare_inputs, make_plan
+from .plan import FORMAT, STUDY, Plan, compare_inputs, make_plan
+from .request import CompareRequest
 from .study_figures import write_figures
 from .table import markdown, rows
 from .text_calibration import write_text_calibration

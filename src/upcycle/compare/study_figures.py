@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..figures.plots import STYLE
-from .plan import DENSE
+from .request import DENSE
 from .table import METRICS, metric, row_key
 
 

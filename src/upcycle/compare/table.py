@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 
-from .plan import DENSE, eesd_label
+from .request import DENSE, eesd_label
 
 # task -> [(key, label, path into an evaluation dict)]; the first is the table's held-out metric
 METRICS = {

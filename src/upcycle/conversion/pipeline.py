@@ -30,7 +30,7 @@ from ..checkpoint.folders import Claim, Input, claim_output, inputs
 from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
 from ..checkpoint.save_load import mark_upcycled
 from ..config import ConvertConfig, MoEConfig, to_dict
-from ..data.assets import model_inputs
+from ..data.model_names import model_inputs
 from ..errors import UpcycleError
 from ..export.layout import choose_export
 from ..files import json_text

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import MoEConfig, to_dict
-from ..data.assets import recorded_location
+from ..data.model_names import recorded_location
 from ..errors import UpcycleError
 from ..version import __version__
 

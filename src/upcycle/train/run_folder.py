@@ -27,7 +27,7 @@ from ..checkpoint.folders import Input, inputs
 from ..checkpoint.ownership import GROWING, write_marker
 from ..config import TrainConfig, to_dict
 from ..config_reader import build
-from ..data.assets import model_inputs, recorded_location
+from ..data.model_names import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..files import clean_stale_temporaries, replace_directory, temp_prefix
 from . import run_state
