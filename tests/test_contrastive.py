@@ -21,9 +21,10 @@ from upcycle.data.text_pairs import (
     split_by_document,
 )
 from upcycle.errors import UpcycleError
-from upcycle.train.contrastive import InfoNCE, PairBatches, info_nce, pair_loss, uses_contrastive
+from upcycle.train.contrastive import InfoNCE, PairBatches, info_nce, pair_loss
 from upcycle.train.embedding import embed_texts, last_hidden, mean_pool
 from upcycle.train.retrieval import pair_retrieval, retrieval_metrics
+from upcycle.train.task_kind import uses_contrastive
 
 WORDS = "the a cat dog bird sat ran flew on under over mat tree roof red blue big small".split()
 

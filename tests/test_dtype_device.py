@@ -11,9 +11,10 @@ import torch
 
 from conftest import write_tiny_lm
 from upcycle import ConvertConfig, MoEConfig, convert
-from upcycle.checkpoint.loading import resolve_device, resolve_dtype
+from upcycle.checkpoint.loading import resolve_dtype
 from upcycle.checkpoint.reader import CheckpointReader
 from upcycle.config import CalibrationConfig, CheckConfig, PlacementConfig
+from upcycle.core.devices import resolve_device
 from upcycle.errors import UpcycleError
 
 

@@ -31,8 +31,8 @@ from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
 from ..metrics import layer_metrics
 from ..probe import ProbeOutput, compare
-from ..train.contrastive import is_encoder
 from ..train.embedding import last_hidden, mean_pool, trim
+from ..train.task_kind import is_encoder
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -35,7 +35,7 @@ from ..train.run_folder import INPUTS
 
 def is_encoder_folder(folder: str | Path) -> bool:
     """Whether an upcycle folder's base model is an encoder (a family that attends both ways, not configured as
-    a decoder: `upcycle.train.contrastive.is_encoder` on the config alone); False for any other folder."""
+    a decoder: `upcycle.train.task_kind.is_encoder` on the config alone); False for any other folder."""
     if not (Path(folder) / MOE_CONFIG).is_file():
         return False
     config = base_config(folder)

@@ -5,8 +5,8 @@
   upcycle folder (upcycle_config.json)           -> `upcycle.checkpoint.upcycle_format.load`
   stock MoE checkpoint (`--export hf`)           -> transformers' own class, as it is (`upcycle.core.stock_moe`)
 
-`load_model` picks among them for `train` and `eval`; `task_of` says which task a model trains on, and refuses
-models neither task fits (encoders); `check_sequence_length` refuses rows longer than a learned position table.
+`load_model` picks among them for `train` and `eval` (which task a model then trains on is
+`upcycle.train.task_kind`'s question); `check_sequence_length` refuses rows longer than a learned position table.
 
 A model folder from someone else is data, never code, and never a way out of itself: every transformers load
 here passes `trust_remote_code=False` (a folder whose config asks for its own Python is refused, whatever stdin
@@ -38,7 +38,6 @@ from .upcycle_format import load as load_upcycled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == STORAGE_DTYPES, "the config's dtype choices are these dtypes"
-DEVICE_CHOICES = "auto, cpu, cuda, cuda:N"
 
 
 def resolve_dtype(setting: str, config) -> str:
@@ -51,26 +50,6 @@ def resolve_dtype(setting: str, config) -> str:
     stated = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     name = str(stated).removeprefix("torch.") if stated is not None else None
     return name if name in DTYPES else "float32"
-
-
-def resolve_device(setting: str) -> torch.device:
-    """The device calibration, the methods' linear algebra and the checks run on: "auto" is the first GPU when
-    torch sees one, else the CPU; a GPU that is not there is an error (not a silent CPU run)."""
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(setting)
-    except (RuntimeError, TypeError):
-        raise UpcycleError(f"device must be one of {DEVICE_CHOICES}, got {setting!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise UpcycleError(f"device must be one of {DEVICE_CHOICES}, got {setting!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UpcycleError(f"device {setting!r}: torch sees no CUDA GPU here (torch {torch.__version__}); use "
-                               f"--device cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UpcycleError(f"device {setting!r}: torch sees {torch.cuda.device_count()} GPU(s)")
-    return device
 
 
 def check_model_folder(folder: str | Path) -> None:
@@ -266,37 +245,6 @@ def load_model(name: str) -> tuple[nn.Module, object | None]:
     model, tokenizer = load_dense(name)
     track_padding_masks(model)
     return model, tokenizer
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """Whether the model predicts the next token: a class of transformers' causal-LM table, and for families that
-    attend both ways (BERT's LM-head class; `bidirectional` in the architecture table) only when configured as a
-    decoder, since otherwise `labels = input_ids` would be an identity task."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
-    if type(model).__name__ not in names:
-        return False
-    family = find_family(model.config)      # None for stock MoE checkpoints: decoders
-    return family is None or not family.bidirectional or bool(getattr(model.config, "is_decoder", False))
-
-
-def task_of(model: nn.Module, requested: str | None = None) -> str:
-    """The task a model trains on: the one its architecture row names for its type (CLIP models: contrastive),
-    else next tokens for causal LMs; anything else (a BERT encoder, a masked-LM head) is refused rather than
-    trained on a task that means nothing for it."""
-    family = find_family(model.config)
-    kind = family.task_of(model.config) if family is not None else None
-    if kind is None and is_causal_lm(model):
-        kind = "causal_lm"
-    if kind is None:
-        raise UpcycleError(f"{type(model).__name__} ({model.config.model_type}) is not a causal language model or "
-                           f"CLIP: `upcycle train` and `upcycle eval` know next-token prediction and CLIP's "
-                           f"contrastive task; masked-LM training and pseudo-perplexity are not implemented, and "
-                           f"next-token training of an encoder that sees the whole sequence would be meaningless")
-    if requested is not None and requested != kind:
-        raise UpcycleError(f"task {requested!r} does not fit a {type(model).__name__} (its task is {kind!r})")
-    return kind
 
 
 def check_sequence_length(model: nn.Module, sequence_length: int) -> None:

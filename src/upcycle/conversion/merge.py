@@ -41,13 +41,14 @@ from torch import nn
 
 from ..checkpoint.averaged import AveragedReader
 from ..checkpoint.lazy import checkpoint_names
-from ..checkpoint.loading import DTYPES, load_tokenizer, resolve_device
+from ..checkpoint.loading import DTYPES, load_tokenizer
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
 from ..checkpoint.upcycle_format import moe_spec, save_configs
 from ..checkpoint.writer import parse_size
 from ..config import ConvertConfig
 from ..core.architectures import TOKEN_IDS, family_of
+from ..core.devices import resolve_device
 from ..core.ffn import FFNWeights
 from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg

@@ -27,9 +27,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint.folders import Claim, Input, claim_output, inputs
-from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_device, resolve_dtype
+from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_dtype
 from ..checkpoint.save_load import mark_upcycled
 from ..config import ConvertConfig, MoEConfig, to_dict
+from ..core.devices import resolve_device
 from ..data.model_names import model_inputs
 from ..errors import UpcycleError
 from ..export.layout import choose_export

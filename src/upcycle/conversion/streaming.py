@@ -31,12 +31,13 @@ from torch import nn
 
 from ..checkpoint.heap import trim_heap
 from ..checkpoint.lazy import blocks_on_demand, materialize, materialize_trunk, release
-from ..checkpoint.loading import DTYPES, resolve_device
+from ..checkpoint.loading import DTYPES
 from ..checkpoint.skeleton import bytes_by_block, tensor_specs
 from ..checkpoint.streamed import NotStreamable, StreamSource
 from ..checkpoint.writer import ShardedWriter
 from ..config import ConvertConfig
 from ..core.architectures import family_of
+from ..core.devices import resolve_device
 from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
 from ..export.protocol import StockClass

@@ -7,9 +7,9 @@ probe file, and a merge's sources.
 
 from __future__ import annotations
 
-from ..checkpoint.loading import resolve_device
 from ..checkpoint.writer import parse_size
 from ..config import ConvertConfig
+from ..core.devices import resolve_device
 from ..errors import UpcycleError
 from ..export.registry import STOCK_CLASSES
 from ..files import file_problem

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint.loading import check_sequence_length, is_causal_lm
+from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
-from ..core.architectures import find_family
 from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs
 from ..errors import UpcycleError
@@ -77,25 +76,6 @@ class InfoNCE(nn.Module):
     def forward(self, query_BE: torch.Tensor, doc_BE: torch.Tensor, same_BB: torch.Tensor | None = None,
                 ) -> torch.Tensor:
         return info_nce(query_BE, doc_BE, self.temperature, same_BB)
-
-
-def is_encoder(model: nn.Module) -> bool:
-    """A model that attends both ways and predicts no next token (BERT's family, any head but a decoder's)."""
-    family = find_family(model.config)
-    return family is not None and family.bidirectional and not is_causal_lm(model)
-
-
-def uses_contrastive(model: nn.Module, requested: str | None) -> bool:
-    """Whether the model trains (and evaluates) on this task: asked for, or not asked for and an encoder (the
-    only task upcycle has for encoders). Asked for on a model that is not an encoder, it is refused."""
-    if requested == "contrastive":
-        if not is_encoder(model):
-            raise UpcycleError(f"task 'contrastive' trains a text encoder (the BERT family); {type(model).__name__} "
-                               f"({model.config.model_type}) is not one" +
-                               (" (CLIP's own contrastive task is 'clip')" if find_family(model.config) is not None
-                                and find_family(model.config).name == "clip" else ""))
-        return True
-    return requested is None and is_encoder(model)
 
 
 class PairBatches(SeededBatches):

@@ -160,7 +160,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     (a terminal's) and the held-out budget said there."""
     from pathlib import Path
 
-    from ..checkpoint.loading import check_sequence_length, load_model, task_of
+    from ..checkpoint.loading import check_sequence_length, load_model
     from ..data.clip_pairs import load_pairs
     from ..data.packing import pack_documents
     from ..data.text import read_texts, wikipedia_split
@@ -171,13 +171,14 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     if sequence_length < 2:
         raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
     model, tokenizer = load_model(name)
-    from .contrastive import evaluate_encoder, uses_contrastive
+    from .contrastive import evaluate_encoder
+    from .task_kind import model_task
 
-    if uses_contrastive(model, task):      # encoders: retrieval on text pairs (`pairs`: how many)
+    task = model_task(model, task)
+    if task == "contrastive":      # encoders: retrieval on text pairs (`pairs`: how many)
         with progress_bars("eval" if progress else None):
             return {"model": name, "task": "contrastive",
                     **evaluate_encoder(model, tokenizer, data, sequence_length=sequence_length, pairs=pairs)}
-    task = task_of(model, task)
     result = {"model": name, "task": task}
     if tokenizer is None:
         raise UpcycleError(f"{name} has no tokenizer to evaluate it with")

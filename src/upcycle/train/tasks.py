@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.loading import check_sequence_length, task_of
+from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import PackedBatches, SeededBatches, pack_documents
 from ..errors import UpcycleError
 from .evaluate import clip_metrics, held_out_rows, perplexity
 from .objective import causal_lm_loss
+from .task_kind import model_task
 
 
 class CausalLMTask:
@@ -130,11 +131,11 @@ def from_embedded_model(name: str) -> bool:
 
 
 def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
-    from .contrastive import ContrastiveTask, uses_contrastive
+    from .contrastive import ContrastiveTask
 
-    if uses_contrastive(model, cfg.task):        # encoders: text pairs (upcycle.train.contrastive)
+    kind = model_task(model, cfg.task)
+    if kind == "contrastive":        # encoders: text pairs (upcycle.train.contrastive)
         return ContrastiveTask(cfg, model, tokenizer)
-    kind = task_of(model, cfg.task)
     if kind == "clip":
         return CLIPTask(cfg, model, tokenizer)
     return CausalLMTask(cfg, model, tokenizer, is_default=from_embedded_model(cfg.model))
