@@ -67,8 +67,20 @@ def run(*args) -> None:
     subprocess.run([*UPCYCLE, *map(str, args), *quiet, "--overwrite"], check=True, cwd=ROOT)
 
 
+def perturbed_copy(base: Path, folder: Path, seed: int, tensors: dict | None = None) -> None:
+    """A stand-in for a fine-tune of `base` in `folder`: its config, and its weights with N(0, 0.002²) added to
+    every FFN tensor (seeded), so that the experts differ as fine-tunes' do."""
+    tensors = load_file(str(base / "model.safetensors")) if tensors is None else tensors
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    changed = {k: (v + rng.normal(0, 0.002, v.shape).astype(v.dtype)) if ".mlp." in k else v
+               for k, v in tensors.items()}
+    save_file(changed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(base / "config.json", folder / "config.json")
+
+
 def make_sources(base: Path, work: Path) -> list[tuple[Path, Path]]:
-    """Three 'fine-tunes': the base with a seeded perturbation of every FFN weight, and a text file each."""
+    """Three 'fine-tunes' (`perturbed_copy`), and a text file each."""
     tensors = load_file(str(base / "model.safetensors"))
     texts = {
         "prose": "The history of the town dates back to the twelfth century, when a small market grew by the river.",
@@ -78,12 +90,7 @@ def make_sources(base: Path, work: Path) -> list[tuple[Path, Path]]:
     made = []
     for seed, name in enumerate(SOURCES):
         folder = work / "sources" / name
-        folder.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(seed)
-        changed = {k: (v + rng.normal(0, 0.002, v.shape).astype(v.dtype)) if ".mlp." in k else v
-                   for k, v in tensors.items()}
-        save_file(changed, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(base / "config.json", folder / "config.json")
+        perturbed_copy(base, folder, seed, tensors)
         data = work / "sources" / f"{name}.txt"
         data.write_text("\n".join(f"{texts[name]} ({i})" for i in range(40)) + "\n")
         made.append((folder, data))

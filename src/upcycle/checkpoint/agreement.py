@@ -13,6 +13,7 @@ path (a conversion in memory or streamed, training, evaluation, `upcycle.load`):
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -59,11 +60,29 @@ def check_checkpoint(model: nn.Module, reader: CheckpointReader, what: str) -> N
                     f"meant to be one tensor")
 
 
+_SKELETONS: dict[str, nn.Module] = {}
+
+
+def _skeleton(config) -> nn.Module:
+    """The weightless model of a config, built once for every checkpoint with that config (a merge's sources
+    share the base's) and only read (`check_checkpoint`); the last two are kept. Built from a copy: building a
+    model sets the config's dtype, and the caller's config must still say the checkpoint's (the conversion's
+    default dtype follows it)."""
+    from .skeleton import empty_model
+
+    key = json.dumps({k: v for k, v in config.to_dict().items() if k != "_name_or_path"}, sort_keys=True,
+                     default=str)       # every folder's config names its folder: the model does not depend on it
+    if key not in _SKELETONS:
+        while len(_SKELETONS) >= 2:
+            _SKELETONS.pop(next(iter(_SKELETONS)))
+        _SKELETONS[key] = empty_model(copy.deepcopy(config), torch.float32)
+    return _SKELETONS[key]
+
+
 def check_dense_checkpoint(path: str, config, what: str) -> None:
     """`check_checkpoint` for a dense model's local folder (a hub id is read by transformers, as it reads it)."""
     if not Path(path).is_dir():
         return
-    from .skeleton import empty_model
 
     try:
         reader = CheckpointReader(path, check_values=False)
@@ -71,9 +90,7 @@ def check_dense_checkpoint(path: str, config, what: str) -> None:
         return                  # no safetensors here: the loader says what is missing
     try:
         try:
-            # a copy: building a model sets the config's dtype, and the caller's config must still say the
-            # checkpoint's (the conversion's default dtype follows it)
-            model = empty_model(copy.deepcopy(config), torch.float32)
+            model = _skeleton(config)
         except Exception:       # a config that does not build (an unknown activation...): its loader says why
             return
         check_checkpoint(model, reader, what)

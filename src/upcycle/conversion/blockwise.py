@@ -35,7 +35,7 @@ from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg
 from ..errors import UpcycleError
 from ..methods import Method
-from ..metrics.experts import diversity, expert_similarity
+from ..metrics.experts import similarity_and_diversity
 from ..metrics.routing import layer_routing_stats
 from .calibration import Reservoir, first_block_inputs, replay_block
 from .layer_check import layer_check
@@ -224,8 +224,7 @@ class MethodLayers:
         init = self.method(dense.map(lambda w: w.float()), self.args, num_experts=cfg.moe.num_experts,
                            top_k=cfg.moe.top_k, generator=layer_generator(cfg.seed, target),
                            normalize_topk=cfg.moe.normalize_topk, activations=activations)
-        entry = LayerEntry(target.name, target.path, init.info, expert_similarity(init.experts),
-                           diversity(init.experts))
+        entry = LayerEntry(target.name, target.path, init.info, *similarity_and_diversity(init.experts))
         with torch.device(dense.w_up.device):       # where the block is (the GPU with --device cuda)
             layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
                                        router_bias_E=init.router_bias_E, dtype=self.layer_dtype or dense.w_up.dtype,

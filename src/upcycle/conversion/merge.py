@@ -58,14 +58,14 @@ from ..export.layout import choose_export
 from ..export.stock_folder import check_export, export_streamed
 from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
-from ..metrics.experts import diversity, expert_similarity
+from ..metrics.experts import similarity_and_diversity
 from ..probe import make_probe
 from .blockwise import BlockVisit, Replayed, ReplayGroup
 from .calibration import Reservoir, text_batches
 from .planned import planned_model
 from .preservation import count_parameters
 from .report import Converted, LayerEntry, Timings
-from .sources import Source, held_out_split, open_sources, source_name
+from .sources import Source, held_out_split, source_name
 from .streaming import COMPUTE_DTYPE, stream_convert
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
@@ -79,9 +79,21 @@ def _texts(path: str, where: str) -> list[str]:
         raise UpcycleError(f"{where}: {e}") from None
 
 
-def source_batches(cfg: ConvertConfig, tokenizer, index: int) -> dict[str, list[dict]]:
-    """The token batches of source `index`, by group (GROUPS; a group without text is absent). The held-out
-    documents are a seeded random `held_out` share of `data` unless `eval_data` is given."""
+def needed_groups(cfg: ConvertConfig, method: Method) -> set[str]:
+    """The groups a merge replays: held-out text for the agreement report; the calibration text for the `data`
+    router and for a method that needs calibration data; the prompts for the `prompts` router. Text nothing uses
+    is not replayed (the replay is most of a merge's time)."""
+    wanted = {"held_out"}
+    if cfg.sources.router == "data" or method.needs_calibration:
+        wanted.add("calibration")
+    if cfg.sources.router == "prompts":
+        wanted |= {"prompts", "negative_prompts"}
+    return wanted
+
+
+def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS) -> dict[str, list[dict]]:
+    """The token batches of source `index`, by group (those of `kinds`; a group without text is absent). The
+    held-out documents are a seeded random `held_out` share of `data` unless `eval_data` is given."""
     entry, c = cfg.sources.experts[index], cfg.calibration
     where = f"sources.experts[{index}] ({entry.model})"
     docs = _texts(entry.data, where) if entry.data else []
@@ -92,7 +104,7 @@ def source_batches(cfg: ConvertConfig, tokenizer, index: int) -> dict[str, list[
               "negative_prompts": list(entry.negative_prompts)}
     out = {}
     for group, texts in groups.items():
-        if texts:
+        if texts and group in kinds:
             budget = c.tokens if group in ("calibration", "held_out") else ALL_TOKENS
             out[group] = text_batches(tokenizer, texts, tokens=budget, sequence_length=c.sequence_length,
                                       batch_size=c.batch_size, seed=cfg.seed)
@@ -179,6 +191,13 @@ def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, 
     return layer, info, experts
 
 
+def _same_function(a: FFNWeights, b: FFNWeights) -> bool:
+    """Whether two FFNs are one function: the same activation and every tensor equal (a copied expert)."""
+    ta, tb = a.tensors(), b.tensors()
+    return (a.activation == b.activation and ta.keys() == tb.keys()
+            and all(x.shape == tb[k].shape and x.dtype == tb[k].dtype and torch.equal(x, tb[k]) for k, x in ta.items()))
+
+
 @torch.no_grad()
 def layer_agreement(layer: MoELayer, ffns: list[FFNWeights], samples: dict[tuple[int, str], torch.Tensor],
                     names: list[str], counts: list[int]) -> dict:
@@ -196,10 +215,16 @@ def layer_agreement(layer: MoELayer, ffns: list[FFNWeights], samples: dict[tuple
             agreement[name] = source_agreement(ids, groups_E, i)
             top1 = groups_E.to(ids.device)[ids[:, 0]]
             shares[name] = [float((top1 == j).double().mean()) for j in range(len(names))]
-            probe = x[:256].float()
-            reference = ffns[i](probe)
-            expert_diff[name] = max(float((weights.expert(e).map(lambda t: t.float())(probe) - reference).abs().max())
-                                    for e in range(start, start + counts[i]))
+            probe, reference = x[:256].float(), None
+            diffs = []
+            for e in range(start, start + counts[i]):
+                expert = weights.expert(e).map(lambda t: t.float())
+                if _same_function(expert, ffns[i]):     # the same weights compute the same outputs, bit for bit
+                    diffs.append(0.0)
+                    continue
+                reference = ffns[i](probe) if reference is None else reference
+                diffs.append(float((expert(probe) - reference).abs().max()))
+            expert_diff[name] = max(diffs)
         start += counts[i]
     return {"agreement": agreement, "top1_share_by_source": shares, "expert_vs_source_max_abs_diff": expert_diff}
 
@@ -233,7 +258,7 @@ class SourceLayers:
                                            storage=self.storage, output_dropout=family.output_dropout(tcfg))
         names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
         facts = info.pop("method_facts")
-        entry = LayerEntry(target.name, target.path, facts, expert_similarity(experts), diversity(experts),
+        entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),
                            sources={**info, **layer_agreement(layer, ffns, samples, names_of,
                                                               [e.count for e in cfg.sources.experts]),
                                     "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0])
@@ -244,11 +269,12 @@ class SourceLayers:
         return layer, entry
 
 
-def merge_groups(cfg: ConvertConfig, tokenizer) -> list[ReplayGroup]:
-    """Every source's replay groups (GROUPS), each reservoir-sampled at a target with a seed of its own."""
-    groups = []
+def merge_groups(cfg: ConvertConfig, tokenizer, method: Method) -> list[ReplayGroup]:
+    """Every source's replay groups that the merge needs (`needed_groups`), each reservoir-sampled at a target
+    with a seed of its own."""
+    groups, kinds = [], tuple(g for g in GROUPS if g in needed_groups(cfg, method))
     for i in range(len(cfg.sources.experts)):
-        for kind, batches in source_batches(cfg, tokenizer, i).items():
+        for kind, batches in source_batches(cfg, tokenizer, i, kinds).items():
             def reservoir(target: Target, i=i, kind=kind) -> Reservoir:
                 return Reservoir(cfg.calibration.tokens, _key(cfg.seed, "reservoir", i, kind, target.name))
 
@@ -256,14 +282,15 @@ def merge_groups(cfg: ConvertConfig, tokenizer) -> list[ReplayGroup]:
     return groups
 
 
-def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Path, *, texts: list[str] | None,
-                  text_source: str, progress: bool = True) -> tuple[Converted, dict]:
+def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Path,
+                  opened: tuple[Source, list[Source]], *, texts: list[str] | None, text_source: str,
+                  progress: bool = True) -> tuple[Converted, dict]:
     """Merge `cfg.sources.experts` on the base `cfg.model` into `directory` (module docstring; `cfg` checked
-    by `pipeline.validate`); returns what it measured and what it wrote. `texts`: the probe of the stock
-    export's check."""
+    by `pipeline.validate`, the models opened by `sources.open_sources`); returns what it measured and what it
+    wrote. `texts`: the probe of the stock export's check."""
     t_start = time.perf_counter()
     s = cfg.sources
-    base, sources = open_sources(cfg)          # configs and headers only: a mismatch is refused here
+    base, sources = opened
     family = family_of(base.config)
     if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
         raise UpcycleError(f"several-source merges take text models; {cfg.model} ({base.config.model_type}) has an "
@@ -272,7 +299,7 @@ def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Pat
     tokenizer = load_tokenizer(base.path)
     if tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
         raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
-    groups = merge_groups(cfg, tokenizer)
+    groups = merge_groups(cfg, tokenizer, method)
 
     def layout_of(dense: FFNWeights) -> LayerLayout:
         layout = method.layout(dense.intermediate_size, args)

@@ -128,12 +128,13 @@ def _convert(cfg: ConvertConfig, method: Method, args: dict, claim: Claim | None
 
 def _merge(cfg, method, args, claim: Claim, progress: bool, phases: Phases) -> Conversion:
     from .merge import merge_sources
-    from .sources import open_checkpoint
+    from .sources import open_sources
 
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, open_checkpoint(cfg.model).config))
+    opened = open_sources(cfg)          # configs and headers only: a mismatch is refused here
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, opened[0].config))
     texts = probe_texts(cfg) if cfg.export == "hf" else None
     with claim.directory() as tmp:
-        done, export = merge_sources(cfg, method, args, tmp, texts=texts,
+        done, export = merge_sources(cfg, method, args, tmp, opened, texts=texts,
                                      text_source=probe_source(cfg) if texts else "random token ids",
                                      progress=progress)
         phases(f"{len(done.moe_layers)} layers merged and written")

@@ -40,14 +40,36 @@ def gram_matrix(parts: list[torch.Tensor]) -> torch.Tensor:
     E = parts[0].shape[0]
     gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)   # on the GPU with --device cuda
     for part in parts:
-        flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
-        if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm
-            gram += sum(torch.dot(b, b) for b in (c.double() for c in flat[0].split(GRAM_COLUMNS)))
-            continue
-        for block in flat.split(GRAM_COLUMNS, dim=1):
-            p = block.double()
-            gram += p @ p.T
+        for term in _part_gram(part, E):
+            gram += term
     return gram
+
+
+def _part_gram(part: torch.Tensor, E: int):
+    """P P^T of one part, as the terms `gram_matrix` adds for it, in the same order."""
+    flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
+    if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm
+        yield sum(torch.dot(b, b) for b in (c.double() for c in flat[0].split(GRAM_COLUMNS)))
+        return
+    for block in flat.split(GRAM_COLUMNS, dim=1):
+        p = block.double()
+        yield p @ p.T
+
+
+def similarity_and_diversity(experts: FFNWeights) -> tuple[float | None, float | None]:
+    """(`expert_similarity`, `diversity`) with each down-projection block's Gram computed once for both: the
+    same sums in the same order as the two functions, so the same numbers."""
+    parts = [t for t in (experts.w_gate, experts.w_up, experts.w_down) if t is not None]
+    E = parts[0].shape[0]
+    gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)
+    down = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)
+    for part in parts:
+        for term in _part_gram(part, E):
+            gram += term
+            if part is experts.w_down:
+                down += term
+    similarity = _mean_offdiagonal_cosine(down)
+    return _mean_offdiagonal_cosine(gram), None if similarity is None else 1.0 - similarity
 
 
 def mean_pairwise_cosine(vectors_EP: torch.Tensor) -> float | None:
