@@ -5,7 +5,7 @@ Each routed expert is a source model's FFN (or `count` experts made from it by t
 default: the source's FFN as it is); everything else (attention, embeddings, norms, the dense blocks) is the
 base's, or with `non_ffn: average` the mean of the sources' (BTX). Optionally the base's FFN is a shared expert.
 
-The blocks go through the streaming conversion (`streaming.stream_convert`, `blockwise.convert_blocks`), with
+The blocks go through the streamed block source (`streaming.StreamedBlocks`, run by `orchestrator.run_conversion`), with
 one dense block of the base in memory:
   1. every source is checked against the base from its config.json and safetensors headers (`sources.py`),
      and every text read and tokenized, before a weight is read;
@@ -59,14 +59,14 @@ from ..export.stock_folder import check_export, export_streamed
 from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
 from ..metrics.experts import similarity_and_diversity
-from ..probe import make_probe
+from ..probe import Probe
 from .blockwise import BlockVisit, Replayed, ReplayGroup
 from .calibration import Reservoir, text_batches
+from .orchestrator import run_conversion
 from .planned import planned_model
-from .preservation import count_parameters
-from .report import Converted, LayerEntry, Timings
+from .report import Converted, LayerEntry
 from .sources import Source, held_out_split, source_name
-from .streaming import COMPUTE_DTYPE, stream_convert
+from .streaming import COMPUTE_DTYPE, StreamedBlocks
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
 ALL_TOKENS = 10**12        # prompts are few: every token of them
@@ -282,79 +282,104 @@ def merge_groups(cfg: ConvertConfig, tokenizer, method: Method) -> list[ReplayGr
     return groups
 
 
+class MergedSource(StreamedBlocks):
+    """The block source of a merge: the base's blocks read from disk (its attention, or with `non_ffn: average`
+    the sources' mean), the sources' texts replayed through them, each target's layer built from the sources'
+    FFNs of that block (`SourceLayers`), and the output written block by block in the upcycle layout; with
+    `export: hf` that folder is then rewritten as the stock class and the stock model checked against it."""
+
+    desc = "merging blocks"
+    records_probe = False        # nothing here reproduces one dense model: no dense outputs, no verdict
+
+    def __init__(self, cfg: ConvertConfig, method: Method, args: dict, directory: Path,
+                 opened: tuple[Source, list[Source]]) -> None:
+        s = cfg.sources
+        base, sources = opened
+        family = family_of(base.config)
+        if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
+            raise UpcycleError(f"several-source merges take text models; {cfg.model} ({base.config.model_type}) "
+                               f"has an image tower")
+        storage, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
+        self.tokenizer = load_tokenizer(base.path)
+        if self.tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
+            raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
+        self.groups = merge_groups(cfg, self.tokenizer, method)
+
+        def layout_of(dense: FFNWeights) -> LayerLayout:
+            layout = method.layout(dense.intermediate_size, args)
+            if layout != LayerLayout(dense.intermediate_size):
+                raise UpcycleError(f"method {method.name!r} makes experts of another shape ({layout}); with several "
+                                   f"sources the method must keep the FFN's width without a shared expert or router "
+                                   f"bias (copy, noise, drop, cluster)")
+            return LayerLayout(dense.intermediate_size,
+                               shared_width=dense.intermediate_size if s.shared_expert else None)
+
+        planned, _ = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=storage)
+        self.stock, self.why_not_hf = choose_export(planned, cfg)      # decided before a weight is read
+        unique = {id(src.reader): src.reader for src in sources}
+        reader = base.reader if s.non_ffn == "base" else AveragedReader(list(unique.values()))
+        model = empty_model(base.config, COMPUTE_DTYPE)
+        names, missing = checkpoint_names(model, reader)
+        if missing:
+            raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
+                               f"({len(missing)} not found, e.g. {missing[:3]})")
+        self.folder = directory / "upcycle-format" if self.stock is not None else directory
+        self.folder.mkdir(exist_ok=True)
+        super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, self.folder,
+                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size))
+        self.out, self.method, self.args, self.base, self.sources = directory, method, args, base, sources
+        self.export_info: dict = {}
+
+    def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
+        return self.groups
+
+    def layer_builder(self) -> SourceLayers:
+        s = self.source
+        return SourceLayers(self.cfg, self.method, self.args, self.model, self.base, self.sources, s.names,
+                            s.storage, s.device)
+
+    def finish(self, probe: Probe) -> nn.Module:
+        """The upcycle folder's configs; with a stock class, the folder rewritten as it and checked (the stock
+        model is loaded whole for that, as transformers renames and fuses its tensors as it loads: check.end_to_end
+        false keeps the export within the merge's streaming memory)."""
+        cfg = self.cfg
+        planned = super().finish(probe)
+        save_configs(planned, self.folder, moe_spec(planned), self.tokenizer)
+        self.export_info = {"format": "upcycle", "streamed": True}
+        if self.why_not_hf:
+            self.export_info["why_not_hf"] = self.why_not_hf
+        if self.stock is not None:
+            export_streamed(self.folder, self.out, planned, self.stock, tokenizer=self.tokenizer,
+                            max_shard_bytes=parse_size(cfg.shard_size))
+            reader_model, _ = planned_model(self.base.config, cfg.moe, cfg.placement, self.layout_of,
+                                            dtype=COMPUTE_DTYPE)
+            check = (check_export(self.folder, self.out, reader_model, probe, cfg.check.export_tolerance,
+                                  self.family.outputs)
+                     if cfg.check.end_to_end is not False else
+                     {"checked": False, "why_not": "check.end_to_end: false"})
+            shutil.rmtree(self.folder)
+            self.export_info = {"format": "hf", "class": self.stock.architecture, "model_type": self.stock.model_type,
+                                "streamed": True, "check": check}
+        return planned
+
+    def record(self, layers: list[LayerEntry]) -> dict:
+        return {"why_not_promised": "experts from several models: nothing reproduces one dense model",
+                "sources": _sources_record(self.cfg, self.base, self.sources),
+                "router_source_agreement": _agreement_summary(layers)}
+
+
 def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Path,
                   opened: tuple[Source, list[Source]], *, texts: list[str] | None, text_source: str,
-                  progress: bool = True) -> tuple[Converted, dict]:
+                  progress: bool = True, phase=lambda message: None) -> tuple[Converted, dict]:
     """Merge `cfg.sources.experts` on the base `cfg.model` into `directory` (module docstring; `cfg` checked
-    by `pipeline.validate`, the models opened by `sources.open_sources`); returns what it measured and what it
+    by `validate.validate`, the models opened by `sources.open_sources`); returns what it measured and what it
     wrote. `texts`: the probe of the stock export's check."""
     t_start = time.perf_counter()
-    s = cfg.sources
-    base, sources = opened
-    family = family_of(base.config)
-    if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
-        raise UpcycleError(f"several-source merges take text models; {cfg.model} ({base.config.model_type}) has an "
-                           f"image tower")
-    storage, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
-    tokenizer = load_tokenizer(base.path)
-    if tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
-        raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
-    groups = merge_groups(cfg, tokenizer, method)
-
-    def layout_of(dense: FFNWeights) -> LayerLayout:
-        layout = method.layout(dense.intermediate_size, args)
-        if layout != LayerLayout(dense.intermediate_size):
-            raise UpcycleError(f"method {method.name!r} makes experts of another shape ({layout}); with several "
-                               f"sources the method must keep the FFN's width without a shared expert or router "
-                               f"bias (copy, noise, drop, cluster)")
-        return LayerLayout(dense.intermediate_size, shared_width=dense.intermediate_size if s.shared_expert else None)
-
-    planned, targets = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=storage)
-    stock, why_not_hf = choose_export(planned, cfg)      # decided before a weight is read
-
-    unique = {id(src.reader): src.reader for src in sources}
-    reader = base.reader if s.non_ffn == "base" else AveragedReader(list(unique.values()))
-    model = empty_model(base.config, COMPUTE_DTYPE)
-    names, missing = checkpoint_names(model, reader)
-    if missing:
-        raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
-                           f"({len(missing)} not found, e.g. {missing[:3]})")
-    timings = Timings(load=time.perf_counter() - t_start)
-    folder = directory / "upcycle-format" if stock is not None else directory
-    folder.mkdir(exist_ok=True)
-    source = StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device)
-    builder = SourceLayers(cfg, method, args, model, base, sources, names, storage, device)
-    result, targets, planned = stream_convert(source, cfg, folder, groups, builder, layout_of=layout_of,
-                                              max_shard_bytes=parse_size(cfg.shard_size), progress=progress,
-                                              desc="merging blocks")
-    save_configs(planned, folder, moe_spec(planned), tokenizer)
-    timings.calibration, timings.upcycle = result.timings["calibration"], result.timings["upcycle"]
-    export = {"format": "upcycle", "streamed": True}
-    if why_not_hf:
-        export["why_not_hf"] = why_not_hf
-    if stock is not None:
-        t = time.perf_counter()
-        export_streamed(folder, directory, planned, stock, tokenizer=tokenizer,
-                        max_shard_bytes=parse_size(cfg.shard_size))
-        reader_model, _ = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=COMPUTE_DTYPE)
-        probe = make_probe(reader_model, tokenizer, texts, cfg.check, cfg.seed, text_source)
-        # the stock model is loaded whole for this (transformers renames and fuses its tensors as it loads):
-        # check.end_to_end false keeps the export within the merge's streaming memory
-        check = (check_export(folder, directory, reader_model, probe, cfg.check.export_tolerance, family.outputs)
-                 if cfg.check.end_to_end is not False else
-                 {"checked": False, "why_not": "check.end_to_end: false"})
-        shutil.rmtree(folder)
-        export = {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, "streamed": True,
-                  "check": check}
-        timings.write = time.perf_counter() - t
-    done = Converted(
-        model_class=type(planned).__name__, model_type=planned.config.model_type,
-        moe_layers=[t.name for t in targets], before=count_parameters(model), after=count_parameters(planned),
-        layers=result.layers, promised=False, measured=None, noise=None, compute_dtype=COMPUTE_DTYPE, probe=None,
-        calibration=None, timings=timings, streamed=True,
-        why_not_promised="experts from several models: nothing reproduces one dense model",
-        sources=_sources_record(cfg, base, sources), router_source_agreement=_agreement_summary(result.layers))
-    return done, export
+    source = MergedSource(cfg, method, args, directory, opened)
+    done = run_conversion(source, cfg, promised=False, tokenizer=source.tokenizer, texts=texts,
+                          text_source=text_source, progress=progress, phase=phase,
+                          load_s=time.perf_counter() - t_start)
+    return done, source.export_info
 
 
 def _absolute(path: str | None) -> str | None:

@@ -15,6 +15,7 @@ from ..errors import UpcycleError
 from ..files import file_problem
 from ..methods import get_method
 from .calibration import tensor_batches, text_batches
+from .validate import require_calibration
 
 
 def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
@@ -99,9 +100,7 @@ def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | Non
     if not method.needs_calibration:
         return None, None
     if cfg.model not in DEFAULT_MODEL_NAMES:
-        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, JSONL "
-                           f"with a \"text\" field, or .safetensors of model inputs) representative of the data "
-                           f"the model will be trained on")
+        require_calibration(method, None)
     try:
         return wikipedia_split()[0], "Wikipedia train split (embedded)"
     except (FileNotFoundError, OSError) as e:

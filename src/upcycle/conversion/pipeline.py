@@ -38,8 +38,9 @@ from ..files import json_text
 from ..methods import Method
 from .in_memory import convert_in_memory, write_model
 from .model_data import calibration_batches, calibration_corpus, check_model_inputs, probe_source, probe_texts
+from .orchestrator import run_conversion
 from .report import ConversionReport, Converted, PreservationError, conversion_report, refuse_if_broken
-from .validate import validate
+from .validate import require_calibration, validate
 
 __all__ = ["Conversion", "PreservationError", "convert", "upcycle_model", "validate"]
 
@@ -136,8 +137,7 @@ def _merge(cfg, method, args, claim: Claim, progress: bool, phases: Phases) -> C
     with claim.directory() as tmp:
         done, export = merge_sources(cfg, method, args, tmp, opened, texts=texts,
                                      text_source=probe_source(cfg) if texts else "random token ids",
-                                     progress=progress)
-        phases(f"{len(done.moe_layers)} layers merged and written")
+                                     progress=progress, phase=phases)
         report = _checked_report(cfg, method, args, done, method_name=f"sources ({method.name})")
         _finish(tmp, cfg, report, export, phases, claim)
     return Conversion(None, None, report, claim.out)
@@ -153,40 +153,36 @@ def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: P
     texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
     calibration = calibration_batches(cfg, tokenizer, calibration_data)
     promised = promises_dense_function(method, args, cfg.moe)
-    from .streaming import convert_streaming, stream_source
+    from .streaming import StreamedSource, stream_source
 
     stream = stream_source(cfg, path, config) if claim is not None else None
     if stream is not None:
         load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
-        from ..probe import make_probe
-
-        probe = make_probe(stream.model, tokenizer, texts, cfg.check, cfg.seed, probe_source(cfg))
         phases("checkpoint opened (streaming)")
-        t = time.perf_counter()
+        require_calibration(method, calibration)
         with claim.directory() as tmp:
-            done, export = convert_streaming(stream, cfg, method, args, tmp, promised=promised, tokenizer=tokenizer,
-                                             probe=probe, calibration=calibration,
-                                             calibration_source=calibration_source, progress=progress)
-            phases(f"{len(done.moe_layers)} layers upcycled and written")
-            done.timings.load = load_s
+            source = StreamedSource(stream, cfg, method, args, tmp, promised=promised, tokenizer=tokenizer,
+                                    calibration=calibration)
+            done = run_conversion(source, cfg, promised=promised, tokenizer=tokenizer, texts=texts,
+                                  text_source=probe_source(cfg), calibration=calibration,
+                                  calibration_source=calibration_source, progress=progress, phase=phases,
+                                  load_s=load_s)
             report = _checked_report(cfg, method, args, done)
-            report.timings.write = time.perf_counter() - t - report.timings.upcycle - report.timings.check
-            _finish(tmp, cfg, report, export, phases, claim)
+            _finish(tmp, cfg, report, source.written(), phases, claim)
         return Conversion(None, tokenizer, report, claim.out)
     model = dense_weights(cfg.model, path, config, cfg.dtype).to(resolve_device(cfg.device))
     load_s = time.perf_counter() - t
     phases("model loaded")
     done = convert_in_memory(model, cfg, method, args, promised=promised, tokenizer=tokenizer, texts=texts,
                              text_source=probe_source(cfg), calibration=calibration,
-                             calibration_source=calibration_source, progress=progress, phase=phases)
-    done.timings.load = load_s
+                             calibration_source=calibration_source, progress=progress, phase=phases, load_s=load_s)
     report = _checked_report(cfg, method, args, done)
     if claim is None:
         return Conversion(model, tokenizer, report)
     t = time.perf_counter()
     with claim.directory() as tmp:
         export = write_model(model, tmp, cfg, *choose_export(model, cfg), tokenizer, done.probe.inputs)
-        report.timings.write = time.perf_counter() - t
+        report.timings.write += time.perf_counter() - t
         _finish(tmp, cfg, report, export, phases, claim)
     return Conversion(model, tokenizer, report)
 

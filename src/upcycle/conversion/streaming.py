@@ -22,7 +22,6 @@ is possible at any size; it costs another read of the dense checkpoint and of th
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,26 +37,24 @@ from ..checkpoint.writer import ShardedWriter
 from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.devices import resolve_device
+from ..core.moe import MoELayer
 from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
 from ..export.protocol import StockClass
 from ..methods import Method
-from ..probe import Probe, compare, lazy_probe_output, stock_probe_output
+from ..probe import Probe, ProbeOutput, lazy_probe_output, stock_probe_output
 from .blockwise import (
     BlockVisit,
-    BlockwiseResult,
-    LayerBuilder,
     MethodLayers,
     ReplayGroup,
-    convert_blocks,
     method_groups,
     visits,
 )
-from .calibration import first_block_inputs, real_tokens
+from .calibration import first_block_inputs
 from .layer_check import layer_probe
+from .orchestrator import BlockSource
 from .planned import layout_function, planned_model
 from .preservation import ReorderedFFN
-from .report import CalibrationSummary, Converted, Timings
 
 COMPUTE_DTYPE = torch.float32
 # Bytes the background writer may hold queued: half the largest block's output, so the next block's reading
@@ -93,68 +90,140 @@ def source_first_inputs(source: StreamSource) -> Callable[[dict, list[list[dict]
     return first_inputs
 
 
-def stream_convert(source: StreamSource, cfg: ConvertConfig, directory: Path, groups: list[ReplayGroup],
-                   build_layer: LayerBuilder, *, layout_of, max_shard_bytes: int, export=None, progress: bool = True,
-                   desc: str = "upcycling blocks") -> tuple[BlockwiseResult, list[Target], nn.Module]:
-    """Convert block by block into `directory`: the upcycle layout (the model's own tensor names), or with
-    `export` (a `StockClass`) the stock class's layout. `groups` are replayed through the blocks and
-    `build_layer` makes each target's layer (`blockwise.py`). Returns the per-layer results, the targets and
-    the planned (weightless) MoE model."""
-    from ..export.layout import export_specs, export_state_dict
+class StreamedBlocks(BlockSource):
+    """The blocks of a checkpoint on disk (`source`), written block by block into `directory`: each block read
+    when its turn comes, its layer installed, written into the planned shards (the upcycle layout, or with
+    `export` a `StockClass`'s) and released; a block nothing runs is copied tensor by tensor. The one-model
+    (`StreamedSource`) and several-source (`merge.MergedSource`) conversions say what is replayed and built."""
 
-    model, reader, names, dtype = source.model, source.reader, source.names, source.dtype
-    family = family_of(model.config)
-    targets = plan_targets(model, cfg.placement)
-    planned, _ = planned_model(model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
-    specs = tensor_specs(planned) if export is None else export_specs(planned, export)
-    planned_dtype = {name: dt for name, _, dt in specs}
-    block_paths = [v.path for v in visits(model, family, targets, replay=any(g.batches for g in groups))]
-    # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
-    writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
-                           max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, block_paths)))
+    streamed = True
 
-    def write(name: str, tensor: torch.Tensor) -> None:
-        writer.write(name, tensor.to(planned_dtype[name]))
+    def __init__(self, source: StreamSource, cfg: ConvertConfig, directory: Path, *, layout_of,
+                 max_shard_bytes: int, export: StockClass | None = None, planned: nn.Module | None = None) -> None:
+        from ..export.layout import export_specs
 
-    def before_block(path: str, block: nn.Module) -> None:
-        materialize(block, path + ".", reader, names, dtype, source.storage, source.device)
+        self.source, self.cfg, self.directory, self.export, self.layout_of = source, cfg, directory, export, layout_of
+        self.model, self.compute_dtype = source.model, source.dtype
+        self.planned = planned if planned is not None else planned_model(
+            self.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])[0]
+        specs = tensor_specs(self.planned) if export is None else export_specs(self.planned, export)
+        self.planned_dtype = {name: dt for name, _, dt in specs}
+        targets = plan_targets(self.model, cfg.placement)
+        self.block_paths = [v.path for v in visits(self.model, self.family, targets, replay=False)]
+        # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
+        self.writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
+                                    max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, self.block_paths)))
+        self.first_inputs = source_first_inputs(source)
 
-    def after_block(visit: BlockVisit, block: nn.Module, built) -> None:
-        prefix = visit.path + "."
-        if built is not None:
-            family.install(block, built)
+    def _write(self, name: str, tensor: torch.Tensor) -> None:
+        self.writer.write(name, tensor.to(self.planned_dtype[name]))
+
+    def _read(self, block: nn.Module, prefix: str) -> None:
+        s = self.source
+        materialize(block, prefix, s.reader, s.names, s.dtype, s.storage, s.device)
+
+    def before_block(self, path: str, block: nn.Module) -> None:
+        self._read(block, path + ".")
+
+    def after_block(self, visit: BlockVisit, block: nn.Module, layer: MoELayer | None) -> None:
+        from ..export.layout import export_state_dict
+
+        prefix, reader, export = visit.path + ".", self.source.reader, self.export
+        if layer is not None:
+            self.family.install(block, layer)
         if visit.needs_compute:
             tensors = (((prefix + n, t) for n, t in block.state_dict().items()) if export is None else
-                       export_state_dict(model, export, prefix, copy=False)[0].items())
+                       export_state_dict(self.model, export, prefix, copy=False)[0].items())
             for name, tensor in tensors:
-                write(name, tensor)
+                self._write(name, tensor)
             release(block)
             reader.close()      # unmaps the files: pages read for this block leave the process
             trim_heap()         # and the block's freed tensors leave the heap (heap.py)
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
-            materialize(block, prefix, reader, names, dtype, source.storage, source.device)
-            for name, tensor in export_state_dict(model, export, prefix, copy=False)[0].items():
-                write(name, tensor)
+            self._read(block, prefix)
+            for name, tensor in export_state_dict(self.model, export, prefix, copy=False)[0].items():
+                self._write(name, tensor)
             release(block)
             reader.close()
             return
-        for name in (n for n in planned_dtype if n.startswith(prefix)):   # a block nothing runs: copied
-            write(name, reader.get(names[name]))
+        for name in (n for n in self.planned_dtype if n.startswith(prefix)):   # a block nothing runs: copied
+            self._write(name, reader.get(self.source.names[name]))
         reader.close()
 
-    try:
-        result = convert_blocks(model, family, targets, groups, build_layer, before_block=before_block,
-                                after_block=after_block, first_inputs=source_first_inputs(source), progress=progress,
-                                desc=desc)
-        for name in planned_dtype:
-            if not any(name.startswith(p + ".") for p in block_paths):
-                write(name, reader.get(names[name]))
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return result, targets, planned
+    def finish(self, probe: Probe) -> nn.Module:
+        """The tensors outside the blocks written, the shards closed; the planned (weightless) MoE model."""
+        for name in self.planned_dtype:
+            if not any(name.startswith(p + ".") for p in self.block_paths):
+                self._write(name, self.source.reader.get(self.source.names[name]))
+        self.writer.close()
+        return self.planned
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class StreamedSource(StreamedBlocks):
+    """One dense checkpoint converted from disk to disk with an initialization method (the module docstring);
+    with `check.end_to_end`, the probe runs through the dense checkpoint and then the written one, a block at a
+    time from disk."""
+
+    def __init__(self, source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
+                 promised: bool, tokenizer, calibration: list[dict] | None) -> None:
+        from ..checkpoint.skeleton import output_bytes
+        from ..checkpoint.writer import parse_size
+        from ..export.layout import choose_export
+
+        layout_of = layout_function(method, args)
+        planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
+        self.end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
+        self.stock, self.why_not = choose_export(planned, cfg)       # decided here, before a tensor is written
+        super().__init__(source, cfg, directory, layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size),
+                         export=self.stock, planned=planned)
+        self.method, self.args, self.promised = method, args, promised
+        self.tokenizer, self.calibration = tokenizer, calibration
+
+    def dense_output(self, probe: Probe) -> ProbeOutput | None:
+        return lazy_probe_output(self.source, probe) if self.end_to_end else None
+
+    def rounding_noise(self, probe: Probe, dense: ProbeOutput, targets: list[Target]) -> float:
+        paths = [t.path for t in targets]
+        reordered = lazy_probe_output(self.source, probe, around=lambda m: _reordered(m, paths))
+        return (dense.values_NC - reordered.values_NC).abs().max().item()
+
+    def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
+        return method_groups(self.cfg, [layer_probe(probe.inputs)] if self.cfg.check.per_layer else None,
+                             self.calibration)
+
+    def layer_builder(self) -> MethodLayers:
+        return MethodLayers(self.model, self.family, self.method, self.args, self.cfg, self.promised,
+                            layer_dtype=DTYPES[self.cfg.dtype])
+
+    def finish(self, probe: Probe) -> nn.Module:
+        from ..checkpoint.upcycle_format import moe_spec, save_configs
+        from ..export.layout import write_stock_configs
+
+        planned = super().finish(probe)
+        if self.stock is None:
+            save_configs(planned, self.directory, moe_spec(planned), self.tokenizer)
+        else:
+            write_stock_configs(planned, self.stock, self.directory, self.tokenizer)
+        return planned
+
+    def upcycled_output(self, probe: Probe) -> ProbeOutput:
+        if self.stock is not None:
+            return stock_probe_output(self.directory, probe, self.source.dtype, self.family.outputs)
+        # read back in the compute dtype, as the dense model ran: the skeleton in the storage dtype would run its
+        # experts in bfloat16 and compare two precisions
+        cfg, source = self.cfg, self.source
+        reader_model, _ = planned_model(self.model.config, cfg.moe, cfg.placement, self.layout_of, dtype=source.dtype)
+        written = StreamSource.open(self.directory, self.planned.config, source.dtype, model=reader_model,
+                                    device=source.device)
+        return lazy_probe_output(written, probe)
+
+    def written(self) -> dict:
+        """What was written, for the report's `export`."""
+        return _written(self.directory, self.planned, self.stock, self.why_not, self.end_to_end)
 
 
 @contextlib.contextmanager
@@ -196,77 +265,6 @@ def _end_to_end_wanted(setting, output_bytes: int) -> bool:
     import psutil
 
     return output_bytes <= psutil.virtual_memory().available
-
-
-def convert_streaming(source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
-                      promised: bool, tokenizer, probe: Probe, calibration: list[dict] | None,
-                      calibration_source: str | None, progress: bool = True) -> tuple[Converted, dict]:
-    """The streaming conversion into `directory` (an atomic temporary folder): configs and shards, with `export:
-    hf` in the stock class's layout (the end-to-end check then loads that checkpoint with plain transformers).
-    Returns what it measured and what it wrote (the report's `export`)."""
-    from ..checkpoint.skeleton import output_bytes
-    from ..checkpoint.upcycle_format import moe_spec, save_configs
-    from ..checkpoint.writer import parse_size
-    from ..export.layout import choose_export
-    from .preservation import count_parameters
-
-    if method.needs_calibration and not calibration:
-        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE")
-    timings = Timings()
-    layout_of = layout_function(method, args)
-    targets = plan_targets(source.model, cfg.placement)
-    planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
-    end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
-    dense_out = noise = None
-    if end_to_end:
-        t = time.perf_counter()
-        dense_out = lazy_probe_output(source, probe)
-        timings.dense_probe = time.perf_counter() - t
-        if promised:
-            t = time.perf_counter()
-            reordered = lazy_probe_output(source, probe, around=lambda m: _reordered(m, [t_.path for t_ in targets]))
-            noise = (dense_out.values_NC - reordered.values_NC).abs().max().item()
-            timings.rounding_noise = time.perf_counter() - t
-    before = count_parameters(source.model)
-    stock, why_not = choose_export(planned, cfg)          # decided here, before a tensor is written
-    groups = method_groups(cfg, [layer_probe(probe.inputs)] if cfg.check.per_layer else None, calibration)
-    builder = MethodLayers(source.model, family_of(source.model.config), method, args, cfg, promised,
-                           layer_dtype=DTYPES[cfg.dtype])
-    result, targets, planned = stream_convert(source, cfg, directory, groups, builder, layout_of=layout_of,
-                                              max_shard_bytes=parse_size(cfg.shard_size), export=stock,
-                                              progress=progress)
-    if stock is None:
-        save_configs(planned, directory, moe_spec(planned), tokenizer)
-    else:
-        from ..export.layout import write_stock_configs
-
-        write_stock_configs(planned, stock, directory, tokenizer)
-    measured = None
-    if end_to_end:
-        t = time.perf_counter()
-        if stock is None:
-            # read back in the compute dtype, as the dense model ran: the skeleton in the storage dtype would
-            # run its experts in bfloat16 and compare two precisions
-            reader_model, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of,
-                                            dtype=source.dtype)
-            written = StreamSource.open(directory, planned.config, source.dtype, model=reader_model,
-                                        device=source.device)
-            measured = compare(dense_out, lazy_probe_output(written, probe))
-        else:
-            measured = compare(dense_out, stock_probe_output(directory, probe, source.dtype,
-                                                             family_of(source.model.config).outputs))
-        timings.check = time.perf_counter() - t
-    steps = result.timings
-    timings.calibration, timings.upcycle = steps["calibration"], steps["upcycle"]
-    timings.check += steps["check"]
-    done = Converted(
-        model_class=type(planned).__name__, model_type=planned.config.model_type,
-        moe_layers=[t.name for t in targets], before=before, after=count_parameters(planned), layers=result.layers,
-        promised=promised, measured=measured, noise=noise, compute_dtype=source.dtype, probe=probe, timings=timings,
-        calibration=None if not calibration else CalibrationSummary(
-            calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
-        streamed=True)
-    return done, _written(directory, planned, stock, why_not, end_to_end)
 
 
 def _written(directory: Path, planned: nn.Module, stock: StockClass | None, why_not: str | None,

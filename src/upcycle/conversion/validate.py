@@ -31,6 +31,15 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     return method, args
 
 
+def require_calibration(method: Method, calibration) -> None:
+    """A data-aware method (cluster) without calibration data is refused, whichever path converts."""
+    if method.needs_calibration and not calibration:
+        raise UpcycleError(f"method {method.name!r} needs calibration data: pass --calibration FILE (text, JSONL "
+                           f"with a \"text\" field, or .safetensors of model inputs) representative of the data "
+                           f"the model will be trained on; on the default model the embedded Wikipedia train split "
+                           f"is used")
+
+
 def _check_sources(cfg: ConvertConfig, method: Method) -> None:
     """What a merge of several sources (`merge.py`) needs beyond its keys' own ranges."""
     s = cfg.sources

@@ -1,0 +1,142 @@
+"""One function runs every conversion (`run_conversion`), whatever its blocks come from.
+
+What the conversions differ in is a `BlockSource`: where the blocks come from (a model in memory, a checkpoint
+read block by block, several checkpoints merged), how their inputs are produced (the model's forward, or its
+trunk read from disk), what is replayed through them and how a target's layer is built, and where the result goes
+(installed in the model, or written into shards). Everything else is here, once:
+
+    parameters of the dense model                       count_parameters
+    the probe                                           probe.make_probe (the only place a conversion builds it)
+    the dense outputs and, when the method promises
+      the dense function, their rounding noise          source.dense_output, source.rounding_noise
+    the blocks, replayed and converted                  blockwise.convert_blocks
+    the layers installed or the rest written            source.finish
+    the upcycled model's outputs, compared              source.upcycled_output, probe.compare
+    the timings of every phase and the record           Timings, Converted (made nowhere else)
+
+A fourth source (a model on another machine, a format read some other way) is one subclass of `BlockSource`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import ConvertConfig
+from ..core.architectures import Family, family_of
+from ..core.moe import MoELayer
+from ..core.surgery import Target, plan_targets
+from ..probe import Probe, ProbeOutput, compare, make_probe
+from .blockwise import BlockVisit, LayerBuilder, ReplayGroup, convert_blocks
+from .calibration import real_tokens
+from .preservation import count_parameters
+from .report import CalibrationSummary, Converted, Timings
+
+
+class BlockSource:
+    """Where a conversion's blocks come from and where its result goes. A subclass sets `model` (the dense model
+    the blocks are visited in: whole, or a skeleton filled block by block) and `compute_dtype`, and gives the
+    replay groups and the layer builder; the rest has defaults for a model held whole that checks nothing."""
+
+    model: nn.Module
+    compute_dtype: torch.dtype
+    streamed: bool = False
+    desc: str = "upcycling blocks"
+    records_probe: bool = True        # the record states the probe (a merge checks no dense function: None)
+    first_inputs: Callable[[dict, list[list[dict]]], list[dict]] | None = None   # default: the model's forward
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.model.config)
+
+    def dense_output(self, probe: Probe) -> ProbeOutput | None:
+        """The probe through the dense model, before any weight changes; None: no end-to-end check."""
+        return None
+
+    def rounding_noise(self, probe: Probe, dense: ProbeOutput, targets: list[Target]) -> float | None:
+        """How far the dense outputs move when the targets' FFNs sum in another order (`preservation.py`)."""
+        return None
+
+    def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
+        raise NotImplementedError
+
+    def layer_builder(self) -> LayerBuilder:
+        raise NotImplementedError
+
+    def before_block(self, path: str, block: nn.Module) -> None:
+        """The block's weights made available before it runs (a read from disk)."""
+
+    def after_block(self, visit: BlockVisit, block: nn.Module, layer: MoELayer | None) -> None:
+        """The block done: its layer installed, or the block written and released."""
+
+    def finish(self, probe: Probe) -> nn.Module:
+        """After the last block: the upcycled model (whole, or weightless when it was written block by block)."""
+        return self.model
+
+    def abort(self) -> None:
+        """The conversion failed: let go of anything half-written."""
+
+    def upcycled_output(self, probe: Probe) -> ProbeOutput | None:
+        """The probe through the upcycled model (asked only when `dense_output` gave one)."""
+        return None
+
+    def record(self, layers: list) -> dict:
+        """What this source adds to the record, given the layers' entries (a merge: its sources and their
+        agreement)."""
+        return {}
+
+
+def run_conversion(source: BlockSource, cfg: ConvertConfig, *, promised: bool, tokenizer=None,
+                   texts: list[str] | None = None, text_source: str = "held-out text",
+                   calibration: list[dict] | None = None, calibration_source: str | None = None,
+                   progress: bool = True, phase: Callable[[str], None] = lambda message: None,
+                   load_s: float = 0.0) -> Converted:
+    """Convert `source`'s model as `cfg` says (checked by `validate.validate`) and return what was measured; on
+    any failure the source lets go of what it holds (`abort`) before the error goes on."""
+    try:
+        return _run(source, cfg, promised, tokenizer, texts, text_source, calibration, calibration_source, progress,
+                    phase, load_s)
+    except BaseException:
+        source.abort()
+        raise
+
+
+def _run(source: BlockSource, cfg: ConvertConfig, promised: bool, tokenizer, texts, text_source: str, calibration,
+         calibration_source, progress: bool, phase, load_s: float) -> Converted:
+    timings = Timings(load=load_s)
+    model = source.model
+    targets = plan_targets(model, cfg.placement)
+    t = time.perf_counter()
+    before = count_parameters(model)
+    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, text_source)
+    dense = source.dense_output(probe)
+    timings.dense_probe = time.perf_counter() - t
+    t = time.perf_counter()
+    noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
+    timings.rounding_noise = time.perf_counter() - t
+    phase("dense outputs recorded")
+    result = convert_blocks(model, source.family, targets, source.replay_groups(probe), source.layer_builder(),
+                            before_block=source.before_block, after_block=source.after_block,
+                            first_inputs=source.first_inputs, progress=progress, desc=source.desc)
+    t = time.perf_counter()
+    upcycled = source.finish(probe)
+    timings.write = time.perf_counter() - t
+    for step in ("calibration", "upcycle", "check"):
+        setattr(timings, step, result.timings[step])
+    phase(f"{len(targets)} layers upcycled")
+    t = time.perf_counter()
+    out = source.upcycled_output(probe) if dense is not None else None
+    measured = compare(dense, out) if out is not None else None
+    timings.check += time.perf_counter() - t
+    phase("preservation checked")
+    return Converted(
+        model_class=type(upcycled).__name__, model_type=upcycled.config.model_type,
+        moe_layers=[t.name for t in targets], before=before, after=count_parameters(upcycled), layers=result.layers,
+        promised=promised, measured=measured, noise=noise, compute_dtype=source.compute_dtype,
+        probe=probe if source.records_probe else None, timings=timings, dtype=cfg.dtype, streamed=source.streamed,
+        calibration=None if not calibration else CalibrationSummary(
+            calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
+        **source.record(result.layers))
