@@ -371,3 +371,16 @@ def test_the_merge_holds_one_block_of_the_sources_at_a_time(family_of_models, tm
             assert names == sorted(f"model.layers.{b}.mlp.{p}.weight" for p in PROJ), (b, source)
     assert all(n_ffn == 0 for _, _, n_ffn in alive), alive
     assert alive[-1][:2] == alive[0][:2], alive
+
+
+def test_the_report_counts_the_base_before_and_the_merged_model_after(family_of_models, tmp_path):
+    """`parameters.before` is the base model's count, taken before any block is converted (not the base's
+    skeleton with the merged layers installed in it), and `after` the merged model's."""
+    import upcycle
+
+    dense, sources, _, held = family_of_models
+    report = convert(_cfg(dense, sources, held), tmp_path / "out", progress=False).report.to_dict()
+    count = lambda model: sum(p.numel() for p in model.parameters())   # noqa: E731
+    base = transformers.AutoModelForCausalLM.from_pretrained(dense)
+    assert report["parameters"]["before"] == {"total": count(base), "active_per_token": count(base)}
+    assert report["parameters"]["after"]["total"] == count(upcycle.load(tmp_path / "out"))

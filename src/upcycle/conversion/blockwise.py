@@ -1,7 +1,8 @@
 """The conversion, block by block: replay the dense blocks in order, build each target's MoE layer.
 
-One loop serves every conversion: the dense model in memory, a checkpoint read block by block (`streaming.py`),
-and several fine-tunes merged (`merge.py`), so they compute the same layers and the same per-layer reports. For
+One loop serves every conversion (`orchestrator.run_conversion` calls it for every block source): the dense
+model in memory, a checkpoint read block by block (`streaming.py`), and several fine-tunes merged (`merge.py`),
+so they compute the same layers and the same per-layer reports. For
 each tower, in block order (the GPTQ-style replay of `calibration.py`):
   1. the block's weights are made available (`before_block`: a no-op in memory, a read from disk otherwise);
   2. the dense block runs on the hidden states of every `ReplayGroup` (the probe's, the calibration data's, a
@@ -10,8 +11,8 @@ each tower, in block order (the GPTQ-style replay of `calibration.py`):
      to the budget with a per-layer seed);
   3. at a target, `build_layer` turns the dense block and what the replay gathered into the MoE layer and its
      report entry (`MethodLayers` below for one dense model; `merge.SourceLayers` for several);
-  4. `after_block(visit, block, built)` gets the block and its layer (None for other blocks): the streaming
-     caller installs it, writes the block and releases it; the in-memory caller keeps the layer and installs
+  4. `after_block(visit, block, built)` gets the block and its layer (None for other blocks): the streamed
+     source installs it, writes the block and releases it; the in-memory source keeps the layer and installs
      every layer at the end, so a method failing on any layer leaves the model untouched.
 Blocks after the last one that needs the replay (no target, no check, no calibration after them) are visited
 without running: `needs_compute` is False for them and `before_block` is not called.

@@ -17,15 +17,14 @@ from torch import nn
 from ..checkpoint.upcycle_format import save_folder_files
 from ..config import ConvertConfig
 from ..core.moe import MoELayer
-from ..core.surgery import Target, install, plan_targets, tower_cfg, track_padding_masks
+from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
 from ..export.protocol import StockClass
 from ..export.stock_folder import export_hf
 from ..methods import Method
-from ..probe import Probe, ProbeOutput, probe_output
+from ..probe import Probe
 from .blockwise import BlockVisit, MethodLayers, ReplayGroup, method_groups
 from .layer_check import layer_probe
 from .orchestrator import BlockSource, run_conversion
-from .preservation import rounding_noise
 from .report import Converted
 from .validate import require_calibration
 
@@ -40,16 +39,10 @@ class InMemorySource(BlockSource):
         self.model, self.cfg, self.method, self.args = model, cfg, method, args
         self.promised, self.calibration = promised, calibration
         self.built: dict[str, MoELayer] = {}
-        targets = plan_targets(model, cfg.placement)
-        self.blocks = [(model.get_submodule(t.path), tower_cfg(model, self.family, t)) for t in targets]
+        first = plan_targets(model, cfg.placement)[0]
         # the conversion dtype, whose rounding the check allows
-        self.compute_dtype = self.family.extract(*self.blocks[0]).w_up.dtype
-
-    def dense_output(self, probe: Probe) -> ProbeOutput:
-        return probe_output(self.model, probe)
-
-    def rounding_noise(self, probe: Probe, dense: ProbeOutput, targets: list[Target]) -> float:
-        return rounding_noise(self.model, probe, dense, self.blocks, self.family)
+        self.compute_dtype = self.family.extract(model.get_submodule(first.path),
+                                                 tower_cfg(model, self.family, first)).w_up.dtype
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
         return method_groups(self.cfg, [layer_probe(probe.inputs)] if self.cfg.check.per_layer else None,
@@ -67,9 +60,6 @@ class InMemorySource(BlockSource):
             install(self.model, path, layer.train(self.model.training))
         track_padding_masks(self.model)
         return self.model
-
-    def upcycled_output(self, probe: Probe) -> ProbeOutput:
-        return probe_output(self.model, probe)
 
 
 def convert_in_memory(model: nn.Module, cfg: ConvertConfig, method: Method, args: dict, *, promised: bool,

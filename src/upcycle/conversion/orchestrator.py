@@ -28,18 +28,18 @@ from torch import nn
 from ..config import ConvertConfig
 from ..core.architectures import Family, family_of
 from ..core.moe import MoELayer
-from ..core.surgery import Target, plan_targets
-from ..probe import Probe, ProbeOutput, compare, make_probe
+from ..core.surgery import Target, plan_targets, tower_cfg
+from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output
 from .blockwise import BlockVisit, LayerBuilder, ReplayGroup, convert_blocks
 from .calibration import real_tokens
-from .preservation import count_parameters
+from .preservation import count_parameters, rounding_noise
 from .report import CalibrationSummary, Converted, Timings
 
 
 class BlockSource:
     """Where a conversion's blocks come from and where its result goes. A subclass sets `model` (the dense model
     the blocks are visited in: whole, or a skeleton filled block by block) and `compute_dtype`, and gives the
-    replay groups and the layer builder; the rest has defaults for a model held whole that checks nothing."""
+    replay groups and the layer builder; the rest has defaults for a model held whole, checked end to end."""
 
     model: nn.Module
     compute_dtype: torch.dtype
@@ -54,11 +54,13 @@ class BlockSource:
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
         """The probe through the dense model, before any weight changes; None: no end-to-end check."""
-        return None
+        return probe_output(self.model, probe)
 
-    def rounding_noise(self, probe: Probe, dense: ProbeOutput, targets: list[Target]) -> float | None:
+    def rounding_noise(self, probe: Probe, dense: ProbeOutput, targets: list[Target]) -> float:
         """How far the dense outputs move when the targets' FFNs sum in another order (`preservation.py`)."""
-        return None
+        model, family = self.model, self.family
+        blocks = [(model.get_submodule(t.path), tower_cfg(model, family, t)) for t in targets]
+        return rounding_noise(model, probe, dense, blocks, family)
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
         raise NotImplementedError
@@ -81,7 +83,7 @@ class BlockSource:
 
     def upcycled_output(self, probe: Probe) -> ProbeOutput | None:
         """The probe through the upcycled model (asked only when `dense_output` gave one)."""
-        return None
+        return probe_output(self.model, probe)
 
     def record(self, layers: list) -> dict:
         """What this source adds to the record, given the layers' entries (a merge: its sources and their

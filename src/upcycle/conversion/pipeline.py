@@ -5,10 +5,11 @@ Every conversion runs these steps, each in one place:
     validate (the method, its arguments, the device, the sources; once)
     -> claim OUT (`checkpoint.folders`: never an input, replaced only when upcycle wrote it)
     -> read the probe's text and the calibration data (`model_data.py`), before any weight
-    -> the blocks, from one of three block sources, through one block loop (`blockwise.py`):
-         in memory   the dense model loaded whole, converted in place (`in_memory.py`)
-         streaming   a local safetensors checkpoint read block by block, written shard by shard (`streaming.py`)
-         merge       several fine-tunes of one base, streamed the same way (`merge.py`)
+    -> the conversion, by `orchestrator.run_conversion` over one of three block sources:
+         in memory   the dense model loaded whole, converted in place (`in_memory.InMemorySource`)
+         streaming   a local safetensors checkpoint read block by block, written shard by shard
+                     (`streaming.StreamedSource`)
+         merge       several fine-tunes of one base, streamed the same way (`merge.MergedSource`)
     -> the report (`report.conversion_report`) and the preservation verdict (`report.refuse_if_broken`:
        a method that promised the dense function and broke it writes nothing)
     -> the weights (upcycle format, or a stock transformers class where one fits: `export.layout.choose_export`)

@@ -15,8 +15,11 @@ calibration replay of a 2B model in bfloat16 would take hours). The in-memory pa
 write the same bytes for copy, noise, drop, drop_svd, spri and granular (their float32 results are rounded once,
 to the storage dtype); data-aware methods see float32 activations here.
 
-The end-to-end check (`end_to_end_output`) runs a whole model the same way, one block at a time from disk, so it
-is possible at any size; it costs another read of the dense checkpoint and of the output.
+The end-to-end check (`probe.lazy_probe_output`) runs a whole model the same way, one block at a time from disk, so
+it is possible at any size; it costs another read of the dense checkpoint and of the output.
+
+`StreamedBlocks` is the block source (`orchestrator.BlockSource`) that reads, writes and releases blocks;
+`StreamedSource` converts one checkpoint with it, and `merge.MergedSource` several.
 """
 
 from __future__ import annotations
@@ -114,6 +117,9 @@ class StreamedBlocks(BlockSource):
         self.writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
                                     max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, self.block_paths)))
         self.first_inputs = source_first_inputs(source)
+
+    def dense_output(self, probe: Probe) -> ProbeOutput | None:
+        return None         # the blocks are on disk: a subclass that checks reads them again (StreamedSource)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
         self.writer.write(name, tensor.to(self.planned_dtype[name]))
