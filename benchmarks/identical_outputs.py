@@ -13,7 +13,9 @@ path is written as <work>.
     .venv/bin/python benchmarks/identical_outputs.py OUT/fingerprints.json [--work out/identical]
     .venv/bin/python benchmarks/identical_outputs.py OUT/after.json --compare OUT/before.json
 
-With --compare it exits 1 and names every file whose fingerprint differs (or that one side lacks).
+With --compare it exits 1 and names every file whose fingerprint differs (or that one side lacks); with
+--before-work (the work folder BEFORE came from) it writes benchmarks/results/identical_outputs.json: how many
+files are identical, and for each JSON file that differs, the keys and both values.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from upcycle.machine import machine as machine_facts  # noqa: E402  (the source tree, as the jobs run it)
 
 ROOT = Path(__file__).resolve().parent.parent
 UPCYCLE = [sys.executable, "-m", "upcycle.cli"]
@@ -103,6 +108,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "identical")
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--rehash", action="store_true", help="hash the work folder's outputs again, run nothing")
+    parser.add_argument("--before-work", type=Path, help="with --compare: the work folder of BEFORE, to name the "
+                                                           "keys of the JSON files that differ")
+    parser.add_argument("--commits", nargs=2, metavar=("BEFORE", "AFTER"), help="the commits the two ran at")
+    parser.add_argument("--summary", type=Path, default=ROOT / "benchmarks" / "results" / "identical_outputs.json")
     args = parser.parse_args()
     from upcycle.data.assets import default_model_path  # the embedded model's plain folder (from its wheel)
 
@@ -138,7 +147,36 @@ def main() -> None:
                   for file in sorted(set(before.get(job, {})) | set(result.get(job, {})))
                   if before.get(job, {}).get(file) != result.get(job, {}).get(file)]
         print("identical" if not differ else "differ: " + ", ".join(differ))
+        if args.before_work:
+            summary = {"machine": machine_facts(), "commits": dict(zip(("before", "after"), args.commits, strict=True)) if args.commits else {},
+                       "files": sum(len(files) for files in result.values()),
+                       "identical": sum(len(files) for files in result.values()) - len(differ),
+                       "differ": {name: json_differences(args.before_work / name, work / name, args.before_work, work)
+                                  for name in differ}}
+            args.summary.write_text(json.dumps(summary, indent=1) + "\n")
         sys.exit(1 if differ else 0)
+
+
+def json_differences(a: Path, b: Path, work_a: Path, work_b: Path) -> list[dict] | str:
+    """The keys whose values differ between two JSON files (timings and the work folder's path aside)."""
+    if a.suffix != ".json" or not a.is_file() or not b.is_file():
+        return "not JSON, or one side lacks it"
+    x = _drop_volatile(json.loads(a.read_text().replace(str(work_a), "<work>")))
+    y = _drop_volatile(json.loads(b.read_text().replace(str(work_b), "<work>")))
+    found = []
+
+    def walk(u, v, path: str) -> None:
+        if isinstance(u, dict) and isinstance(v, dict):
+            for key in sorted(set(u) | set(v)):
+                walk(u.get(key), v.get(key), f"{path}/{key}")
+        elif isinstance(u, list) and isinstance(v, list) and len(u) == len(v):
+            for i, (p, q) in enumerate(zip(u, v, strict=True)):
+                walk(p, q, f"{path}[{i}]")
+        elif u != v:
+            found.append({"key": path, "before": u, "after": v})
+
+    walk(x, y, "")
+    return found
 
 
 if __name__ == "__main__":

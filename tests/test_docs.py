@@ -86,3 +86,20 @@ def test_the_process_word_pattern_catches_the_usual_phrases():
     for phrase in ("scope=\"session\"", "gpu_session.sh", "onnxruntime.InferenceSession", "seconds_this_session",
                    "(under review; no arXiv id)", "llama.cpp's own commit 0c1e57098", "round(x, 4)"):
         assert not PROCESS_WORDS.search(phrase), phrase
+
+
+def test_the_development_page_holds_the_generated_layout_table():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from layout_table import END as LAYOUT_END
+    from layout_table import START as LAYOUT_START
+    from layout_table import table as layout
+
+    text = (ROOT / "docs" / "development.md").read_text()
+    assert LAYOUT_START in text and LAYOUT_END in text, "docs/development.md has lost its layout table markers"
+    shown = text.split(LAYOUT_START, 1)[1].split(LAYOUT_END, 1)[0].strip()
+    assert shown == layout().strip(), ("docs/development.md's layout table is not what the code says: "
+                                       "regenerate it with `.venv/bin/python tests/layout_table.py --write`")
+    assert f"`{Path(__file__).name}`" not in shown          # the table lists src/upcycle, not the tests
+    assert "`train/trainer.py`" in shown and "`probe.py`" in shown
