@@ -148,7 +148,8 @@ def main() -> None:
                   if before.get(job, {}).get(file) != result.get(job, {}).get(file)]
         print("identical" if not differ else "differ: " + ", ".join(differ))
         if args.before_work:
-            summary = {"machine": machine_facts(), "commits": dict(zip(("before", "after"), args.commits, strict=True)) if args.commits else {},
+            commits = dict(zip(("before", "after"), args.commits, strict=True)) if args.commits else {}
+            summary = {"machine": machine_facts(), "commits": commits,
                        "files": sum(len(files) for files in result.values()),
                        "identical": sum(len(files) for files in result.values()) - len(differ),
                        "differ": {name: json_differences(args.before_work / name, work / name, args.before_work, work)
