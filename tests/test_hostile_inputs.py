@@ -51,7 +51,7 @@ def fake_run(moe: Path, run: Path) -> Path:
 
 # ---- case 1: eval --out never overwrites an input --------------------------------------------------------------
 
-def test_case1_eval_out_never_overwrites_the_model_the_data_or_the_run(lm, tmp_path, capsys):
+def test_eval_out_never_overwrites_the_model_the_data_or_the_run(lm, tmp_path, capsys):
     _, moe, _, held = lm
     run = fake_run(moe, tmp_path / "run")
     before = digest(moe, held, run)
@@ -62,7 +62,7 @@ def test_case1_eval_out_never_overwrites_the_model_the_data_or_the_run(lm, tmp_p
     assert digest(moe, held, run) == before
 
 
-def test_case1_eval_out_replaces_only_its_own_result_and_writes_it_whole(lm, tmp_path, capsys):
+def test_eval_out_replaces_only_its_own_result_and_writes_it_whole(lm, tmp_path, capsys):
     _, moe, _, held = lm
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": true}\n')
@@ -91,7 +91,7 @@ def _fake_default_cache(cache: Path) -> Path:
     return folder
 
 
-def test_case2_default_is_an_input_its_cache_is_never_an_output(tmp_path, monkeypatch, capsys):
+def test_default_is_an_input_its_cache_is_never_an_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "cache"))
     folder = _fake_default_cache(tmp_path / "cache")
     before = digest(folder)
@@ -102,7 +102,7 @@ def test_case2_default_is_an_input_its_cache_is_never_an_output(tmp_path, monkey
     assert digest(folder) == before
 
 
-def test_case2_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path, monkeypatch):
+def test_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path, monkeypatch):
     from upcycle.data import assets
 
     monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "cache"))
@@ -131,7 +131,7 @@ def test_case2_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path
 
 # ---- case 3: --overwrite deletes only what upcycle wrote -------------------------------------------------------
 
-def test_case3_overwrite_never_deletes_a_recipe_the_dense_model_or_a_users_folder(lm, tmp_path, capsys):
+def test_overwrite_never_deletes_a_recipe_the_dense_model_or_a_users_folder(lm, tmp_path, capsys):
     dense, moe, train, held = lm
     folder = tmp_path / "recipes"
     folder.mkdir()
@@ -158,7 +158,7 @@ def test_case3_overwrite_never_deletes_a_recipe_the_dense_model_or_a_users_folde
     assert digest(dense, moe, folder, precious, analysis_in) == before
 
 
-def test_case3_overwrite_never_goes_through_a_symbolic_link(lm, tmp_path, capsys):
+def test_overwrite_never_goes_through_a_symbolic_link(lm, tmp_path, capsys):
     dense, _, _, _ = lm
     target = tmp_path / "target"
     assert main(["convert", str(dense), str(target), "--num-experts", "2", "--top-k", "1", *QUIET]) == 0
@@ -198,7 +198,7 @@ def _planted(folder: Path, marker: Path, *, tokenizer_only: bool = False, dense:
     return folder
 
 
-def test_case4_remote_code_never_runs_even_when_stdin_says_yes(lm, tmp_path, capsys, monkeypatch):
+def test_remote_code_never_runs_even_when_stdin_says_yes(lm, tmp_path, capsys, monkeypatch):
     dense, moe, train, held = lm
     marker = tmp_path / "PLANTED-CODE-RAN"
     evil = _planted(tmp_path / "evil", marker)
@@ -223,7 +223,7 @@ def test_case4_remote_code_never_runs_even_when_stdin_says_yes(lm, tmp_path, cap
 
 # ---- case 5: one writer per output -----------------------------------------------------------------------------
 
-def test_case5_a_second_run_into_the_same_output_is_refused_never_mixed(lm, tmp_path, capsys):
+def test_a_second_run_into_the_same_output_is_refused_never_mixed(lm, tmp_path, capsys):
     from upcycle.checkpoint.folders import claim_output, lock_path
 
     dense, moe, train, _ = lm
@@ -252,7 +252,7 @@ def _escaping_index(folder: Path, tmp_path: Path, entry: str) -> None:
 
 
 @pytest.mark.parametrize("entry", ["../secret/{file}", "{secret}/{file}"])
-def test_case6_an_index_that_points_outside_the_folder_is_refused(lm, tmp_path, capsys, entry):
+def test_an_index_that_points_outside_the_folder_is_refused(lm, tmp_path, capsys, entry):
     dense, _, _, held = lm
     sharded = tmp_path / "sharded"
     make_tiny("llama").save_pretrained(sharded, max_shard_size="20KB")
@@ -272,7 +272,7 @@ def test_case6_an_index_that_points_outside_the_folder_is_refused(lm, tmp_path, 
 # ---- case 7: a model is whole or refused -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("streaming", ["true", "false"])
-def test_case7_missing_tensors_a_wrong_config_and_nan_weights_are_refused(tmp_path, capsys, streaming):
+def test_missing_tensors_a_wrong_config_and_nan_weights_are_refused(tmp_path, capsys, streaming):
     model = tmp_path / "m"
     make_tiny("llama").save_pretrained(model)
     weights = load_file(model / "model.safetensors")
@@ -297,12 +297,12 @@ def test_case7_missing_tensors_a_wrong_config_and_nan_weights_are_refused(tmp_pa
     assert not (tmp_path / "o").exists()
 
 
-def test_case7_an_upcycled_folder_is_not_converted_again(lm, tmp_path, capsys):
+def test_an_upcycled_folder_is_not_converted_again(lm, tmp_path, capsys):
     _, moe, _, _ = lm
     fails(capsys, ["convert", str(moe), str(tmp_path / "o"), *QUIET], "is an upcycle MoE folder already")
 
 
-def test_case7_a_wrong_intermediate_size_is_named_on_the_streaming_path(tmp_path, capsys):
+def test_a_wrong_intermediate_size_is_named_on_the_streaming_path(tmp_path, capsys):
     model = tmp_path / "m"
     make_tiny("llama").save_pretrained(model)
     config = json.loads((model / "config.json").read_text())
@@ -313,7 +313,7 @@ def test_case7_a_wrong_intermediate_size_is_named_on_the_streaming_path(tmp_path
 
 # ---- case 8: recorded paths mean the same from anywhere --------------------------------------------------------
 
-def test_case8_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monkeypatch):
+def test_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monkeypatch):
     from upcycle.analyze.run import AnalyzeOptions, analyze
 
     dense, _, train, held = lm
@@ -336,7 +336,7 @@ def test_case8_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monke
     assert there["snapshots"][0]["kl_to_dense"] == here["snapshots"][0]["kl_to_dense"] is not None
 
 
-def test_case8_a_relative_name_recorded_before_is_never_looked_up_here_or_on_the_hub(lm, tmp_path, monkeypatch):
+def test_a_relative_name_recorded_before_is_never_looked_up_here_or_on_the_hub(lm, tmp_path, monkeypatch):
     from upcycle.analyze.run import AnalyzeOptions, analyze
 
     dense, moe, _, held = lm
@@ -357,7 +357,7 @@ def test_case8_a_relative_name_recorded_before_is_never_looked_up_here_or_on_the
     assert any("relative to the folder that command ran in" in note for note in result["target"]["notes"])
 
 
-def test_case8_a_run_config_whose_model_is_not_a_name_is_a_note(lm, tmp_path):
+def test_a_run_config_whose_model_is_not_a_name_is_a_note(lm, tmp_path):
     from upcycle.analyze.target import resolve_target
 
     _, moe, _, _ = lm
