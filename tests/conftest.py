@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import transformers as T
@@ -150,3 +154,37 @@ def fine_tune(dense, folder, seed: int, *, attention: bool = False):
                 p.add_(torch.randn(p.shape, generator=generator) * 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def lm(tiny_lm, tmp_path):
+    """Private copies of the tiny dense Llama, its copy-upcycled MoE and its texts: (dense, moe, train, held)."""
+    dense, moe, train, held = tiny_lm
+    root = tmp_path / "inputs"
+    root.mkdir()
+    for src in (dense, moe):
+        shutil.copytree(src, root / src.name)
+    for src in (train, held):
+        shutil.copy(src, root / src.name)
+    report = json.loads((root / moe.name / "upcycle_report.json").read_text())
+    report["source_model"] = report["source_path"] = str(root / dense.name)      # the private dense copy
+    (root / moe.name / "upcycle_report.json").write_text(json.dumps(report))
+    return root / dense.name, root / moe.name, root / train.name, root / held.name
+
+
+def fake_run(moe: Path, run: Path) -> Path:
+    """A run folder holding a finished model, as `upcycle train` leaves it."""
+    run.mkdir()
+    shutil.copytree(moe, run / "model")
+    (run / "run_config.yaml").write_text(f"model: {moe}\n")
+    (run / "log.jsonl").write_text('{"step": 1, "loss": {"task": 1.0}}\n')
+    return run
+
+
+def train_config(moe: Path, train_txt: Path, held: Path, **overrides):
+    """A short training config of the tiny MoE on its text (4 steps of 4 x 32 tokens, unless overridden)."""
+    from upcycle.config import TrainConfig
+
+    base = dict(model=str(moe), data=str(train_txt), eval_data=str(held), steps=4, batch_size=4,
+                sequence_length=32, lr=3e-3, warmup=0.0, eval_tokens=64)
+    return TrainConfig(**{**base, **overrides})

@@ -122,61 +122,6 @@ def test_a_dry_run_of_the_embedded_model_writes_nothing_anywhere(tmp_path, monke
 TRAIN = ["--steps", "1", "--batch-size", "2", "--sequence-length", "16", "--set", "eval_tokens=32", "--quiet"]
 
 
-@pytest.fixture
-def finished_run(tiny_lm, tmp_path) -> Path:
-    """A finished training run of the tiny MoE (its checkpoint, model, log)."""
-    _, moe, train, _ = tiny_lm
-    assert main(["train", str(moe), str(tmp_path / "run"), "--data", str(train), *TRAIN]) == 0
-    return tmp_path / "run"
-
-
-def test_eval_out_overwrite_replaces_an_earlier_eval_result_and_no_other_upcycle_json(tiny_lm, finished_run,
-                                                                                       tmp_path, capsys):
-    _, moe, _, held = tiny_lm
-    # another model evaluated, its result aimed at the files of a run that is not its input
-    evaluate = ["eval", str(moe), "--data", str(held), "--tokens", "32", "--quiet"]
-    checkpoint = next((finished_run / "checkpoints").iterdir())
-    others = [finished_run / "model" / "upcycle_config.json", finished_run / ".upcycle-output.json",
-              checkpoint / "manifest.json", checkpoint / "trainer.json"]
-    before = digest(*others)
-    for other in others:
-        fails(capsys, [*evaluate, "--out", str(other), "--overwrite"], "is another upcycle file")
-    assert digest(*others) == before
-    result = tmp_path / "result.json"
-    assert main([*evaluate, "--out", str(result)]) == 0
-    assert main([*evaluate, "--out", str(result), "--overwrite"]) == 0      # its own kind: replaced
-    capsys.readouterr()
-
-
-@pytest.mark.parametrize("place", ["model/MY_NOTES.txt", "tensorboard/keep.txt", "checkpoints/notes.md",
-                                   "checkpoints/step-0000001/mine.json"])
-def test_train_overwrite_refuses_a_run_with_a_users_file_at_any_depth(tiny_lm, finished_run, capsys, place):
-    _, moe, train, _ = tiny_lm
-    planted = finished_run / place
-    planted.parent.mkdir(parents=True, exist_ok=True)
-    planted.write_text("mine\n")
-    before = digest(finished_run)
-    fails(capsys, ["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN],
-          f"holds files upcycle did not write ({place})")
-    assert digest(finished_run) == before
-    planted.unlink()                     # the run as upcycle wrote it is replaced
-    assert main(["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN]) == 0
-
-
-def test_an_older_upcycle_folder_is_replaced_only_with_the_shards_its_index_names(tiny_lm, tmp_path, capsys):
-    """A folder written before the marker is recognised by upcycle_config.json; a weight shard its index does not
-    name is not upcycle's, so --overwrite refuses the folder."""
-    dense, moe, _, _ = tiny_lm
-    old = tmp_path / "old"
-    shutil.copytree(moe, old)
-    (old / ".upcycle-output.json").unlink()
-    (old / "model-00001-of-00009.safetensors").write_bytes(b"someone else's weights")
-    fails(capsys, ["convert", str(dense), str(old), "--overwrite", *CONVERT], "model-00001-of-00009.safetensors")
-    assert (old / "model-00001-of-00009.safetensors").read_bytes() == b"someone else's weights"
-    (old / "model-00001-of-00009.safetensors").unlink()
-    assert main(["convert", str(dense), str(old), "--overwrite", *CONVERT]) == 0
-
-
 # ---- save_pretrained on an upcycled model ---------------------------------------------------------------------
 
 def test_save_pretrained_never_writes_through_a_link_keeps_foreign_shards_and_refuses_nan(tiny_lm, tmp_path):

@@ -1,7 +1,7 @@
-"""Hostile files and careless paths, one test per case: no input overwritten, no code from a model folder, no
-file read outside it, no random weights with exit 0, recorded paths that mean the same from anywhere. Every case
-runs the command in-process, as a user would type it, and checks the exit status, the one-line message, and that
-every input is byte for byte what it was."""
+"""Hostile files and careless paths: no code from a model folder, no file read outside it, no random weights with
+exit 0, an input's cache never an output, recorded paths that mean the same from anywhere (no input overwritten:
+tests/test_overwrite.py). Every case runs the command in-process, as a user would type it, and checks the exit
+status, the one-line message, and that every input is byte for byte what it was."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import digest, fails, make_tiny
+from conftest import digest, fails, fake_run, make_tiny
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
 
@@ -24,59 +24,7 @@ QUIET = ["--quiet"]
 TRAIN = ["--steps", "1", "--batch-size", "2", "--sequence-length", "16", "--set", "eval_tokens=32", "--quiet"]
 
 
-@pytest.fixture
-def lm(tiny_lm, tmp_path):
-    """Private copies of the tiny dense Llama, its copy-upcycled MoE and its texts: (dense, moe, train, held)."""
-    dense, moe, train, held = tiny_lm
-    root = tmp_path / "inputs"
-    root.mkdir()
-    for src in (dense, moe):
-        shutil.copytree(src, root / src.name)
-    for src in (train, held):
-        shutil.copy(src, root / src.name)
-    report = json.loads((root / moe.name / "upcycle_report.json").read_text())
-    report["source_model"] = report["source_path"] = str(root / dense.name)      # the private dense copy
-    (root / moe.name / "upcycle_report.json").write_text(json.dumps(report))
-    return root / dense.name, root / moe.name, root / train.name, root / held.name
-
-
-def fake_run(moe: Path, run: Path) -> Path:
-    """A run folder holding a finished model, as `upcycle train` leaves it."""
-    run.mkdir()
-    shutil.copytree(moe, run / "model")
-    (run / "run_config.yaml").write_text(f"model: {moe}\n")
-    (run / "log.jsonl").write_text('{"step": 1, "loss": {"task": 1.0}}\n')
-    return run
-
-
 # ---- case 1: eval --out never overwrites an input --------------------------------------------------------------
-
-def test_eval_out_never_overwrites_the_model_the_data_or_the_run(lm, tmp_path, capsys):
-    _, moe, _, held = lm
-    run = fake_run(moe, tmp_path / "run")
-    before = digest(moe, held, run)
-    for out in (moe / "config.json", moe / "model.safetensors", held, run / "log.jsonl"):
-        model = run if out.parent == run else moe
-        fails(capsys, ["eval", str(model), "--data", str(held), "--out", str(out)], "")
-        fails(capsys, ["eval", str(model), "--data", str(held), "--out", str(out), "--overwrite"], "")
-    assert digest(moe, held, run) == before
-
-
-def test_eval_out_replaces_only_its_own_result_and_writes_it_whole(lm, tmp_path, capsys):
-    _, moe, _, held = lm
-    notes = tmp_path / "notes.json"
-    notes.write_text('{"mine": true}\n')
-    ev = ["eval", str(moe), "--data", str(held), "--sequence-length", "16"]
-    fails(capsys, [*ev, "--tokens", "64", "--out", str(notes)], "already exists")
-    fails(capsys, [*ev, "--tokens", "64", "--out", str(notes), "--overwrite"], "only upcycle's own outputs")
-    assert notes.read_text() == '{"mine": true}\n'
-    result = tmp_path / "eval.json"
-    assert main([*ev, "--tokens", "64", "--out", str(result)]) == 0
-    first = json.loads(result.read_text())
-    assert first["format"] == "upcycle-eval" and first["tokens"] > 0
-    assert main([*ev, "--tokens", "32", "--out", str(result), "--overwrite"]) == 0
-    assert json.loads(result.read_text())["tokens"] < first["tokens"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["eval.json", "notes.json", "inputs"])
 
 
 # ---- case 2: the embedded model's cache is an input, and verified -----------------------------------------------
@@ -131,48 +79,6 @@ def test_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path, monk
 
 # ---- case 3: --overwrite deletes only what upcycle wrote -------------------------------------------------------
 
-def test_overwrite_never_deletes_a_recipe_the_dense_model_or_a_users_folder(lm, tmp_path, capsys):
-    dense, moe, train, held = lm
-    folder = tmp_path / "recipes"
-    folder.mkdir()
-    (folder / "r.yaml").write_text("moe: {num_experts: 2, top_k: 1}\n")
-    (folder / "t.yaml").write_text("lr: 1e-3\n")
-    (folder / "other.txt").write_text("the user's")
-    precious = tmp_path / "precious"
-    precious.mkdir()
-    (precious / "thesis.txt").write_text("four years")
-    analysis_in = tmp_path / "analysis"
-    (analysis_in / "dense").mkdir(parents=True)
-    for f in dense.iterdir():
-        shutil.copy(f, analysis_in / "dense" / f.name)
-    before = digest(dense, moe, folder, precious, analysis_in)
-    fails(capsys, ["convert", str(dense), str(folder), "--config", str(folder / "r.yaml"), "--overwrite", *QUIET],
-          "recipe")
-    fails(capsys, ["train", str(moe), str(folder), "--config", str(folder / "t.yaml"), "--data", str(train),
-                   "--overwrite", *TRAIN], "recipe")
-    fails(capsys, ["convert", str(dense), str(precious), "--overwrite", *QUIET], "only upcycle's own outputs")
-    fails(capsys, ["analyze", str(moe), str(analysis_in), "--dense", str(analysis_in / "dense"), "--data",
-                   str(held), "--overwrite", "--quiet"], "dense model")
-    # OUT = the dense model the MoE records as its source: an input of the analysis even when not named
-    fails(capsys, ["analyze", str(moe), str(dense), "--data", str(held), "--overwrite", "--quiet"], "dense model")
-    assert digest(dense, moe, folder, precious, analysis_in) == before
-
-
-def test_overwrite_never_goes_through_a_symbolic_link(lm, tmp_path, capsys):
-    dense, _, _, _ = lm
-    target = tmp_path / "target"
-    assert main(["convert", str(dense), str(target), "--num-experts", "2", "--top-k", "1", *QUIET]) == 0
-    link = tmp_path / "link"
-    link.symlink_to(target)
-    before = digest(target)
-    fails(capsys, ["convert", str(dense), str(link), "--overwrite", *QUIET], "symbolic link")
-    assert digest(target) == before and link.is_symlink()
-    # upcycle's own output with a file of the user's added: not replaced
-    (target / "my-notes.txt").write_text("mine")
-    fails(capsys, ["convert", str(dense), str(target), "--overwrite", *QUIET], "my-notes.txt")
-    (target / "my-notes.txt").unlink()
-    assert main(["convert", str(dense), str(target), "--overwrite", *QUIET]) == 0
-
 
 # ---- case 4: a model folder's Python never runs, whatever stdin says -------------------------------------------
 
@@ -222,20 +128,6 @@ def test_remote_code_never_runs_even_when_stdin_says_yes(lm, tmp_path, capsys, m
 
 
 # ---- case 5: one writer per output -----------------------------------------------------------------------------
-
-def test_a_second_run_into_the_same_output_is_refused_never_mixed(lm, tmp_path, capsys):
-    from upcycle.checkpoint.folders import claim_output, lock_path
-
-    dense, moe, train, _ = lm
-    out = tmp_path / "out"
-    with claim_output(out, kind="convert"):           # another run is writing OUT
-        fails(capsys, ["convert", str(dense), str(out), "--num-experts", "2", "--top-k", "1", *QUIET],
-              "being written by another upcycle run")
-        fails(capsys, ["train", str(moe), str(out), "--data", str(train), *TRAIN], "being written by another")
-        assert not out.exists()
-    assert not lock_path(out).exists()
-    assert main(["convert", str(dense), str(out), "--num-experts", "2", "--top-k", "1", *QUIET]) == 0
-    assert not lock_path(out).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["inputs", "out"]
 
 
 # ---- case 6: a weight index never reads outside its folder -----------------------------------------------------

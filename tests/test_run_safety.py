@@ -1,6 +1,6 @@
-"""What `--overwrite`, recipes and `--resume` may and may not do to the user's files: inputs are never
-deleted, a run folder from someone else is data and never code, a failed or diverged run leaves OUT as it was
-or at its last good checkpoint, and torn checkpoints and logs fall back to what is complete."""
+"""What `--resume` and a run that fails may and may not do: a run folder from someone else is data and never code,
+a failed or diverged run leaves OUT as it was or at its last good checkpoint, and torn checkpoints and logs fall
+back to what is complete. (What `--overwrite` may replace: tests/test_overwrite.py.)"""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import digest
+from conftest import train_config
 from upcycle.cli import main
-from upcycle.config import TrainConfig
 from upcycle.errors import UpcycleError
 from upcycle.train import run_state
 from upcycle.train.run_folder import checkpoints
@@ -25,80 +24,6 @@ from upcycle.train.stopping import TrainingStopped
 from upcycle.train.trainer import train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
-
-
-def _cfg(moe: Path, train_txt: Path, held: Path, **overrides) -> TrainConfig:
-    base = dict(model=str(moe), data=str(train_txt), eval_data=str(held), steps=4, batch_size=4,
-                sequence_length=32, lr=3e-3, warmup=0.0, eval_tokens=64)
-    return TrainConfig(**{**base, **overrides})
-
-
-@pytest.fixture
-def victim(tiny_lm, tmp_path) -> Path:
-    """A private copy of the tiny upcycled model, to be given as input."""
-    folder = tmp_path / "victim"
-    shutil.copytree(tiny_lm[1], folder)
-    return folder
-
-
-def test_overwrite_never_deletes_the_input(tiny_lm, victim, tmp_path, capsys):
-    train_txt = str(tiny_lm[2])
-    before = digest(victim)
-    # OUT = the input model, OUT = a folder holding it, OUT = the folder holding the training text
-    for out in (victim, tmp_path):
-        assert main(["train", str(victim), str(out), "--overwrite", "--data", train_txt, *RUN]) == 2
-        assert "input" in capsys.readouterr().err
-    text_dir = tmp_path / "texts"
-    text_dir.mkdir()
-    shutil.copy(train_txt, text_dir / "train.txt")
-    assert main(["train", str(victim), str(text_dir), "--overwrite", "--data", str(text_dir / "train.txt"),
-                 *RUN]) == 2
-    assert (text_dir / "train.txt").exists()
-    # convert and export refuse the same
-    assert main(["convert", str(victim), str(victim), "--overwrite", "--quiet"]) == 2
-    assert main(["export", str(victim), str(victim), "--overwrite"]) == 2
-    assert digest(victim) == before
-
-
-def test_overwrite_never_empties_the_current_directory(tiny_lm, tmp_path, monkeypatch, capsys):
-    sandbox = tmp_path / "sbx"
-    sandbox.mkdir()
-    (sandbox / "notes.txt").write_text("mine")
-    monkeypatch.chdir(sandbox)
-    assert main(["train", str(tiny_lm[1]), ".", "--overwrite", "--data", str(tiny_lm[2]), *RUN]) == 2
-    assert "current directory" in capsys.readouterr().err
-    assert main(["train", str(tiny_lm[1]), str(tmp_path), "--overwrite", "--data", str(tiny_lm[2]), *RUN]) == 2
-    assert (sandbox / "notes.txt").read_text() == "mine"
-
-
-def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tiny_lm, tmp_path, capsys):
-    _, moe, train_txt, held = tiny_lm
-    run = tmp_path / "run"
-    train(_cfg(moe, train_txt, held, steps=2), run, progress=False)
-    before = digest(run)
-    # a missing data file, a typo in what trains: found before OUT is touched
-    assert main(["train", str(moe), str(run), "--overwrite", "--data", str(tmp_path / "missing.jsonl"), *RUN]) == 2
-    assert main(["train", str(moe), str(run), "--overwrite", "--data", str(train_txt), "--train", "experst",
-                 *RUN]) == 2
-    assert digest(run) == before
-    assert sorted(os.listdir(tmp_path)) == ["run"]            # no staging folder left behind
-    # a valid --overwrite replaces it
-    train(_cfg(moe, train_txt, held, steps=1), run, overwrite=True, progress=False)
-    assert [c.name for c in checkpoints(run)] == ["step-0000001"] and sorted(os.listdir(tmp_path)) == ["run"]
-
-
-def test_recipes_cannot_overwrite(tiny_lm, victim, tmp_path, capsys):
-    recipe = tmp_path / "shared.yaml"
-    recipe.write_text("overwrite: true\nsteps: 2\n")
-    out = tmp_path / "existing"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert main(["train", str(victim), str(out), "--config", str(recipe), "--data", str(tiny_lm[2])]) == 2
-    assert "command line only" in capsys.readouterr().err
-    assert main(["convert", str(victim), str(out), "--config", str(recipe), "--quiet"]) == 2
-    assert main(["convert", str(victim), str(out), "--set", "overwrite=true", "--quiet"]) == 2
-    assert "command line only" in capsys.readouterr().err
-    assert (out / "keep.txt").read_text() == "mine"
 
 
 class _Payload:
@@ -113,7 +38,7 @@ class _Payload:
 
 def test_resume_never_runs_code_from_the_run_folder(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
-    cfg = _cfg(moe, train_txt, held)
+    cfg = train_config(moe, train_txt, held)
     run = tmp_path / "run"
     train(cfg, run, stop_after=2, progress=False)
     marker = tmp_path / "pwned"
@@ -138,7 +63,7 @@ def test_resume_falls_back_past_a_torn_checkpoint_and_log_line(tiny_lm, tmp_path
     """Truncate the newest checkpoint and tear the log's last line: resume continues from the previous complete
     checkpoint and ends with exactly the log and weights of an uninterrupted run."""
     _, moe, train_txt, held = tiny_lm
-    cfg = _cfg(moe, train_txt, held, checkpoint_every=1, keep_checkpoints=2)
+    cfg = train_config(moe, train_txt, held, checkpoint_every=1, keep_checkpoints=2)
     train(cfg, tmp_path / "straight", progress=False)
     run = tmp_path / "run"
     train(cfg, run, stop_after=3, progress=False)
@@ -166,7 +91,7 @@ def test_resume_falls_back_past_a_torn_checkpoint_and_log_line(tiny_lm, tmp_path
 def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
     run = tmp_path / "run"
-    train(_cfg(moe, train_txt, held), run, stop_after=1, progress=False)
+    train(train_config(moe, train_txt, held), run, stop_after=1, progress=False)
     ckpt = checkpoints(run)[-1]
     assert run_state.problem(ckpt, processes=1) is None
     assert "this run has 2 process" in run_state.problem(ckpt, processes=2)
@@ -177,7 +102,7 @@ def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
     (ckpt / "manifest.json").unlink()
     assert "no manifest" in run_state.problem(ckpt, processes=1)
     with pytest.raises(UpcycleError, match="no complete checkpoint"):
-        train(_cfg(moe, train_txt, held), run, resume=True, progress=False)
+        train(train_config(moe, train_txt, held), run, resume=True, progress=False)
 
 
 def _failing_loss(monkeypatch, at_call: int, failure):
@@ -203,7 +128,7 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(tiny_lm, tmp_path
     _failing_loss(monkeypatch, 3, float("nan"))
     run = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"step 3: task loss nan.*keeps checkpoint step-0000002"):
-        train(_cfg(moe, train_txt, held, checkpoint_every=1), run, progress=False)
+        train(train_config(moe, train_txt, held, checkpoint_every=1), run, progress=False)
     assert checkpoints(run)[-1].name == "step-0000002" and not (run / "model").exists()
     assert run_state.problem(checkpoints(run)[-1], processes=1) is None
     weights = run_state.load_file(str(checkpoints(run)[-1] / "model.safetensors"))
@@ -214,14 +139,14 @@ def test_diverged_run_before_any_checkpoint_writes_nothing(tiny_lm, tmp_path, mo
     _, moe, train_txt, held = tiny_lm
     _failing_loss(monkeypatch, 2, float("inf"))
     with pytest.raises(TrainingStopped, match="nothing was written"):
-        train(_cfg(moe, train_txt, held), tmp_path / "run", progress=False)
+        train(train_config(moe, train_txt, held), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
 
 def test_nonfinite_steps_are_skipped_when_asked(tiny_lm, tmp_path, monkeypatch):
     _, moe, train_txt, held = tiny_lm
     _failing_loss(monkeypatch, 2, float("nan"))
-    summary = train(_cfg(moe, train_txt, held, on_nonfinite="skip"), tmp_path / "run", progress=False)
+    summary = train(train_config(moe, train_txt, held, on_nonfinite="skip"), tmp_path / "run", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     skipped = [row for row in rows if "skipped" in row]
     assert summary["skipped_steps"] == 1 and [row["step"] for row in skipped] == [2]
