@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from upcycle import cli
@@ -59,3 +60,21 @@ def test_an_interrupt_without_a_reason_still_says_what_happened(monkeypatch, cap
     monkeypatch.setattr(cli, "command_module", lambda name: Command)
     assert cli.main(["methods"]) == 130
     assert capsys.readouterr().err == "upcycle: interrupted; nothing was written\n"
+
+
+def test_ctrl_c_while_torch_loads_is_a_message_not_a_traceback(tmp_path):
+    """The `upcycle` command imports torch and transformers inside `main`: an interrupt while they load (the
+    first seconds of every command) exits 130 with one line."""
+    import signal
+    import subprocess
+
+    code = ("import sys, upcycle.cli\nprint('ready', 'torch' in sys.modules, flush=True)\n"
+            "sys.exit(upcycle.cli.main(['convert', 'default', '--dry-run']))\n")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path)
+    assert process.stdout.readline().split() == ["ready", "False"]        # torch not loaded before main
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("upcycle: interrupted"), err

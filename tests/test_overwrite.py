@@ -15,6 +15,7 @@ import pytest
 
 from conftest import digest, fails, fake_run, train_config
 from upcycle.cli import main
+from upcycle.errors import UpcycleError
 from upcycle.train.run_folder import checkpoints
 from upcycle.train.trainer import train
 
@@ -231,3 +232,21 @@ def test_an_older_upcycle_folder_is_replaced_only_with_the_shards_its_index_name
     assert (old / "model-00001-of-00009.safetensors").read_bytes() == b"someone else's weights"
     (old / "model-00001-of-00009.safetensors").unlink()
     assert main(["convert", str(dense), str(old), "--overwrite", *CONVERT]) == 0
+
+
+def test_the_output_claim_refuses_before_anything_exists(tmp_path):
+    """The checks come before the lock and before any folder is made: a refused claim leaves nothing."""
+    from upcycle.checkpoint.folders import claim_output, inputs
+
+    data = tmp_path / "data.txt"
+    data.write_text("text")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UpcycleError, match="lies inside the data"):
+        with claim_output(tmp_path / "d" / "new" / "x", kind="convert", given=inputs(("data", tmp_path / "d"))):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "data.txt"] and not any((tmp_path / "d").iterdir())
+    hard = tmp_path / "hard.txt"
+    os.link(data, hard)
+    with pytest.raises(UpcycleError, match="the same file under another name"):
+        with claim_output(hard, kind="eval", given=inputs(("data", data)), overwrite=True, file=True):
+            pass
