@@ -39,7 +39,7 @@ from ..methods import Method
 from ..metrics.experts import similarity_and_diversity
 from ..metrics.routing import layer_routing_stats
 from .calibration import Reservoir, first_block_inputs, replay_block
-from .layer_check import layer_check
+from .layer_check import layer_check, layer_probe
 from .report import LayerCalibration, LayerEntry, RoutingAtInit
 
 
@@ -192,6 +192,12 @@ def method_groups(cfg: ConvertConfig, probe_batches: list[dict] | None,
 
     return [ReplayGroup(PROBE, probe_batches or [], lambda target: AllRows(), timing="check", keep_outputs=True),
             ReplayGroup(CALIBRATION, calibration or [], reservoir)]
+
+
+def probe_and_calibration(cfg: ConvertConfig, probe_inputs: dict, calibration: list[dict] | None) -> list[ReplayGroup]:
+    """`method_groups` of a conversion's probe (its first rows, when `check.per_layer` asks for the per-layer
+    check) and calibration batches: what the in-memory and the streamed conversions replay."""
+    return method_groups(cfg, [layer_probe(probe_inputs)] if cfg.check.per_layer else None, calibration)
 
 
 @dataclass

@@ -22,8 +22,7 @@ from ..export.protocol import StockClass
 from ..export.stock_folder import export_hf
 from ..methods import Method
 from ..probe import Probe
-from .blockwise import BlockVisit, MethodLayers, ReplayGroup, method_groups
-from .layer_check import layer_probe
+from .blockwise import BlockVisit, MethodLayers, ReplayGroup, probe_and_calibration
 from .orchestrator import BlockSource, run_conversion
 from .report import Converted
 from .validate import require_calibration
@@ -45,8 +44,7 @@ class InMemorySource(BlockSource):
                                                  tower_cfg(model, self.family, first)).w_up.dtype
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
-        return method_groups(self.cfg, [layer_probe(probe.inputs)] if self.cfg.check.per_layer else None,
-                             self.calibration)
+        return probe_and_calibration(self.cfg, probe.inputs, self.calibration)
 
     def layer_builder(self) -> MethodLayers:
         return MethodLayers(self.model, self.family, self.method, self.args, self.cfg, self.promised)

@@ -326,7 +326,7 @@ class MergedSource(StreamedBlocks):
         self.folder = directory / "upcycle-format" if self.stock is not None else directory
         self.folder.mkdir(exist_ok=True)
         super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, self.folder,
-                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size))
+                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size), planned=planned)
         self.out, self.method, self.args, self.base, self.sources = directory, method, args, base, sources
         self.export_info: dict = {}
 

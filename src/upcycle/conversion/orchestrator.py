@@ -108,6 +108,7 @@ def run_conversion(source: BlockSource, cfg: ConvertConfig, *, promised: bool, t
 
 def _run(source: BlockSource, cfg: ConvertConfig, promised: bool, tokenizer, texts, text_source: str, calibration,
          calibration_source, progress: bool, phase, load_s: float) -> Converted:
+    """`run_conversion`'s steps, in order (the module docstring)."""
     timings = Timings(load=load_s)
     model = source.model
     targets = plan_targets(model, cfg.placement)

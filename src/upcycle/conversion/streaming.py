@@ -50,11 +50,10 @@ from .blockwise import (
     BlockVisit,
     MethodLayers,
     ReplayGroup,
-    method_groups,
+    probe_and_calibration,
     visits,
 )
 from .calibration import first_block_inputs
-from .layer_check import layer_probe
 from .orchestrator import BlockSource
 from .planned import layout_function, planned_model
 from .preservation import ReorderedFFN
@@ -198,8 +197,7 @@ class StreamedSource(StreamedBlocks):
         return (dense.values_NC - reordered.values_NC).abs().max().item()
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
-        return method_groups(self.cfg, [layer_probe(probe.inputs)] if self.cfg.check.per_layer else None,
-                             self.calibration)
+        return probe_and_calibration(self.cfg, probe.inputs, self.calibration)
 
     def layer_builder(self) -> MethodLayers:
         return MethodLayers(self.model, self.family, self.method, self.args, self.cfg, self.promised,

@@ -66,7 +66,8 @@ def sharding_of(accelerator) -> str | None:
 @dataclass
 class Prepared:
     """The model as the step runs it (`model`: wrapped, maybe compiled) and as checkpoints, the teacher and the
-    losses read it (`inner`), with its optimizer, schedule and objective, and the dtypes the final model keeps."""
+    losses read it (`inner`), with its optimizer, schedule and objective, the dtypes the final model keeps, and
+    whether it is sharded (FSDP)."""
 
     model: nn.Module
     inner: nn.Module
@@ -74,6 +75,7 @@ class Prepared:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     objective: Objective
     dtypes: dict[str, torch.dtype]
+    sharded: bool
 
 
 def prepare(model: nn.Module, cfg: TrainConfig, accelerator, freezer: Freezer) -> Prepared:
@@ -100,7 +102,7 @@ def prepare(model: nn.Module, cfg: TrainConfig, accelerator, freezer: Freezer) -
         objective = Objective(inner, cfg.regularizers)
     else:
         objective.to(accelerator.device)
-    return Prepared(model, inner, optimizer, scheduler, objective, dtypes)
+    return Prepared(model, inner, optimizer, scheduler, objective, dtypes, sharded_by is not None)
 
 
 def _has_accelerator() -> bool:

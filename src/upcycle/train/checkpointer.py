@@ -21,8 +21,9 @@ from .step import any_process
 
 
 class Checkpointer:
-    def __init__(self, folder: RunFolder, accelerator, parts: Prepared, *, sharded: bool, keep: int) -> None:
-        self.folder, self.acc, self.parts, self.sharded, self.keep = folder, accelerator, parts, sharded, keep
+    def __init__(self, folder: RunFolder, accelerator, parts: Prepared, *, keep: int) -> None:
+        self.folder, self.acc, self.parts, self.keep = folder, accelerator, parts, keep
+        self.sharded = parts.sharded
         self.is_main, self.rank = accelerator.is_main_process, accelerator.process_index
 
     def load(self, checkpoint: Path) -> dict:

@@ -24,7 +24,7 @@ from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
-from .accelerator import make_accelerator, prepare, sharding_of
+from .accelerator import make_accelerator, prepare
 from .checkpointer import Checkpointer, finite_parameters
 from .evaluate import progress_bars
 from .freezing import Freezer
@@ -80,10 +80,8 @@ class _Training:
         if self.is_main and resume_from is None:
             run.record(cfg)
         self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        self.sharded = sharding_of(accelerator) is not None
         self.parts = prepare(model, cfg, accelerator, self.freezer)
-        self.checkpointer = Checkpointer(run, accelerator, self.parts, sharded=self.sharded,
-                                         keep=cfg.keep_checkpoints)
+        self.checkpointer = Checkpointer(run, accelerator, self.parts, keep=cfg.keep_checkpoints)
         self.state = {"step": 0, "tokens": 0} if resume_from is None else self.checkpointer.load(resume_from)
         self.layers = moe_layers(self.parts.inner)   # upcycle's own MoE layers (none: dense or stock MoE)
         self.router_steps = round(cfg.regularizers.router_until * cfg.steps)
@@ -162,7 +160,7 @@ class _Training:
     def evaluate(self, step: int) -> dict | None:
         # a sharded model runs only with every process: each evaluates the whole set, the main one writes it
         with progress_bars(f"eval at step {step}" if self.progress else None):
-            result = self.task.evaluate(self.parts.inner) if self.is_main or self.sharded else None
+            result = self.task.evaluate(self.parts.inner) if self.is_main or self.parts.sharded else None
         self.acc.wait_for_everyone()
         if result is not None:
             self.log.write({"step": step, "eval": result})
