@@ -24,7 +24,8 @@ signal.signal(signal.SIGINT, _interrupted_at_start)
 
 
 def main() -> int:
+    from upcycle.cli import leaving
     from upcycle.cli import main as run
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    return run()
+    return leaving(run())

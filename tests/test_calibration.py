@@ -11,7 +11,7 @@ from upcycle.config import CalibrationConfig, ConvertConfig, PlacementConfig
 from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_groups
 from upcycle.conversion.calibration import Reservoir, text_batches
 from upcycle.conversion.pipeline import upcycle_model
-from upcycle.core.architectures import family_of
+from upcycle.core.architectures import family_of, find_tower_layers
 from upcycle.core.surgery import plan_targets
 from upcycle.errors import UpcycleError
 
@@ -96,6 +96,51 @@ def test_each_layer_is_built_before_the_next_block_runs_and_later_blocks_never_r
     assert seen_at_build[0] == {0}    # the first forward stops at block 0; block 0 replayed; nothing further
     assert seen_at_build[2] == {0, 1, 2}
     assert max(calls) == 2 and 3 not in calls   # blocks after the last target are never run
+
+
+def test_the_last_block_stops_at_its_ffn_input_and_every_other_ffn_runs(family):
+    """Nothing runs on the hidden states after the last target, so its forwards stop once the FFN's input is
+    recorded: that FFN never runs, every earlier block's does, and what the last target receives is still the
+    full forward's FFN input (`test_replay_equals_full_forward_and_excludes_padding`, the same path)."""
+    model = make_tiny(family, layers=4)
+    fam = family_of(model.config)
+    targets = plan_targets(model, PlacementConfig(layers=(1, 2)))
+    ran = {t: [] for t in ("text", "vision")}
+    for tower, layers in fam.towers_of(model.config).items():
+        found = find_tower_layers(model, layers)
+        if found is None:
+            continue
+        for i, block in enumerate(found[1]):
+            fam.ffn_output(block).register_forward_hook(lambda m, a, o, _t=tower, _i=i: ran[_t].append(_i))
+    batches = batches_for(family)
+    captured = capture(model, targets, batches, budget=10_000)
+    for tower in {t.tower for t in targets}:
+        # the replay runs each block up to the last target once per batch, the last one without its FFN (a
+        # tower the model runs whole before reaching the other's first block, CLIP's vision, adds one run each)
+        last, runs = max(t.index for t in targets if t.tower == tower), [ran[tower].count(i) for i in range(4)]
+        assert runs[:last] == [runs[0]] * last and runs[last:] == [runs[0] - len(batches)] * (4 - last), runs
+    expected = full_forward_capture(model, targets, batches)
+    for target, x, _ in captured:
+        torch.testing.assert_close(x, expected[target.name].float(), rtol=0, atol=1e-5)
+
+
+def test_replaying_without_the_output_leaves_the_states_and_records_the_same_rows():
+    from upcycle.conversion.calibration import first_block_inputs, replay_block
+
+    model = make_tiny("llama", layers=2)
+    block, batches = model.model.layers[0], batches_for("llama")
+    masks = [b["attention_mask"] for b in batches]
+    with torch.no_grad():
+        kept = []
+        for output_needed in (True, False):
+            states = first_block_inputs(model, {"text": model.model.layers}, batches)["text"]
+            before = [s.hidden.clone() for s in states]
+            reservoir = Reservoir(10_000, torch.Generator().manual_seed(0))
+            replay_block(block, states, masks, block.mlp, reservoir, output_needed=output_needed)
+            kept.append(reservoir.sample())
+            same = all(torch.equal(s.hidden, b) for s, b in zip(states, before, strict=True))
+            assert same is (not output_needed)
+    assert torch.equal(kept[0], kept[1]) and kept[0].shape[0] == sum(int(m.sum()) for m in masks)
 
 
 def test_budget_keeps_a_seeded_subset_in_stream_order():

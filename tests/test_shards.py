@@ -141,3 +141,32 @@ def test_the_background_writer_bounds_queued_bytes_and_raises_a_failed_write(tmp
         writer.write(name, t)
     with pytest.raises(OSError, match="disk full"):
         writer.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_non_finite_weights_are_found_and_finite_ones_whose_sum_overflows_are_not(dtype):
+    """`check_finite` asks a tensor's sum first (a NaN or an infinity makes it non-finite) and looks term by term
+    only when the sum is not finite: large finite weights whose sum overflows pass, and +inf beside -inf (whose
+    sum is NaN), one NaN or one infinity are refused with their count."""
+    from upcycle.checkpoint.reader import check_finite
+
+    big = torch.finfo(dtype).max
+    check_finite(torch.full((4, 3), big, dtype=dtype), "w", "here")            # sum is inf; every term finite
+    check_finite(torch.full((4, 3), -big, dtype=dtype), "w", "here")
+    check_finite(torch.randn(5, 7).to(dtype), "w", "here")
+    for bad, count in (([float("inf"), float("-inf")], 2), ([float("nan")], 1), ([float("inf")], 1)):
+        t = torch.randn(5, 7).to(dtype)
+        t.view(-1)[:len(bad)] = torch.tensor(bad, dtype=dtype)
+        with pytest.raises(UpcycleError, match=f"here: tensor w holds {count} NaN or infinite"):
+            check_finite(t, "w", "here")
+    check_finite(torch.tensor([1, 2]), "ids", "here")          # integers: nothing to check
+
+
+def test_float8_weights_are_checked_through_float16():
+    from upcycle.checkpoint.reader import check_finite
+
+    t = torch.tensor([448.0, -448.0, 1.0]).to(torch.float8_e4m3fn)
+    check_finite(t, "w", "here")
+    t = torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn)
+    with pytest.raises(UpcycleError, match="holds 1 NaN"):
+        check_finite(t, "w", "here")

@@ -234,3 +234,41 @@ def test_a_released_block_keeps_no_view_of_the_checkpoint_file(tmp_path):
     gc.collect()
     assert torch.equal(block.bias, torch.arange(8.0)) and block.weight.is_meta
     assert str(tmp_path / "model.safetensors") not in Path("/proc/self/maps").read_text()
+
+
+def test_the_heap_is_trimmed_once_anonymous_memory_grew_past_the_allowance(monkeypatch):
+    """Trimming returns the pages the next block's forwards would reuse, so it waits until the process's
+    anonymous memory has grown by more than the allowance since the last trim; the first call always trims."""
+    from upcycle.checkpoint import heap
+
+    memory, trims = [500], []
+    monkeypatch.setattr(heap, "anonymous_resident_bytes", lambda: memory[0])
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(memory[0]) or memory.__setitem__(0, 400))
+    trim = heap.HeapTrimmer(allowance=100)
+    assert trim() and trims == [500]                    # after it: 400 is the floor
+    for level, expected in ((450, False), (500, False), (501, True), (480, False), (520, True)):
+        memory[0] = level
+        assert trim() is expected, level
+    assert trims == [500, 501, 520]
+    monkeypatch.setattr(heap, "anonymous_resident_bytes", lambda: None)     # no /proc: every time
+    assert trim() and trim() and len(trims) == 5
+
+
+def test_anonymous_memory_counts_the_heap_and_not_mapped_files(tmp_path):
+    from upcycle.checkpoint.heap import anonymous_resident_bytes
+
+    if anonymous_resident_bytes() is None:
+        pytest.skip("no /proc/self/statm here")
+    path = tmp_path / "file"
+    path.write_bytes(b"\1" * 2**26)
+    import mmap
+
+    before = anonymous_resident_bytes()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, 2**26, 4096)) == 2**14       # 64 MiB of the file made resident
+        mapped_growth = anonymous_resident_bytes() - before
+    block = torch.ones(2**24)                                                 # 64 MiB of heap, touched
+    heap_growth = anonymous_resident_bytes() - before
+    del block
+    # bounds: the 64 MiB of file pages are not anonymous (a few MiB of interpreter noise allowed); the tensor is
+    assert mapped_growth < 16 * 2**20 and heap_growth > 48 * 2**20, (mapped_growth, heap_growth)

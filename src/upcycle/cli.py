@@ -8,6 +8,7 @@ SIGTERM (temporary outputs removed on the way out).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import signal
 import sys
@@ -62,6 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def leaving(status: int) -> int:
+    """`status`, with every object alive now left out of the garbage collections of the interpreter's exit.
+
+    For a process that is about to end (the console script, `python -m upcycle.cli`), not for `main` called from
+    Python. At exit the interpreter runs full collections over everything torch and transformers created; with
+    both imported that took 1.4 s of the 2-core CPU's time after a command had finished (0.7 s for torch alone).
+    Frozen objects are still freed as their modules are torn down; only cycles among them are not collected, and
+    the operating system takes back their memory a moment later. What upcycle writes is closed before this."""
+    gc.freeze()
+    return status
+
+
 def message(error: Exception) -> str:
     """An error as one line of bounded length (a message quoting a huge value stays readable)."""
     text = " ".join(str(error).split())
@@ -69,4 +82,4 @@ def message(error: Exception) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leaving(main()))

@@ -139,6 +139,8 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
         t = time.perf_counter()
         states = first_inputs(towers, [g.batches for g in groups]) if groups and towers else [{} for _ in groups]
         result.timings["calibration"] += time.perf_counter() - t
+        # a tower's last block that computes feeds no other: its forwards stop at the FFN's input
+        last = {v.tower: v.path for v in plan if v.needs_compute}
         bar = tqdm(plan, desc=desc, unit="block", disable=not progress, leave=False)
         for visit in bar:
             block = model.get_submodule(visit.path)
@@ -146,7 +148,7 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
             if visit.needs_compute:
                 before_block(visit.path, block)
                 replayed = _replay_groups(visit, block, family, tower_specs[visit.tower], groups, states,
-                                          result.timings)
+                                          result.timings, output_needed=visit.path != last[visit.tower])
                 if visit.target is not None:
                     built, entry = build_layer(visit, block, replayed, result.timings)
                     result.layers.append(entry)
@@ -156,7 +158,7 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
 
 
 def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],
-                   states: list[dict], timings: dict) -> Replayed:
+                   states: list[dict], timings: dict, *, output_needed: bool) -> Replayed:
     target = visit.target
     ffn = family.ffn_input(block) if target is not None else None
     replayed = Replayed({}, {})
@@ -169,7 +171,8 @@ def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, g
             hook = family.ffn_output(block).register_forward_hook(
                 lambda module, args, out, outputs=outputs: outputs.append(out.detach().reshape(-1, out.shape[-1])))
         try:
-            replay_block(block, group_states[visit.tower], _masks(group.batches, tower), ffn, sampler)
+            replay_block(block, group_states[visit.tower], _masks(group.batches, tower), ffn, sampler,
+                         output_needed=output_needed or group.keep_outputs)     # the probe keeps FFN outputs
         finally:
             if hook is not None:
                 hook.remove()

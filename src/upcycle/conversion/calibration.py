@@ -229,23 +229,32 @@ def first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batch
 
 
 def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.Tensor | None],
-            ffn: nn.Module | None = None, reservoir: Reservoir | None = None) -> None:
+                 ffn: nn.Module | None = None, reservoir: Reservoir | None = None, *,
+                 output_needed: bool = True) -> None:
     """Run `block` on every batch's hidden states, replacing them by its output; with `ffn`, add the FFN's
-    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`."""
+    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`.
+    Without `output_needed` (no later block runs on these states), each forward stops once the FFN's input is
+    recorded: the FFN and what follows it do not run, and the hidden states are left as they were."""
     current: dict[str, torch.Tensor | None] = {}
 
     def collect(module, args):
         x_BSD, mask_BS = args[0], current["mask"]
-        if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
-            reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
-        else:
-            reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
+        if reservoir is not None:
+            if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
+                reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
+            else:
+                reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
+        if not output_needed:
+            raise _Stop
 
     handle = ffn.register_forward_pre_hook(collect) if ffn is not None else None
     try:
         for state, mask in zip(states, masks, strict=True):
             current["mask"] = mask
-            out = block(*state.args, **state.kwargs)
+            try:
+                out = block(*state.args, **state.kwargs)
+            except _Stop:
+                continue
             state.hidden = out[0] if isinstance(out, tuple) else out
     finally:
         if handle is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.heap import trim_heap
+from ..checkpoint.heap import HeapTrimmer
 from ..checkpoint.lazy import blocks_on_demand, materialize, materialize_trunk, release
 from ..checkpoint.loading import DTYPES
 from ..checkpoint.skeleton import bytes_by_block, tensor_specs
@@ -116,6 +116,7 @@ class StreamedBlocks(BlockSource):
         self.writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
                                     max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, self.block_paths)))
         self.first_inputs = source_first_inputs(source)
+        self.trim_heap = HeapTrimmer()
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
         return None         # the blocks are on disk: a subclass that checks reads them again (StreamedSource)
@@ -143,7 +144,7 @@ class StreamedBlocks(BlockSource):
                 self._write(name, tensor)
             release(block)
             reader.close()      # unmaps the files: pages read for this block leave the process
-            trim_heap()         # and the block's freed tensors leave the heap (heap.py)
+            self.trim_heap()    # and the block's freed tensors leave the heap (heap.py)
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
             self._read(block, prefix)

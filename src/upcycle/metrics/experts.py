@@ -39,20 +39,29 @@ def gram_matrix(parts: list[torch.Tensor]) -> torch.Tensor:
     """sum over parts of P P^T in float64, a block of columns at a time: no float64 copy of whole experts."""
     E = parts[0].shape[0]
     gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)   # on the GPU with --device cuda
+    scratch = _scratch(parts, E)
     for part in parts:
-        for term in _part_gram(part, E):
+        for term in _part_gram(part, E, scratch):
             gram += term
     return gram
 
 
-def _part_gram(part: torch.Tensor, E: int):
-    """P P^T of one part, as the terms `gram_matrix` adds for it, in the same order."""
+def _scratch(parts: list[torch.Tensor], E: int) -> torch.Tensor:
+    """One float64 buffer for every block of columns of `parts`: a fresh float64 copy of each block (tens of MB
+    at 135M) came from new pages, and the kernel's zeroing of them took most of the Grams' time."""
+    columns = max(part.reshape(E, -1).shape[1] for part in parts)
+    return torch.empty(E * min(columns, GRAM_COLUMNS), dtype=torch.float64, device=parts[0].device)
+
+
+def _part_gram(part: torch.Tensor, E: int, scratch: torch.Tensor):
+    """P P^T of one part, as the terms `gram_matrix` adds for it, in the same order; each block of columns is
+    turned into float64 in `scratch`, which a term no longer needs once the next is asked for."""
     flat = part.reshape(E, -1)          # a view for contiguous and for expanded (copy-upcycled) experts
     if E > 1 and flat.stride(0) == 0:   # one tensor expanded E times: every entry is its squared norm
         yield sum(torch.dot(b, b) for b in (c.double() for c in flat[0].split(GRAM_COLUMNS)))
         return
     for block in flat.split(GRAM_COLUMNS, dim=1):
-        p = block.double()
+        p = scratch[:block.numel()].view(block.shape).copy_(block)
         yield p @ p.T
 
 
@@ -63,8 +72,9 @@ def similarity_and_diversity(experts: FFNWeights) -> tuple[float | None, float |
     E = parts[0].shape[0]
     gram = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)
     down = torch.zeros(E, E, dtype=torch.float64, device=parts[0].device)
+    scratch = _scratch(parts, E)
     for part in parts:
-        for term in _part_gram(part, E):
+        for term in _part_gram(part, E, scratch):
             gram += term
             if part is experts.w_down:
                 down += term
