@@ -8,12 +8,11 @@ exactly reuse: measured on the 0.5B cluster conversion, resident memory at the m
 every arena (madvise), which takes milliseconds. Elsewhere (macOS, musl, Windows) this is a no-op.
 
 Trimming has a price: the pages it returns are the ones the next block's forwards would have reused, and each comes
-back as a page fault that the kernel zeroes. Trimmed after every block, the three-source merge of SmolLM2-135M
-took 0.5M page faults and about 3 s of system time in its replay, ten times what it takes untrimmed. So
-`HeapTrimmer` trims only once the process's anonymous memory (its heap, not the checkpoint files it maps) has
-grown by more than an allowance since the last trim: a block whose own tensors exceed the allowance (any model of
-0.5B and up) is trimmed after every block as before, and a small one every few blocks, never holding more than
-the allowance beyond it.
+back as a page fault. Trimmed after every block, the replay of the three-source merge of SmolLM2-135M took 0.5M
+page faults, ten times as many as untrimmed, and 1.5 s more system time. So `HeapTrimmer` trims only once the
+process's anonymous memory (its heap, not the checkpoint files it maps) has grown by more than an allowance since
+the last trim: a conversion whose blocks each grow it by more than that is trimmed after every block as before,
+and that merge (150-210 MB a block) every 5-7 blocks, never holding more than the allowance beyond its floor.
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ def trim_heap() -> bool:
 
 
 # Trimming after a block is skipped while the anonymous memory is within this of what it was after the last
-# trim: about the replay's working set of a 135M model (a block's forwards over 8 rows of 512 tokens and its
-# FFN's sources), and under a tenth of the 1.5 GB the streaming conversion's memory estimate allows for overhead.
+# trim: above what one block of a 135M merge takes (150-210 MB), and a sixth of the 1.5 GB that the streaming
+# conversion's memory target allows for overhead (docs/large-models.md).
 TRIM_ALLOWANCE_BYTES = 256 * 2**20
 
 

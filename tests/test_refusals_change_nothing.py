@@ -1,4 +1,5 @@
-"""The fuzz suite: hostile and careless input to every command, kept true by a corpus and by random mutations.
+"""A refused command changes nothing: hostile and careless input to every command, from a corpus and from random
+mutations (the fuzz suite).
 
 Every case runs `upcycle ...` in-process, with "y" on stdin for any prompt, and asserts what a user must be able
 to rely on:

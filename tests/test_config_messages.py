@@ -1,0 +1,54 @@
+"""Malformed configuration is one line naming the flag or the file, exit status 2 and nothing written: YAML that
+does not parse in `--set` or a recipe, a binary file, a folder or a list given as a recipe, for convert and train.
+"""
+
+from __future__ import annotations
+
+from upcycle.cli import main
+
+
+def _convert_fails(tmp_path, capsys, *argv: str) -> str:
+    """Run `upcycle convert` on a model that does not exist (the config must fail first); return stderr."""
+    assert main(["convert", str(tmp_path / "no-model"), str(tmp_path / "out"), *argv, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("upcycle: error: ") and "Traceback" not in err and "could not load model" not in err
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def test_malformed_yaml_in_set_is_a_message(tmp_path, capsys):
+    err = _convert_fails(tmp_path, capsys, "--set", "moe.top_k=[1,")
+    assert "--set moe.top_k=[1,: the value is not valid YAML" in err and len(err.splitlines()) == 1
+    assert "the key must be dotted names" in _convert_fails(tmp_path, capsys, "--set", "moe..top_k=1")
+
+
+def test_binary_file_as_config_is_a_message(tmp_path, capsys):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert f"recipe {binary} is not a text file" in _convert_fails(tmp_path, capsys, "--config", str(binary))
+    nul = tmp_path / "nul.yaml"        # valid UTF-8, but characters YAML refuses
+    nul.write_bytes(b"method: copy\x00\n")
+    assert f"recipe {nul} is not valid YAML" in _convert_fails(tmp_path, capsys, "--config", str(nul))
+
+
+def test_directory_as_config_is_a_message(tmp_path, capsys):
+    err = _convert_fails(tmp_path, capsys, "--config", str(tmp_path))
+    assert f"recipe {tmp_path} is a directory; --config takes a YAML file" in err
+
+
+def test_recipe_whose_top_level_is_a_list_is_a_message(tmp_path, capsys):
+    recipe = tmp_path / "list.yaml"
+    recipe.write_text("- method: drop\n- seed: 3\n")
+    err = _convert_fails(tmp_path, capsys, "--config", str(recipe))
+    assert f"recipe {recipe} must be a mapping of config keys at the top level, got a list" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("moe: {top_k: 2\n")
+    assert f"recipe {broken} is not valid YAML" in _convert_fails(tmp_path, capsys, "--config", str(broken))
+
+
+def test_train_config_errors_are_messages_too(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "no-model"), str(tmp_path / "run"), "--config", str(tmp_path)]) == 2
+    assert "is a directory; --config takes a YAML file" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "no-model"), str(tmp_path / "run"), "--set", "lr=[1,"]) == 2
+    assert "--set lr=[1,: the value is not valid YAML" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
