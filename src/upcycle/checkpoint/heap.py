@@ -12,7 +12,8 @@ back as a page fault. Trimmed after every block, the replay of the three-source 
 page faults, ten times as many as untrimmed, and 1.5 s more system time. So `HeapTrimmer` trims only once the
 process's anonymous memory (its heap, not the checkpoint files it maps) has grown by more than an allowance since
 the last trim: a conversion whose blocks each grow it by more than that is trimmed after every block as before,
-and that merge (150-210 MB a block) every 5-7 blocks, never holding more than the allowance beyond its floor.
+and that merge (150-210 MB a block) every 5-7 blocks, never holding more than the allowance beyond its floor; and
+at least every eighth block whatever the counters say.
 """
 
 from __future__ import annotations
@@ -59,17 +60,22 @@ TRIM_ALLOWANCE_BYTES = 256 * 2**20
 
 class HeapTrimmer:
     """`trim_heap` after a block once anonymous memory has grown by more than `allowance` bytes since the last
-    trim (module docstring); without /proc (not Linux), every time."""
+    trim (module docstring), and after every `every`-th block in any case: resident-memory counters are the
+    kernel's, and a count that does not move must not let the heap grow without end. Without /proc (not Linux),
+    every time."""
 
-    def __init__(self, allowance: int = TRIM_ALLOWANCE_BYTES) -> None:
-        self.allowance = allowance
+    def __init__(self, allowance: int = TRIM_ALLOWANCE_BYTES, every: int = 8) -> None:
+        self.allowance, self.every = allowance, every
         self.floor: int | None = None      # anonymous memory just after the last trim
+        self.since = 0                     # blocks since the last trim
 
     def __call__(self) -> bool:
         """True when it trimmed."""
+        self.since += 1
         now = anonymous_resident_bytes()
-        if now is not None and self.floor is not None and now - self.floor <= self.allowance:
+        if (now is not None and self.floor is not None and now - self.floor <= self.allowance
+                and self.since < self.every):
             return False
         trim_heap()
-        self.floor = anonymous_resident_bytes()
+        self.floor, self.since = anonymous_resident_bytes(), 0
         return True
