@@ -1,0 +1,75 @@
+"""What writing a merge's output costs the kernel on this machine: the three-source merge's 1.17 GB (32 blocks of
+35 MiB, `merge_speed.py`), written through upcycle's `ShardedWriter` in line, then deleted and written again at
+once, each into a new file in the work folder.
+
+On a virtual machine whose host takes back memory the guest left free, the first write's page-cache pages are new
+to the guest and each costs a fault on the host; the second write gets the pages the first one's deletion just
+freed. The merge's writer thread pays the first kind beside the replay (docs/merging.md, "Time"). Each round
+pauses first (`--pause`, seconds) so that the guest's free memory can be taken back again; the wall and system
+seconds of both writes go to benchmarks/results/write_cost.json.
+
+    .venv/bin/python benchmarks/write_cost.py [--rounds 3] [--pause 20] [--work out/write-cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from upcycle.checkpoint.writer import ShardedWriter  # noqa: E402  (the source tree)
+from upcycle.machine import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS, BLOCK_BYTES = 32, 35 * 2**20
+
+
+def write_once(folder: Path) -> dict:
+    """Seconds (wall, system) to write BLOCKS tensors of BLOCK_BYTES into a new folder's shards."""
+    folder.mkdir(parents=True)
+    block = torch.ones(BLOCK_BYTES // 4)
+    specs = [(f"block.{i}", tuple(block.shape), block.dtype) for i in range(BLOCKS)]
+    writer = ShardedWriter(folder, specs)
+    before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for name, _, _ in specs:
+        writer.write(name, block)
+    writer.close()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": round(time.perf_counter() - t, 2), "system_s": round(after.ru_stime - before.ru_stime, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pause", type=float, default=20.0)
+    parser.add_argument("--work", type=Path, default=ROOT / "out" / "write-cost")
+    args = parser.parse_args()
+    rounds = []
+    for i in range(args.rounds):
+        shutil.rmtree(args.work, ignore_errors=True)
+        time.sleep(args.pause)
+        first = write_once(args.work / "first")
+        shutil.rmtree(args.work / "first")
+        again = write_once(args.work / "again")
+        rounds.append({"first": first, "again": again})
+        print(f"round {i + 1}: first {first}, again {again}", flush=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    median = {kind: {key: statistics.median(r[kind][key] for r in rounds) for key in ("wall_s", "system_s")}
+              for kind in ("first", "again")}
+    result = {"machine": machine(), "bytes": BLOCKS * BLOCK_BYTES, "pause_s": args.pause, "rounds": rounds,
+              "median": median}
+    out = ROOT / "benchmarks" / "results" / "write_cost.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(median))
+
+
+if __name__ == "__main__":
+    main()
