@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,8 +101,6 @@ def forward_seconds(config: Path) -> None:
 
 
 def forward(config: Path) -> dict:
-    import subprocess
-
     done = subprocess.run([sys.executable, __file__, "--forward", str(config)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

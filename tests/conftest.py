@@ -188,3 +188,21 @@ def train_config(moe: Path, train_txt: Path, held: Path, **overrides):
     base = dict(model=str(moe), data=str(train_txt), eval_data=str(held), steps=4, batch_size=4,
                 sequence_length=32, lr=3e-3, warmup=0.0, eval_tokens=64)
     return TrainConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def tiny_llama(tmp_path) -> Path:
+    """A tiny Llama folder without a tokenizer (as the models here are)."""
+    make_tiny("llama").save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+@pytest.fixture
+def no_weights_loaded(monkeypatch):
+    """Fail the test if the conversion gets as far as loading the dense weights (an input must be refused first)."""
+    import importlib
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dense weights were loaded before the input was refused")
+    # the converter module (the package root exports a function `convert` of the same name)
+    monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)

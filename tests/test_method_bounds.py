@@ -6,14 +6,12 @@ the bound and the value; the values on the bound that it allows are accepted and
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Annotated
 
 import pytest
 import torch
 
-from conftest import make_tiny
 from upcycle.cli import main, parser
 from upcycle.commands.convert import convert_config
 from upcycle.conversion.pipeline import validate
@@ -81,18 +79,6 @@ def test_every_bound_is_the_declared_one():
     assert {(m, a): METHODS[m].args[a].bound.describe() for m, a in BOUNDED} == DECLARED
 
 
-@pytest.fixture
-def tiny_llama(tmp_path):
-    make_tiny("llama").save_pretrained(tmp_path / "llama")
-    return tmp_path / "llama"
-
-
-@pytest.fixture
-def no_weights_loaded(monkeypatch):
-    """Fail the test if the conversion gets as far as loading the dense weights."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the dense weights were loaded before the argument was refused")
-    monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)
 
 
 @pytest.mark.parametrize("name,arg", BOUNDED)

@@ -11,8 +11,8 @@ Trimming has a price: the pages it returns are the ones the next block's forward
 back as a page fault. Trimmed after every block, the replay of the three-source merge of SmolLM2-135M took 0.5M
 page faults, ten times as many as untrimmed, and 1.5 s more system time. So `HeapTrimmer` trims only once the
 process's anonymous memory (its heap, not the checkpoint files it maps) has grown by more than an allowance since
-the last trim: a conversion whose blocks each grow it by more than that is trimmed after every block as before,
-and that merge (150-210 MB a block) every 5-7 blocks, never holding more than the allowance beyond its floor; and
+the last trim: a conversion whose blocks each grow it by more than that is trimmed after every block, and that
+merge (150-210 MB a block) every 5-7 blocks, never holding more than the allowance beyond its floor; and
 at least every eighth block whatever the counters say.
 """
 

@@ -239,11 +239,10 @@ def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.T
 
     def collect(module, args):
         x_BSD, mask_BS = args[0], current["mask"]
-        if reservoir is not None:
-            if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
-                reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
-            else:
-                reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
+        if mask_BS is not None and mask_BS.shape == x_BSD.shape[:2]:
+            reservoir.add(x_BSD[mask_BS.to(x_BSD.device).bool()])
+        else:
+            reservoir.add(x_BSD.reshape(-1, x_BSD.shape[-1]))
         if not output_needed:
             raise _Stop
 

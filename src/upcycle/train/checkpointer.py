@@ -23,7 +23,6 @@ from .step import any_process
 class Checkpointer:
     def __init__(self, folder: RunFolder, accelerator, parts: Prepared, *, keep: int) -> None:
         self.folder, self.acc, self.parts, self.keep = folder, accelerator, parts, keep
-        self.sharded = parts.sharded
         self.is_main, self.rank = accelerator.is_main_process, accelerator.process_index
 
     def load(self, checkpoint: Path) -> dict:
@@ -31,7 +30,7 @@ class Checkpointer:
         parts = self.parts
         return run_state.load(checkpoint, model=parts.inner, optimizer=parts.optimizer, scheduler=parts.scheduler,
                               rank=self.rank, device=self.acc.device, teacher=parts.objective.teacher,
-                              sharded=self.sharded)
+                              sharded=self.parts.sharded)
 
     def drop_partial(self) -> None:
         """Remove checkpoint writes a crash cut off (main process, when a run resumes)."""
@@ -66,7 +65,7 @@ class Checkpointer:
         """OUT/model (written by the main process; under FSDP every process first helps gather the weights,
         written in the dtypes the model was loaded in): an upcycle folder for a model with upcycle's MoE layers,
         else a plain transformers folder."""
-        state = sharding.full_model_state(self.parts.inner, self.is_main) if self.sharded else None
+        state = sharding.full_model_state(self.parts.inner, self.is_main) if self.parts.sharded else None
         if not self.is_main:
             return
         with self._whole_model(state, self.parts.dtypes) as model, \
@@ -83,7 +82,7 @@ class Checkpointer:
         state dicts (the model is written from itself), or under FSDP all three gathered whole, every process
         taking part; None on the other processes."""
         teacher, optimizer = self.parts.objective.teacher, self.parts.optimizer
-        if not self.sharded:
+        if not self.parts.sharded:
             if not self.is_main:
                 return None, None, None
             return None, optimizer.state_dict(), None if teacher is None else teacher.state_dict()
