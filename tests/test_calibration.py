@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny
 from upcycle.config import CalibrationConfig, ConvertConfig, PlacementConfig
 from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_groups
-from upcycle.conversion.calibration import Reservoir, text_batches
+from upcycle.conversion.calibration import Reservoir, join_batches, text_batches
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.architectures import family_of, find_tower_layers
 from upcycle.core.surgery import plan_targets
@@ -114,11 +114,12 @@ def test_the_last_block_stops_at_its_ffn_input_and_every_other_ffn_runs(family):
             fam.ffn_output(block).register_forward_hook(lambda m, a, o, _t=tower, _i=i: ran[_t].append(_i))
     batches = batches_for(family)
     captured = capture(model, targets, batches, budget=10_000)
+    forwards = len(join_batches(batches))       # the replay's forwards: text batches joined, image ones not
     for tower in {t.tower for t in targets}:
-        # the replay runs each block up to the last target once per batch, the last one without its FFN (a
+        # the replay runs each block up to the last target once per forward, the last one without its FFN (a
         # tower the model runs whole before reaching the other's first block, CLIP's vision, adds one run each)
         last, runs = max(t.index for t in targets if t.tower == tower), [ran[tower].count(i) for i in range(4)]
-        assert runs[:last] == [runs[0]] * last and runs[last:] == [runs[0] - len(batches)] * (4 - last), runs
+        assert runs[:last] == [runs[0]] * last and runs[last:] == [runs[0] - forwards] * (4 - last), runs
     expected = full_forward_capture(model, targets, batches)
     for target, x, _ in captured:
         torch.testing.assert_close(x, expected[target.name].float(), rtol=0, atol=1e-5)
@@ -214,3 +215,83 @@ def test_a_data_aware_method_refuses_empty_calibration():
     with pytest.raises(UpcycleError, match="needs calibration data"):
         upcycle_model(model, ConvertConfig(method="cluster", placement=PlacementConfig(every=2)), calibration=[],
                       progress=False)
+
+
+def _text_batch(rows: int, width: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    mask[0, width // 2:] = 0
+    return {"input_ids": torch.randint(3, 128, (rows, width), generator=g), "attention_mask": mask}
+
+
+def test_consecutive_text_batches_of_one_width_are_joined_up_to_the_position_cap():
+    a, b, c, d, e = (_text_batch(8, 64, 0), _text_batch(8, 64, 1), _text_batch(2, 64, 2), _text_batch(8, 32, 3),
+                     _text_batch(8, 64, 4))
+    joined = join_batches([a, b, c, d, e], max_positions=1200)
+    # a+b+c: 1,152 positions; d is narrower; e would follow d, not c
+    assert [j.rows for j in joined] == [[8, 8, 2], [8], [8]]
+    for key in a:
+        assert torch.equal(joined[0].batch[key], torch.cat([a[key], b[key], c[key]]))
+    assert joined[1].batch["input_ids"] is d["input_ids"]
+    # the cap holds; a batch larger than it stays whole; other inputs never meet
+    assert [j.rows for j in join_batches([a, b, c], max_positions=1024)] == [[8, 8], [2]]
+    assert [j.rows for j in join_batches([a, b], max_positions=100)] == [[8], [8]]
+    no_mask = {"input_ids": a["input_ids"]}
+    assert [j.rows for j in join_batches([a, no_mask, no_mask])] == [[8], [8, 8]]
+    images = batches_for("clip")
+    assert [j.rows for j in join_batches(images)] == [[3]] * len(images)
+
+
+def _replay_rows(model, batches, *, join: bool, skip_padding: bool, budget: int = 10_000):
+    """The FFN inputs a target receives and the block outputs at real tokens, replaying `batches` through the
+    first two blocks of a tiny Llama joined or one by one, with padding skipping the FFN or not."""
+    from upcycle.conversion.calibration import first_block_inputs, replay_block
+
+    joined = join_batches(batches, max_positions=10**6 if join else 0)
+    masks = [j.batch["attention_mask"] for j in joined]
+    with torch.no_grad():
+        states = first_block_inputs(model, {"text": model.model.layers}, [j.batch for j in joined])["text"]
+        reservoir = Reservoir(budget, torch.Generator().manual_seed(0))
+        for i, block in enumerate(model.model.layers[:2]):
+            replay_block(block, states, masks, block.mlp if i == 1 else None, reservoir if i == 1 else None,
+                         rows=[j.rows for j in joined], padding_skips=block.mlp if skip_padding else None)
+    out = torch.cat([s.hidden[m.bool()] for s, m in zip(states, masks, strict=True)])
+    return reservoir.sample(), reservoir.seen, out
+
+
+def test_joined_batches_and_padding_skipping_the_ffn_replay_the_same_rows():
+    """The replay's two speed-ups leave what it computes for real tokens as it was: the target's FFN inputs
+    (the reservoir's sample, all of them or a seeded third: rows handed on batch by batch, as before) and the
+    block outputs. On this machine the rows are bit-identical; the 1e-6 margin is for a BLAS whose product of
+    one row depends on how many rows it multiplies at once (its blocking differs with the matrix's height)."""
+    model = make_tiny("llama", layers=2)
+    batches = [_text_batch(3, 16, s) for s in range(4)] + [_text_batch(2, 9, 9)]
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    for budget in (10_000, real // 3):
+        sample, seen, out = _replay_rows(model, batches, join=False, skip_padding=False, budget=budget)
+        for join, skip in ((True, False), (False, True), (True, True)):
+            s, n, o = _replay_rows(model, batches, join=join, skip_padding=skip, budget=budget)
+            assert n == seen == real and s.shape == sample.shape == (min(budget, real), s.shape[1])
+            torch.testing.assert_close(s, sample, rtol=0, atol=1e-6)
+            torch.testing.assert_close(o, out, rtol=0, atol=1e-6)
+
+
+def test_padding_skips_the_ffn_and_its_forward_comes_back():
+    from upcycle.conversion.calibration import first_block_inputs, replay_block
+
+    model = make_tiny("llama", layers=1)
+    block, batches = model.model.layers[0], batches_for("llama")
+    masks = [b["attention_mask"] for b in batches]
+    rows = []
+    block.mlp.up_proj.register_forward_pre_hook(lambda m, a: rows.append(a[0].reshape(-1, a[0].shape[-1]).shape[0]))
+    own = block.mlp.forward                 # as accelerate's hooks leave it: an instance's own forward
+    block.mlp.forward = own
+    with torch.no_grad():
+        states = first_block_inputs(model, {"text": model.model.layers}, batches)["text"]
+        replay_block(block, states, masks, padding_skips=block.mlp)
+    assert rows == [int(m.sum()) for m in masks]          # every batch has a padded row: only real tokens ran
+    assert vars(block.mlp)["forward"] is own
+    del block.mlp.forward
+    with torch.no_grad():
+        replay_block(block, states, masks, padding_skips=block.mlp)
+    assert "forward" not in vars(block.mlp)               # the class's forward, as before

@@ -187,7 +187,7 @@ class CalibrationConfig:
     data: str | None = None
     tokens: int = ranged(65536, 1, 2**31)        # FFN-input tokens kept per layer (reservoir-sampled, no padding)
     sequence_length: int = ranged(512, 1, 2**20)  # documents are cut into rows of at most this many tokens
-    batch_size: int = ranged(8, 1, 2**16)         # rows per forward while capturing
+    batch_size: int = ranged(8, 1, 2**16)         # rows per batch (padded to its longest row) while capturing
 
     def __post_init__(self) -> None:
         check_fields(self, "calibration.")

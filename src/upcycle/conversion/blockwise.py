@@ -8,7 +8,9 @@ each tower, in block order (the GPTQ-style replay of `calibration.py`):
   2. the dense block runs on the hidden states of every `ReplayGroup` (the probe's, the calibration data's, a
      merge's per-source texts), each output becoming the next block's input; at a target block a hook on its
      FFN hands the FFN's inputs to the group's sampler (every probe token; the calibration's reservoir-sampled
-     to the budget with a per-layer seed);
+     to the budget with a per-layer seed). A group's consecutive text batches of one width run as one forward
+     (`calibration.join_batches`), and padding tokens skip an FFN that is one module (`replay_block`): the
+     same rows for real tokens, in less time;
   3. at a target, `build_layer` turns the dense block and what the replay gathered into the MoE layer and its
      report entry (`MethodLayers` below for one dense model; `merge.SourceLayers` for several);
   4. `after_block(visit, block, built)` gets the block and its layer (None for other blocks): the streamed
@@ -38,7 +40,7 @@ from ..errors import UpcycleError
 from ..methods import Method
 from ..metrics.experts import similarity_and_diversity
 from ..metrics.routing import layer_routing_stats
-from .calibration import Reservoir, first_block_inputs, replay_block
+from .calibration import JoinedBatch, Reservoir, first_block_inputs, join_batches, replay_block
 from .layer_check import layer_check, layer_probe
 from .report import LayerCalibration, LayerEntry, RoutingAtInit
 
@@ -115,9 +117,9 @@ def visits(model: nn.Module, family: Family, targets: list[Target], *, replay: b
     return out
 
 
-def _masks(batches: list[dict], tower) -> list[torch.Tensor | None]:
+def _masks(joined: list[JoinedBatch], tower) -> list[torch.Tensor | None]:
     """Each batch's padding mask for a tower that has one (the architecture table says), else None."""
-    return [b.get("attention_mask") if tower.padding_mask else None for b in batches]
+    return [j.batch.get("attention_mask") if tower.padding_mask else None for j in joined]
 
 
 @torch.no_grad()
@@ -137,7 +139,9 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
     tower_specs = family.towers_of(model.config)
     with eval_mode(model):
         t = time.perf_counter()
-        states = first_inputs(towers, [g.batches for g in groups]) if groups and towers else [{} for _ in groups]
+        joined = [join_batches(g.batches) for g in groups]
+        states = (first_inputs(towers, [[j.batch for j in js] for js in joined]) if groups and towers
+                  else [{} for _ in groups])
         result.timings["calibration"] += time.perf_counter() - t
         # a tower's last block that computes feeds no other: its forwards stop at the FFN's input
         last = {v.tower: v.path for v in plan if v.needs_compute}
@@ -147,7 +151,7 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
             built = None
             if visit.needs_compute:
                 before_block(visit.path, block)
-                replayed = _replay_groups(visit, block, family, tower_specs[visit.tower], groups, states,
+                replayed = _replay_groups(visit, block, family, tower_specs[visit.tower], groups, joined, states,
                                           result.timings, output_needed=visit.path != last[visit.tower])
                 if visit.target is not None:
                     built, entry = build_layer(visit, block, replayed, result.timings)
@@ -158,11 +162,14 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
 
 
 def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],
-                   states: list[dict], timings: dict, *, output_needed: bool) -> Replayed:
+                   joined: list[list[JoinedBatch]], states: list[dict], timings: dict, *,
+                   output_needed: bool) -> Replayed:
     target = visit.target
     ffn = family.ffn_input(block) if target is not None else None
+    # one module from the FFN's input to its output: padding tokens skip it (`replay_block`)
+    whole_ffn = family.ffn_input(block) if family.ffn_input(block) is family.ffn_output(block) else None
     replayed = Replayed({}, {})
-    for group, group_states in zip(groups, states, strict=True):
+    for group, group_joined, group_states in zip(groups, joined, states, strict=True):
         t = time.perf_counter()
         sampler = group.sampler(target) if target is not None else None
         hook = None
@@ -171,7 +178,9 @@ def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, g
             hook = family.ffn_output(block).register_forward_hook(
                 lambda module, args, out, outputs=outputs: outputs.append(out.detach().reshape(-1, out.shape[-1])))
         try:
-            replay_block(block, group_states[visit.tower], _masks(group.batches, tower), ffn, sampler,
+            replay_block(block, group_states[visit.tower], _masks(group_joined, tower), ffn, sampler,
+                         rows=[j.rows for j in group_joined],
+                         padding_skips=None if group.keep_outputs else whole_ffn,
                          output_needed=output_needed or group.keep_outputs)     # the probe keeps FFN outputs
         finally:
             if hook is not None:
