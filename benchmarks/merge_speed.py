@@ -51,8 +51,9 @@ def ours(out: Path, config: Path) -> dict:
 def forward_seconds(config: Path) -> None:
     """Print, as JSON, the seconds of a transformers forward (no LM head) over every batch the merge of `config`
     replays, and of upcycle's block-by-block replay of the same batches through the same model in the same
-    process (`replay_block` with each group's reservoir, as the merge runs it, without reading or writing
-    checkpoints), and the tokens in them (run in a fresh process by `forward`)."""
+    process (`replay_block` with each group's reservoir, its batches joined and padding skipping the FFN, as the
+    merge runs it, without reading or writing checkpoints), and the tokens in them (run in a fresh process by
+    `forward`)."""
     import time
 
     import torch
@@ -62,7 +63,7 @@ def forward_seconds(config: Path) -> None:
     from upcycle.checkpoint.loading import load_tokenizer
     from upcycle.config import ConvertConfig
     from upcycle.config_reader import build
-    from upcycle.conversion.calibration import Reservoir, first_block_inputs, replay_block
+    from upcycle.conversion.calibration import Reservoir, first_block_inputs, join_batches, replay_block
     from upcycle.conversion.merge import needed_groups, source_batches
     from upcycle.data.assets import default_model_path
     from upcycle.methods import get_method
@@ -82,11 +83,13 @@ def forward_seconds(config: Path) -> None:
             model.model(**batch, use_cache=False)
 
     def replay() -> None:
-        states = [first_block_inputs(model, {"text": blocks}, group)["text"] for group in groups]
+        joined = [join_batches(group) for group in groups]
+        states = [first_block_inputs(model, {"text": blocks}, [j.batch for j in js])["text"] for js in joined]
         for block in blocks:
-            for group, group_states in zip(groups, states, strict=True):
-                replay_block(block, group_states, [b["attention_mask"] for b in group], block.mlp,
-                             Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(0)))
+            for js, group_states in zip(joined, states, strict=True):
+                replay_block(block, group_states, [j.batch["attention_mask"] for j in js], block.mlp,
+                             Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(0)),
+                             rows=[j.rows for j in js], padding_skips=block.mlp)
 
     def seconds(run) -> float:
         t = time.perf_counter()

@@ -234,16 +234,27 @@ def test_a_tensor_of_another_shape_is_refused_by_name_before_reading(family_of_m
 
 
 @pytest.mark.parametrize(("export_class", "shared"), [("mixtral", False), ("qwen2_moe", True)])
-def test_the_stock_export_reproduces_our_merged_model(family_of_models, tmp_path, export_class, shared):
+def test_the_stock_export_reproduces_our_merged_model(family_of_models, tmp_path, monkeypatch, export_class,
+                                                      shared):
     dense, sources, _, held = family_of_models
     ours_cfg = _cfg(dense, sources, held, shared_expert=shared)
     placement = PlacementConfig(every=1) if export_class == "mixtral" else PlacementConfig(every=2)
     ours_cfg = ConvertConfig(**{**ours_cfg.__dict__, "placement": placement})
     convert(ours_cfg, tmp_path / "ours", progress=False)
     stock_cfg = ConvertConfig(**{**ours_cfg.__dict__, "export": "hf", "export_class": export_class})
+    writers = []
+    real_writer = streaming.ShardedWriter
+
+    def writer(directory, specs, **kwargs):
+        writers.append(sorted(name for name, _, _ in specs))
+        return real_writer(directory, specs, **kwargs)
+
+    monkeypatch.setattr(streaming, "ShardedWriter", writer)
     report = convert(stock_cfg, tmp_path / "stock", progress=False).report.to_dict()
     assert report["export"]["model_type"] == export_class and report["export"]["check"]["checked"]
-    assert not (tmp_path / "stock" / "upcycle-format").exists()
+    # written once, in the stock layout (no folder of ours first): the one writer's plan is the stock folder's
+    assert writers == [sorted(CheckpointReader(tmp_path / "stock").names())]
+    assert sorted(p.name for p in (tmp_path / "stock").iterdir() if p.is_dir()) == []
     ours = load(tmp_path / "ours")
     stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "stock").eval()
     assert type(stock).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[export_class]
@@ -253,6 +264,33 @@ def test_the_stock_export_reproduces_our_merged_model(family_of_models, tmp_path
     # the same float32 weights through the same operations, the experts' sums in another order at most: a few
     # float32 ulps of logits of size ~1 (measured: 0); 1e-5 is check.export_tolerance's default
     assert diff <= 1e-5
+
+
+def test_a_stock_export_unlike_our_outputs_on_the_probe_is_refused_and_nothing_is_written(family_of_models, tmp_path,
+                                                                                          monkeypatch):
+    """The check compares the stock model with our outputs taken through the blocks as they were written: when
+    they differ (here ours are moved by 1e-3 after the fact), the merge fails and leaves no output."""
+    from upcycle.conversion.merged_probe import ProbeThroughBlocks
+    from upcycle.probe import ProbeOutput
+
+    dense, sources, _, held = family_of_models
+    cfg = ConvertConfig(**{**_cfg(dense, sources, held).__dict__, "export": "hf", "export_class": "qwen2_moe"})
+    taken = []
+    real_output = ProbeThroughBlocks.output
+
+    def moved(self):
+        out = real_output(self)
+        taken.append(out)
+        return ProbeOutput(out.values_NC + 1e-3, out.name, out.is_distribution)
+
+    monkeypatch.setattr(ProbeThroughBlocks, "output", moved)
+    with pytest.raises(UpcycleError, match="differ from ours by 0.001"):
+        convert(cfg, tmp_path / "stock", progress=False)
+    assert not (tmp_path / "stock").exists() and len(taken) == 1
+    monkeypatch.undo()
+    report = convert(ConvertConfig(**{**cfg.__dict__, "check": CheckConfig(text=str(held), end_to_end=False)}),
+                     tmp_path / "unchecked", progress=False).report.to_dict()
+    assert report["export"]["check"] == {"checked": False, "why_not": "check.end_to_end: false"}
 
 
 def test_only_the_ffns_of_the_moe_blocks_are_read_from_the_sources(family_of_models, tmp_path, monkeypatch):

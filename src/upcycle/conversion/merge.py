@@ -23,14 +23,14 @@ one of that source's), on the base model's FFN inputs at that depth; the largest
 router rows (near 1: the router cannot tell them apart, mergekit-moe's "degenerate gates"); and each expert
 against its source's FFN on held-out inputs (0 for copies: the expert is the source's tensors).
 
-`export: hf` writes the upcycle folder first, then rewrites it as the stock class a block at a time and checks
-the stock model's logits against ours (`export.stock_folder.export_streamed`, `export.stock_folder.check_export`).
+`export: hf` writes the stock class's layout directly, block by block, and checks the stock model, loaded whole
+with transformers, against our outputs on the probe taken as the blocks were written (`merged_probe.py`,
+`export.stock_folder.check_stock_folder`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 import zlib
 from dataclasses import dataclass
@@ -54,14 +54,15 @@ from ..core.moe import MoELayer
 from ..core.surgery import Target, layer_generator, tower_cfg
 from ..data.text import read_texts
 from ..errors import UpcycleError
-from ..export.layout import choose_export
-from ..export.stock_folder import check_export, export_streamed
+from ..export.layout import choose_export, write_stock_configs
+from ..export.stock_folder import check_stock_folder, stock_fits
 from ..methods import LayerLayout, Method, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
 from ..metrics.experts import similarity_and_diversity
 from ..probe import Probe
 from .blockwise import BlockVisit, Replayed, ReplayGroup
 from .calibration import Reservoir, text_batches
+from .merged_probe import ProbeThroughBlocks
 from .orchestrator import run_conversion
 from .planned import planned_model
 from .report import Converted, LayerEntry
@@ -285,8 +286,8 @@ def merge_groups(cfg: ConvertConfig, tokenizer, method: Method) -> list[ReplayGr
 class MergedSource(StreamedBlocks):
     """The block source of a merge: the base's blocks read from disk (its attention, or with `non_ffn: average`
     the sources' mean), the sources' texts replayed through them, each target's layer built from the sources'
-    FFNs of that block (`SourceLayers`), and the output written block by block in the upcycle layout; with
-    `export: hf` that folder is then rewritten as the stock class and the stock model checked against it."""
+    FFNs of that block (`SourceLayers`), and the output written block by block in the upcycle layout, or with
+    `export: hf` in the stock class's, the probe carried through each block as written for the stock check."""
 
     desc = "merging blocks"
     records_probe = False        # nothing here reproduces one dense model: no dense outputs, no verdict
@@ -323,15 +324,26 @@ class MergedSource(StreamedBlocks):
         if missing:
             raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                f"({len(missing)} not found, e.g. {missing[:3]})")
-        self.folder = directory / "upcycle-format" if self.stock is not None else directory
-        self.folder.mkdir(exist_ok=True)
-        super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, self.folder,
-                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size), planned=planned)
-        self.out, self.method, self.args, self.base, self.sources = directory, method, args, base, sources
+        super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, directory,
+                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size), planned=planned,
+                         export=self.stock)
+        self.method, self.args, self.base, self.sources = method, args, base, sources
         self.export_info: dict = {}
+        self.ours: ProbeThroughBlocks | None = None       # our outputs on the probe, for the stock check
+        self.why_not_checked = (None if self.stock is None or cfg.check.end_to_end is not False
+                                else "check.end_to_end: false")
+        if self.stock is not None and self.why_not_checked is None:
+            fits = stock_fits(planned)
+            self.why_not_checked = None if fits is True else fits
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
+        if self.stock is not None and self.why_not_checked is None:    # the probe enters the first block now
+            self.ours = ProbeThroughBlocks(self.source, probe, self.first_inputs)
         return self.groups
+
+    def block_ready(self, visit: BlockVisit, block: nn.Module) -> None:
+        if self.ours is not None:
+            self.ours.run(visit.tower, block)
 
     def layer_builder(self) -> SourceLayers:
         s = self.source
@@ -339,27 +351,21 @@ class MergedSource(StreamedBlocks):
                             s.storage, s.device)
 
     def finish(self, probe: Probe) -> nn.Module:
-        """The upcycle folder's configs; with a stock class, the folder rewritten as it and checked (the stock
-        model is loaded whole for that, as transformers renames and fuses its tensors as it loads: check.end_to_end
-        false keeps the export within the merge's streaming memory)."""
-        cfg = self.cfg
+        """The configs of the layout written (ours, or the stock class's); with a stock class, the stock model
+        loaded whole and checked against our outputs on the probe (`merged_probe.py`)."""
         planned = super().finish(probe)
-        save_configs(planned, self.folder, moe_spec(planned), self.tokenizer)
-        self.export_info = {"format": "upcycle", "streamed": True}
-        if self.why_not_hf:
-            self.export_info["why_not_hf"] = self.why_not_hf
-        if self.stock is not None:
-            export_streamed(self.folder, self.out, planned, self.stock, tokenizer=self.tokenizer,
-                            max_shard_bytes=parse_size(cfg.shard_size))
-            reader_model, _ = planned_model(self.base.config, cfg.moe, cfg.placement, self.layout_of,
-                                            dtype=COMPUTE_DTYPE)
-            check = (check_export(self.folder, self.out, reader_model, probe, cfg.check.export_tolerance,
-                                  self.family.outputs)
-                     if cfg.check.end_to_end is not False else
-                     {"checked": False, "why_not": "check.end_to_end: false"})
-            shutil.rmtree(self.folder)
-            self.export_info = {"format": "hf", "class": self.stock.architecture, "model_type": self.stock.model_type,
-                                "streamed": True, "check": check}
+        if self.stock is None:
+            save_configs(planned, self.directory, moe_spec(planned), self.tokenizer)
+            self.export_info = {"format": "upcycle", "streamed": True}
+            if self.why_not_hf:
+                self.export_info["why_not_hf"] = self.why_not_hf
+            return planned
+        write_stock_configs(planned, self.stock, self.directory, self.tokenizer)
+        check = ({"checked": False, "why_not": self.why_not_checked} if self.ours is None else
+                 check_stock_folder(self.directory, self.ours.output(), probe,
+                                    self.cfg.check.export_tolerance, self.family.outputs))
+        self.export_info = {"format": "hf", "class": self.stock.architecture, "model_type": self.stock.model_type,
+                            "streamed": True, "check": check}
         return planned
 
     def record(self, layers: list[LayerEntry]) -> dict:

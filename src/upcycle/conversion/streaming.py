@@ -131,6 +131,10 @@ class StreamedBlocks(BlockSource):
     def before_block(self, path: str, block: nn.Module) -> None:
         self._read(block, path + ".")
 
+    def block_ready(self, visit: BlockVisit, block: nn.Module) -> None:
+        """Called with each block in memory, its layer installed, before it is written and released (a block
+        copied tensor by tensor, in our layout, never is): a merge's probe runs through it here."""
+
     def after_block(self, visit: BlockVisit, block: nn.Module, layer: MoELayer | None) -> None:
         from ..export.layout import export_state_dict
 
@@ -138,6 +142,7 @@ class StreamedBlocks(BlockSource):
         if layer is not None:
             self.family.install(block, layer)
         if visit.needs_compute:
+            self.block_ready(visit, block)
             tensors = (((prefix + n, t) for n, t in block.state_dict().items()) if export is None else
                        export_state_dict(self.model, export, prefix, copy=False)[0].items())
             for name, tensor in tensors:
@@ -148,6 +153,7 @@ class StreamedBlocks(BlockSource):
             return
         if export is not None:          # the stock layout renames and adds tensors: through the block itself
             self._read(block, prefix)
+            self.block_ready(visit, block)
             for name, tensor in export_state_dict(self.model, export, prefix, copy=False)[0].items():
                 self._write(name, tensor)
             release(block)

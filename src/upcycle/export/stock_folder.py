@@ -3,9 +3,10 @@
 The layout (which class, its config, its tensors) is `layout.py`'s; here it is written and checked:
   - `export_hf`: a model in memory, written with its stock config, loaded back with plain transformers and its
     logits compared with ours on a probe (`check.export_tolerance`);
-  - `export_streamed` + `check_export`: an upcycle folder rewritten as the stock class one block at a time (the
-    several-source merge's `export: hf`), then the probe run through our folder (a block at a time) and through the
-    stock checkpoint loaded whole, which is skipped, and said so, when that does not fit in memory.
+  - `check_stock_folder`: a stock checkpoint written block by block (a streamed conversion or merge writes the
+    stock layout directly) loaded whole with plain transformers and its outputs on the probe compared with ours,
+    taken as the blocks were written; `stock_fits` says beforehand whether loading it whole fits in memory (the
+    check is skipped, and said so, when it does not).
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint.lazy import block_paths, materialize, release
 from ..checkpoint.skeleton import output_bytes, tensor_specs
-from ..checkpoint.streamed import StreamSource
-from ..checkpoint.writer import ShardedWriter
 from ..core.modes import eval_mode
 from ..errors import UpcycleError
-from ..probe import Probe, compare, input_device, lazy_probe_output, stock_probe_output
-from .layout import export_specs, export_state_dict, export_target, write_stock_configs
-from .protocol import StockClass
+from ..probe import Probe, ProbeOutput, compare, input_device, stock_probe_output
+from .layout import export_state_dict, export_target, write_stock_configs
 
 
 def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
@@ -60,49 +57,22 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     return (stock(input_ids=input_ids).logits.float() - ours).abs().max().item()
 
 
-def export_streamed(folder: Path, directory: Path, planned: nn.Module, target: StockClass, *, tokenizer=None,
-                    max_shard_bytes: int) -> dict:
-    """Write the stock checkpoint of the upcycle folder `folder` (whose weightless model is `planned`, in the
-    storage dtype) into `directory`; returns the stock config."""
-    source = StreamSource.open(folder, planned.config, next(planned.parameters()).dtype, model=planned)
-    reader, names, dtype = source.reader, source.names, source.dtype
-    specs = export_specs(planned, target)
-    planned_dtype = {name: dt for name, _, dt in specs}
-    blocks = block_paths(planned)
-    writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes)
-    try:
-        for path in blocks:
-            block = planned.get_submodule(path)
-            materialize(block, path + ".", reader, names, dtype)
-            for name, tensor in export_state_dict(planned, target, path + ".", copy=False)[0].items():
-                writer.write(name, tensor.to(planned_dtype[name]))
-            release(block)
-            reader.close()
-        for name in planned_dtype:
-            if not any(name.startswith(p + ".") for p in blocks):
-                writer.write(name, reader.get(names[name]).to(planned_dtype[name]))
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return write_stock_configs(planned, target, directory, tokenizer)
-
-
-def check_export(folder: Path, directory: Path, reader_model: nn.Module, probe: Probe, tolerance: float,
-                 outputs: tuple) -> dict:
-    """Max |logit difference| between our folder and its stock export on the probe (module docstring);
-    `reader_model`: the weightless upcycled model in float32. Refuses a difference above `tolerance`."""
+def stock_fits(planned: nn.Module) -> bool | str:
+    """True when the stock model of `planned`, loaded whole in float32 for its check, fits in the memory
+    available now; else why not."""
     import psutil
 
-    size = output_bytes(tensor_specs(reader_model))
+    size = output_bytes([(name, shape, torch.float32) for name, shape, _ in tensor_specs(planned)])
     if size > psutil.virtual_memory().available:
-        return {"checked": False, "why_not": f"the stock model ({size / 2**30:.1f} GiB in float32) does not fit "
-                                             f"in the memory available"}
-    ours = lazy_probe_output(StreamSource.open(folder, reader_model.config, torch.float32, model=reader_model),
-                             probe)
+        return f"the stock model ({size / 2**30:.1f} GiB in float32) does not fit in the memory available"
+    return True
+
+
+def check_stock_folder(directory: Path, ours: ProbeOutput, probe: Probe, tolerance: float, outputs: tuple) -> dict:
+    """Max |logit difference| between our outputs on the probe and the stock checkpoint's in `directory`, loaded
+    whole in float32 with plain transformers; a difference above `tolerance` is refused."""
     theirs = stock_probe_output(directory, probe, torch.float32, outputs)
-    measured = compare(ours, theirs)
-    diff = measured["max_abs_logit_diff"]
+    diff = compare(ours, theirs)["max_abs_logit_diff"]
     if not diff <= tolerance:
         raise UpcycleError(f"the stock export's logits differ from ours by {diff:.3g} (> check.export_tolerance "
                            f"{tolerance:g}); nothing was written")
