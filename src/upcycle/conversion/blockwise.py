@@ -12,7 +12,7 @@ each tower, in block order (the GPTQ-style replay of `calibration.py`):
      (`calibration.join_batches`), and padding tokens skip an FFN that is one module (`replay_block`): the
      same rows for real tokens, in less time;
   3. at a target, `build_layer` turns the dense block and what the replay gathered into the MoE layer and its
-     report entry (`MethodLayers` below for one dense model; `merge.SourceLayers` for several);
+     report entry (`MethodLayers` below for one dense model; `merge_layers.SourceLayers` for several);
   4. `after_block(visit, block, built)` gets the block and its layer (None for other blocks): the streamed
      source installs it, writes the block and releases it; the in-memory source keeps the layer and installs
      every layer at the end, so a method failing on any layer leaves the model untouched.

@@ -135,7 +135,7 @@ class LayerEntry:
     diversity: float
     calibration: LayerCalibration | None = None
     check: LayerCheck | None = None
-    sources: dict | None = None  # a merge's facts about the layer (`merge.SourceLayers`): agreement, tokens
+    sources: dict | None = None  # a merge's facts about the layer (`merge_layers.SourceLayers`): agreement, tokens
 
     def to_dict(self) -> dict:
         if self.sources is not None:     # a merge: each source's method facts in a list, beside the sources'
