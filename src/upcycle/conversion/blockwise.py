@@ -164,10 +164,10 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
 def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],
                    joined: list[list[JoinedBatch]], states: list[dict], timings: dict, *,
                    output_needed: bool) -> Replayed:
-    target = visit.target
-    ffn = family.ffn_input(block) if target is not None else None
+    target, ffn_input = visit.target, family.ffn_input(block)
+    ffn = ffn_input if target is not None else None
     # one module from the FFN's input to its output: padding tokens skip it (`replay_block`)
-    whole_ffn = family.ffn_input(block) if family.ffn_input(block) is family.ffn_output(block) else None
+    whole_ffn = ffn_input if ffn_input is family.ffn_output(block) else None
     replayed = Replayed({}, {})
     for group, group_joined, group_states in zip(groups, joined, states, strict=True):
         t = time.perf_counter()

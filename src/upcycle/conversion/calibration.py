@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.modes import forward_replaced
 from ..data.packing import document_ids
 from ..errors import UpcycleError
 
@@ -180,8 +181,7 @@ def join_batches(batches: list[dict[str, torch.Tensor]], max_positions: int = RE
         last = runs[-1] if runs else None
         if (last is not None and _text_only(batch) and _text_only(last[0]) and batch.keys() == last[0].keys()
                 and all(v.shape[1] == last[0][k].shape[1] and v.dtype == last[0][k].dtype for k, v in batch.items())
-                and sum(b["input_ids" if "input_ids" in b else next(iter(b))].numel() for b in (*last, batch))
-                <= max_positions):
+                and sum(_rows(b) * _width(b) for b in (*last, batch)) <= max_positions):
             last.append(batch)
         else:
             runs.append([batch])
@@ -191,6 +191,10 @@ def join_batches(batches: list[dict[str, torch.Tensor]], max_positions: int = RE
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:
     return next(iter(batch.values())).shape[0]
+
+
+def _width(batch: dict[str, torch.Tensor]) -> int:
+    return next(iter(batch.values())).shape[1]       # a text batch: every input is [rows, tokens]
 
 
 def real_tokens(batches: list[dict[str, torch.Tensor]]) -> int:
@@ -301,25 +305,19 @@ def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.T
 
     handle = ffn.register_forward_pre_hook(collect) if ffn is not None else None
     rows = rows or [[s.hidden.shape[0]] for s in states]
-    patched = "forward" in vars(padding_skips) if padding_skips is not None else False
-    unpatched = padding_skips.forward if padding_skips is not None else None
-    if padding_skips is not None:       # an instance's own forward (accelerate's hooks set one) comes back after
-        padding_skips.forward = _on_real_tokens(unpatched, current)
+    skipping = [padding_skips] if padding_skips is not None else []
     try:
-        for state, mask, parts in zip(states, masks, rows, strict=True):
-            current["mask"], current["rows"] = mask, parts
-            try:
-                out = block(*state.args, **state.kwargs)
-            except _Stop:
-                continue
-            state.hidden = out[0] if isinstance(out, tuple) else out
+        with forward_replaced(skipping, lambda module, forward: _on_real_tokens(forward, current)):
+            for state, mask, parts in zip(states, masks, rows, strict=True):
+                current["mask"], current["rows"] = mask, parts
+                try:
+                    out = block(*state.args, **state.kwargs)
+                except _Stop:
+                    continue
+                state.hidden = out[0] if isinstance(out, tuple) else out
     finally:
         if handle is not None:
             handle.remove()
-        if patched:
-            padding_skips.forward = unpatched
-        elif padding_skips is not None:
-            del padding_skips.forward       # the class's forward again
 
 
 def _on_real_tokens(forward, current: dict):

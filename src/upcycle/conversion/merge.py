@@ -48,7 +48,7 @@ from ..core.surgery import Target
 from ..data.text import read_texts
 from ..errors import UpcycleError
 from ..export.layout import choose_export, write_stock_configs
-from ..export.stock_folder import check_stock_folder, stock_fits
+from ..export.stock_folder import check_stock_folder, stock_too_large
 from ..methods import LayerLayout, Method
 from ..methods.source_router import expert_groups
 from ..probe import Probe
@@ -165,11 +165,8 @@ class MergedSource(StreamedBlocks):
         self.method, self.args, self.base, self.sources = method, args, base, sources
         self.export_info: dict = {}
         self.ours: ProbeThroughBlocks | None = None       # our outputs on the probe, for the stock check
-        self.why_not_checked = (None if self.stock is None or cfg.check.end_to_end is not False
-                                else "check.end_to_end: false")
-        if self.stock is not None and self.why_not_checked is None:
-            fits = stock_fits(planned)
-            self.why_not_checked = None if fits is True else fits
+        self.why_not_checked = (None if self.stock is None else "check.end_to_end: false"
+                                if cfg.check.end_to_end is False else stock_too_large(planned))
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
         if self.stock is not None and self.why_not_checked is None:    # the probe enters the first block now

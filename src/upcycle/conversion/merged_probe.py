@@ -21,6 +21,7 @@ from torch import nn
 from ..checkpoint.lazy import materialize_trunk, release
 from ..checkpoint.streamed import StreamSource
 from ..core.architectures import family_of, find_tower_layers
+from ..core.modes import forward_replaced
 from ..probe import Probe, ProbeOutput, probe_output
 from .calibration import BlockInput
 
@@ -50,18 +51,14 @@ class ProbeThroughBlocks:
         """The model's outputs on the probe: its trunk read, every block giving back its tower's last states."""
         s, model = self.source, self.source.model
         materialize_trunk(model, s.reader, s.names, s.dtype, s.storage, s.device)
-        replaced = []
+        given = {}
+        for tower, blocks in self.towers.items():
+            (state,) = self.states[tower]
+            rest = self.rest.get(tower)
+            given |= dict.fromkeys(blocks, state.hidden if rest is None else (state.hidden, *rest))
         try:
-            for tower, blocks in self.towers.items():
-                (state,) = self.states[tower]
-                rest = self.rest.get(tower)
-                given = state.hidden if rest is None else (state.hidden, *rest)
-                for block in blocks:
-                    block.forward = lambda *args, _given=given, **kwargs: _given
-                    replaced.append(block)
-            return probe_output(model, self.probe)
+            with forward_replaced(list(given), lambda block, forward: lambda *args, **kwargs: given[block]):
+                return probe_output(model, self.probe)
         finally:
-            for block in replaced:
-                del block.forward
             release(model)
             s.reader.close()

@@ -5,7 +5,7 @@ The layout (which class, its config, its tensors) is `layout.py`'s; here it is w
     logits compared with ours on a probe (`check.export_tolerance`);
   - `check_stock_folder`: a stock checkpoint written block by block (a streamed conversion or merge writes the
     stock layout directly) loaded whole with plain transformers and its outputs on the probe compared with ours,
-    taken as the blocks were written; `stock_fits` says beforehand whether loading it whole fits in memory (the
+    taken as the blocks were written; `stock_too_large` says beforehand whether loading it whole fits in memory (the
     check is skipped, and said so, when it does not).
 """
 
@@ -57,15 +57,15 @@ def compare_with_stock(model: nn.Module, directory: str | Path, input_ids: torch
     return (stock(input_ids=input_ids).logits.float() - ours).abs().max().item()
 
 
-def stock_fits(planned: nn.Module) -> bool | str:
-    """True when the stock model of `planned`, loaded whole in float32 for its check, fits in the memory
-    available now; else why not."""
+def stock_too_large(planned: nn.Module) -> str | None:
+    """Why the stock model of `planned`, loaded whole in float32 for its check, does not fit in the memory
+    available now; None when it does."""
     import psutil
 
     size = output_bytes([(name, shape, torch.float32) for name, shape, _ in tensor_specs(planned)])
     if size > psutil.virtual_memory().available:
         return f"the stock model ({size / 2**30:.1f} GiB in float32) does not fit in the memory available"
-    return True
+    return None
 
 
 def check_stock_folder(directory: Path, ours: ProbeOutput, probe: Probe, tolerance: float, outputs: tuple) -> dict:
