@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from upcycle import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +62,30 @@ def test_an_interrupt_without_a_reason_still_says_what_happened(monkeypatch, cap
     monkeypatch.setattr(cli, "command_module", lambda name: Command)
     assert cli.main(["methods"]) == 130
     assert capsys.readouterr().err == "upcycle: interrupted; nothing was written\n"
+
+
+def test_an_interrupt_wrapped_while_a_module_loads_is_still_an_interrupt(monkeypatch, capsys):
+    """Python 3.11 wraps an exception raised in a class's `__set_name__` (a KeyboardInterrupt landing while a
+    module such as ipaddress loads) in RuntimeError; any other RuntimeError is not ours to hide."""
+    def command(error):
+        class Command:
+            @staticmethod
+            def add_arguments(parser):
+                pass
+
+            @staticmethod
+            def run(args, argv):
+                raise error
+        return Command
+
+    wrapped = RuntimeError("Error calling __set_name__")
+    wrapped.__cause__ = KeyboardInterrupt()
+    monkeypatch.setattr(cli, "command_module", lambda name: command(wrapped))
+    assert cli.main(["methods"]) == 130
+    assert capsys.readouterr().err == "upcycle: interrupted; nothing was written\n"
+    monkeypatch.setattr(cli, "command_module", lambda name: command(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["methods"])
 
 
 def test_ctrl_c_while_torch_loads_is_a_message_not_a_traceback(tmp_path):

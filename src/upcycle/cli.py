@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:     # train says what OUT holds; elsewhere outputs are written atomically
         print(f"upcycle: interrupted; {str(e) or 'nothing was written'}", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        # an interrupt landing in a class's __set_name__ while a module loads reaches us wrapped (Python 3.11)
+        if not isinstance(e.__cause__, KeyboardInterrupt):
+            raise
+        print("upcycle: interrupted; nothing was written", file=sys.stderr)
+        return 130
     except BrokenPipeError:            # `upcycle methods | head`: the reader left; no traceback
         import os
 
