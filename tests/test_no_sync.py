@@ -12,6 +12,8 @@ are counted and pinned (`CAPACITY_SYNCS`).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from upcycle.config import MoEConfig, RegularizerConfig
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
-from upcycle.core.moe import MoELayer, padding_mask
+from upcycle.core.moe import MoELayer, padding_mask, real_tokens
 from upcycle.train.objective import Objective
 
 aten = torch.ops.aten
@@ -67,8 +69,10 @@ class ToList(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def moe_step(device: torch.device, *, capacity: float | None = None) -> None:
-    """One forward and backward of a padded batch through an MoE layer, with every router loss and EESD."""
+def moe_step(device: torch.device, *, capacity: float | None = None, real: bool = False) -> None:
+    """One forward and backward of a padded batch through an MoE layer, with every router loss and EESD;
+    `real`: the real tokens' positions given, made on the host as the contrastive task makes them, so the
+    layer routes and computes those alone (`moe.real_tokens`)."""
     g = torch.Generator().manual_seed(0)
     E, D, F_ = 4, 32, 64
     weights = FFNWeights(w_gate=torch.randn(E, F_, D, generator=g) * 0.1, w_up=torch.randn(E, F_, D, generator=g) * 0.1,
@@ -82,8 +86,9 @@ def moe_step(device: torch.device, *, capacity: float | None = None) -> None:
     x = torch.randn(2, 24, D, generator=g).to(device).requires_grad_()
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[1, 17:] = 0
+    positions = torch.tensor(list(range(24)) + list(range(24, 24 + 17))).to(device)   # the mask's ones, on the host
     mask = mask.to(device)
-    with padding_mask(mask):
+    with padding_mask(mask), real_tokens(mask, positions) if real else contextlib.nullcontext():
         y = model(x)
         total, logged = objective.loss(y.float().square().mean())
     total.backward()
@@ -97,6 +102,16 @@ def test_a_dropless_step_reads_nothing_back_to_the_host():
         moe_step(torch.device("cpu"))
         with ToList() as lists, HostReads() as seen:
             moe_step(torch.device("cpu"))
+    assert seen.reads == [] and lists.calls == 0
+
+
+def test_a_step_on_the_real_tokens_alone_reads_nothing_back_to_the_host():
+    """The layer given its real tokens' positions (padding neither routed nor computed) adds no host read: the
+    positions come from the host with the batch, and the gather and scatter of the tokens have fixed sizes."""
+    with forced_kernel_path("grouped_mm"):
+        moe_step(torch.device("cpu"), real=True)
+        with ToList() as lists, HostReads() as seen:
+            moe_step(torch.device("cpu"), real=True)
     assert seen.reads == [] and lists.calls == 0
 
 
@@ -130,6 +145,7 @@ def test_a_dropless_step_on_cuda_does_not_synchronize():
     torch.cuda.set_sync_debug_mode("error")
     try:
         total, logged = moe_step(device)
+        moe_step(device, real=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(total).item() and set(logged) >= {"load_balance", "z_loss", "dpsl", "eesd", "total"}

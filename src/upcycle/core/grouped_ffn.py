@@ -130,19 +130,51 @@ def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_do
     return y_TD
 
 
+class SegmentBias(torch.autograd.Function):
+    """out[n] = x[n] + b[expert(n)] for slots sorted by expert; the bias gradient is each expert's sum over its
+    own contiguous segment, computed as one matmul of the slots' one-hot expert matrix [E, N] with the gradient
+    [N, I]. Autograd of `x + b[expert_N]` would instead run an index_put with accumulation in the backward (on
+    CUDA a sort-based kernel over N slots that name only E distinct rows: the slowest op of a biased layer)."""
+
+    @staticmethod
+    def forward(ctx, x_NI, b_EI, expert_N):
+        ctx.save_for_backward(expert_N)
+        ctx.num_experts = b_EI.shape[0]
+        return x_NI + b_EI.index_select(0, expert_N)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_NI):
+        (expert_N,) = ctx.saved_tensors
+        g_b = None
+        if ctx.needs_input_grad[1]:
+            experts_E = torch.arange(ctx.num_experts, device=expert_N.device)
+            onehot_EN = (expert_N[None, :] == experts_E[:, None]).to(g_NI.dtype)
+            g_b = torch.mm(onehot_EN, g_NI)
+        return g_NI, g_b, None
+
+
+def _add_segment_bias(x_NI: torch.Tensor, b_EI: torch.Tensor | None, expert_N: torch.Tensor) -> torch.Tensor:
+    if b_EI is None:
+        return x_NI
+    if torch.is_grad_enabled() and (x_NI.requires_grad or b_EI.requires_grad):
+        return SegmentBias.apply(x_NI, b_EI, expert_N)
+    return x_NI.add_(b_EI.index_select(0, expert_N))
+
+
 def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
     """All experts at once with torch's grouped matmul; differentiable by autograd (small batches)."""
     offsets = counts.cumsum(0, dtype=torch.int32)
+    expert_N = None
     if b_in is not None or b_down is not None:     # output_size given: no host read of the counts' sum
         expert_N = torch.repeat_interleave(torch.arange(counts.shape[0], device=x_TD.device), counts,
                                            output_size=tokens_N.shape[0])
-    pre = torch.nn.functional.grouped_mm(x_TD[tokens_N], w_in.transpose(-2, -1), offs=offsets)
-    if b_in is not None:
-        pre += b_in[expert_N]
+    # index_select, not x_TD[tokens_N]: its backward is an index_add, where indexing's is an index_put
+    pre = torch.nn.functional.grouped_mm(x_TD.index_select(0, tokens_N), w_in.transpose(-2, -1), offs=offsets)
+    pre = _add_segment_bias(pre, b_in, expert_N)
     h, _ = _hidden(act, pre, gated)
     y = torch.nn.functional.grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
-    if b_down is not None:
-        y += b_down[expert_N]
+    y = _add_segment_bias(y, b_down, expert_N)
     y = y.to(ACCUMULATOR) * weights_N[:, None]
     return x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=ACCUMULATOR).index_add_(0, tokens_N, y)
 

@@ -43,6 +43,68 @@ class _CurrentMask:
 _PADDING_MASK = _CurrentMask()
 
 
+class _KnownRealTokens:
+    """The flat positions of the real tokens of one padding mask, computed on the host before the batch moved
+    (`real_tokens`): a layer that sees that very mask runs its router and experts on those positions alone, with
+    no data-dependent size read back from the device. A plain attribute, as `_CurrentMask`."""
+
+    mask: torch.Tensor | None = None
+    positions_R: torch.Tensor | None = None
+
+
+_KNOWN_REAL = _KnownRealTokens()
+
+
+@contextlib.contextmanager
+def real_tokens(mask_BS: torch.Tensor, positions_R: torch.Tensor):
+    """Inside this block, an MoE layer whose padding mask is `mask_BS` (the same tensor object: the attention
+    mask the model is called with) routes and runs only the tokens at `positions_R` (flat indices into the
+    [B*S] tokens, on the mask's device) and gives padding positions a zero output. Padding never reaches a real
+    token of an encoder (its attention masks padding keys), so the real tokens' outputs are those of the padded
+    computation; the routing record then holds the real tokens alone (`RoutingRecord.positions_T`)."""
+    before = (_KNOWN_REAL.mask, _KNOWN_REAL.positions_R)
+    _KNOWN_REAL.mask, _KNOWN_REAL.positions_R = mask_BS, positions_R
+    try:
+        yield
+    finally:
+        _KNOWN_REAL.mask, _KNOWN_REAL.positions_R = before
+
+
+def real_positions(mask_BS: torch.Tensor) -> torch.Tensor:
+    """The flat positions of a [B, S] mask's ones, on the host (the index `real_tokens` takes)."""
+    return mask_BS.reshape(-1).nonzero().squeeze(1)
+
+
+class _JoinedRecords:
+    """Collects every routing record each MoE layer makes inside `joined_records`."""
+
+    active: dict | None = None
+
+
+_JOINED = _JoinedRecords()
+
+
+@contextlib.contextmanager
+def joined_records(model: nn.Module):
+    """Several forwards (a batch run as length-bucketed chunks) as one routing record per MoE layer: on leaving
+    the block each layer's `last_record` is the concatenation of the records its forwards made inside, in
+    order, so the router losses, the statistics and the balancer read the whole batch as if it had been one
+    forward. Nested use joins into the outermost block."""
+    if _JOINED.active is not None:
+        yield
+        return
+    layers = moe_layers(model)
+    _JOINED.active = {id(layer): [] for layer in layers.values()}
+    try:
+        yield
+    finally:
+        collected, _JOINED.active = _JOINED.active, None
+        for layer in layers.values():
+            records = collected[id(layer)]
+            if len(records) > 1:
+                layer.last_record = RoutingRecord.cat(records)
+
+
 def set_padding_mask(mask_BS: torch.Tensor | None) -> tuple[torch.Tensor | None]:
     """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) until `reset_padding_mask`
     (what the model-root hooks of `surgery.track_padding_masks` do around a forward); returns the token that
@@ -239,7 +301,21 @@ class MoELayer(nn.Module):
         T = x_TD.shape[0]
         mask = _PADDING_MASK.mask
         mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
+        if mask_T is not None and mask is _KNOWN_REAL.mask:
+            # the real tokens' positions are known (`real_tokens`): padding is neither routed nor computed
+            positions_R = _KNOWN_REAL.positions_R
+            y_RD = self._forward_tokens(x_TD.index_select(0, positions_R), None, positions_R)
+            y_TD = x_TD.new_zeros(T, y_RD.shape[-1]).index_copy(0, positions_R, y_RD)
+            return y_TD.view(shape)
+        return self._forward_tokens(x_TD, mask_T, None).view(shape)
+
+    def _forward_tokens(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None,
+                        positions_T: torch.Tensor | None) -> torch.Tensor:
+        """Route and run the tokens [T, D] (`positions_T`: where they sit in the padded batch, when only its
+        real tokens are given); returns [T, D]."""
+        T = x_TD.shape[0]
         record = self.route(x_TD, mask_T)
+        record.positions_T = positions_T
         # the routing is the whole batch's (capacity is first come, first served over all of it); the experts run
         # on token ranges of `tokens_per_call` (all tokens in one call on a GPU)
         chunk = self.experts.tokens_per_call(x_TD, self.top_k)
@@ -249,7 +325,9 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
         if self.record_routing:
             self.last_record = record
-        return self.dropout(y_TD).view(shape)
+            if _JOINED.active is not None and id(self) in _JOINED.active:
+                _JOINED.active[id(self)].append(record)
+        return self.dropout(y_TD)
 
     def _experts(self, x_TD: torch.Tensor, record: RoutingRecord, start: int, end: int) -> torch.Tensor:
         """The routed experts' output for tokens [start, end) of the batch."""
@@ -263,7 +341,8 @@ class MoELayer(nn.Module):
         counts_E = count_ids(ids_N, self.num_experts + 1)[: self.num_experts]
         # dropless: every slot runs, a size known on the host; with capacity the kept count is read (one sync)
         slots_N = order_N if record.kept_TK is None else order_N[: int(counts_E.sum())]
-        weights_N = record.topk_weights_TK[start:end].reshape(-1)[slots_N]
+        # index_select: its backward is an index_add (plain indexing's is an index_put, sort-based on CUDA)
+        weights_N = record.topk_weights_TK[start:end].reshape(-1).index_select(0, slots_N)
         return self.experts(x_TD[start:end], slots_N // self.top_k, weights_N, counts_E)
 
     @classmethod

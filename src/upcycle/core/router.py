@@ -55,6 +55,25 @@ class RoutingRecord:
     kept_TK: torch.Tensor | None      # False where capacity dropped the slot; None when dropless
     mask_T: torch.Tensor | None       # True for real tokens; None when the model has no padding mask
     score: str = "softmax"            # the router's score function (module docstring)
+    positions_T: torch.Tensor | None = None   # where these tokens sit in the padded batch, when the layer was
+    #                                           given the real tokens alone (`moe.real_tokens`); else None
+
+    @classmethod
+    def cat(cls, records: list[RoutingRecord]) -> RoutingRecord:
+        """The records of several forwards as one (tokens in order): a mask where any had one (the others' tokens
+        all real), kept slots where any had capacity; the positions, which refer to different batches, dropped."""
+        def joined(name, fill):
+            parts = [getattr(r, name) for r in records]
+            if all(p is None for p in parts):
+                return None
+            return torch.cat([fill(r) if p is None else p for r, p in zip(records, parts, strict=True)])
+
+        return cls(torch.cat([r.logits_TE for r in records]), torch.cat([r.topk_ids_TK for r in records]),
+                   torch.cat([r.topk_weights_TK for r in records]),
+                   joined("kept_TK", lambda r: torch.ones_like(r.topk_ids_TK, dtype=torch.bool)),
+                   joined("mask_T", lambda r: torch.ones(r.logits_TE.shape[0], dtype=torch.bool,
+                                                         device=r.logits_TE.device)),
+                   records[0].score)
 
     @property
     def balance_logits_TE(self) -> torch.Tensor:

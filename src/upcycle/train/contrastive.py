@@ -30,10 +30,13 @@ from torch import nn
 
 from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
+from ..core.moe import joined_records, real_tokens
+from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs
 from ..errors import UpcycleError
-from .embedding import last_hidden, mean_pool, tokenize, trim
+from .batches_ahead import pin_tensors, to_device
+from .embedding import last_hidden, mean_pool, tokenize
 from .retrieval import pair_retrieval
 
 DEFAULT_TEMPERATURE = 0.05      # sentence-transformers MultipleNegativesRankingLoss: scale 20 = 1 / 0.05
@@ -81,36 +84,62 @@ class InfoNCE(nn.Module):
 class PairBatches(SeededBatches):
     """Tokenized pairs in the seeded, resumable order of `SeededBatches`, padded per batch: input_ids and
     attention_mask [B, 2, L] (row 0 the query, row 1 the document, so that slicing a batch by rows keeps pairs
-    whole), and doc_index / query_index [B] (which pairs share a document or a query text)."""
+    whole), and doc_index / query_index [B] (which pairs share a document or a query text).
+
+    Every text is tokenized once, at start-up, into one padded [N, 2, L_max] table, so a step is an index-select
+    and a trim; the check that a batch has a negative pair runs once per epoch over all of its batches."""
 
     def __init__(self, tokenizer, pairs: TextPairs, batch_size: int, seed: int, max_length: int) -> None:
         super().__init__({"pair": torch.arange(len(pairs))}, batch_size, seed)
         if tokenizer.pad_token_id is None:
             raise UpcycleError("the tokenizer has no padding token to batch texts of different lengths")
-        self.pad = tokenizer.pad_token_id
-        self.queries = tokenizer(pairs.queries, truncation=True, max_length=max_length)["input_ids"]
-        self.documents = tokenizer(pairs.documents, truncation=True, max_length=max_length)["input_ids"]
+        queries = tokenizer(pairs.queries, truncation=True, max_length=max_length)["input_ids"]
+        documents = tokenizer(pairs.documents, truncation=True, max_length=max_length)["input_ids"]
+        self.ids_N2L, self.lengths_N2 = _table([t for pair in zip(queries, documents, strict=True) for t in pair],
+                                               tokenizer.pad_token_id, rows=len(pairs))
         # by text, not doc_id: two ids with one text are one document to any encoder, never a negative of it
         self.doc_index = _ids(pairs.documents)
         self.query_index = _ids(pairs.queries)
+        self._epoch: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def _epoch_plan(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the epoch's order [per_epoch, B], which of its batches has no negative pair), made once per epoch.
+        A batch has no negative exactly when all its pairs share one document or all share one query (two pairs
+        with different documents and one query, and a third with another query, always leave a pair that
+        differs in both)."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = self._order(epoch)[: self.per_epoch * self.batch_size].view(self.per_epoch, self.batch_size)
+            doc, query = self.doc_index[order], self.query_index[order]
+            none = (doc == doc[:, :1]).all(1) | (query == query[:, :1]).all(1)
+            self._epoch = (epoch, order, none)
+        return self._epoch[1], self._epoch[2]
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        picked = super().batch(step)["pair"].tolist()
-        doc, query = self.doc_index[picked], self.query_index[picked]
-        if bool(((doc[:, None] == doc[None, :]) | (query[:, None] == query[None, :])).all()):
-            raise UpcycleError(f"the training batch of step {step + 1} has no negative pair: its {len(picked)} pairs "
-                               f"all share one document or one query, and InfoNCE would train nothing; the pair "
-                               f"file needs more distinct documents")
-        rows = [(self.queries[i], self.documents[i]) for i in picked]
-        length = max(len(t) for pair in rows for t in pair)
-        ids = torch.full((len(rows), 2, length), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), 2, length), dtype=torch.long)
-        for b, pair in enumerate(rows):
-            for side, tokens in enumerate(pair):
-                ids[b, side, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                mask[b, side, :len(tokens)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "doc_index": self.doc_index[picked],
-                "query_index": self.query_index[picked]}
+        epoch, index = divmod(step, self.per_epoch)
+        order, no_negative = self._epoch_plan(epoch)
+        if bool(no_negative[index]):
+            raise UpcycleError(f"the training batch of step {step + 1} has no negative pair: its {self.batch_size} "
+                               f"pairs all share one document or one query, and InfoNCE would train nothing; the "
+                               f"pair file needs more distinct documents")
+        picked = order[index]
+        lengths = self.lengths_N2[picked]
+        width = int(lengths.max())
+        return {"input_ids": self.ids_N2L[picked, :, :width], "attention_mask": _mask(lengths, width),
+                "doc_index": self.doc_index[picked], "query_index": self.query_index[picked]}
+
+
+def _table(texts: list[list[int]], pad: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists (query, document, query, ...) as one padded [rows, 2, L] table and their lengths [rows, 2]."""
+    lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+    width = max(1, int(lengths.max())) if len(texts) else 1
+    ids = torch.full((len(texts), width), pad, dtype=torch.long)
+    ids[_mask(lengths, width).bool()] = torch.tensor([i for t in texts for i in t], dtype=torch.long)
+    return ids.view(rows, 2, width), lengths.view(rows, 2)
+
+
+def _mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-padding attention masks [..., width] of texts of `lengths` [...]."""
+    return (torch.arange(width) < lengths.unsqueeze(-1)).long()
 
 
 def _ids(keys: list[str]) -> torch.Tensor:
@@ -119,13 +148,54 @@ def _ids(keys: list[str]) -> torch.Tensor:
     return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.long)
 
 
-def pair_loss(model: nn.Module, batch: dict, temperature: float | torch.Tensor) -> torch.Tensor:
-    """InfoNCE of a `PairBatches` batch: queries and documents in one forward, mean-pooled."""
+# The fixed cost of one more forward in a batch's length-bucketed chunks, in positions (`length_buckets`): on a
+# GPU a forward of a small encoder is bound by its kernel launches, on the CPU by its arithmetic
+CHUNK_OVERHEAD = {"cpu": 128, "cuda": 8192}
+
+
+def chunk_overhead(device: torch.device | str) -> int:
+    return CHUNK_OVERHEAD.get(torch.device(device).type, CHUNK_OVERHEAD["cuda"])
+
+
+def lay_out_pairs(batch: dict[str, torch.Tensor], overhead: float, pin: bool = False) -> dict:
+    """A `PairBatches` (micro-)batch on the host as the step computes it: its 2B texts (queries, then documents)
+    in length-bucketed chunks (`length_buckets.bucket_plan`), each padded only to its longest text, with the flat
+    positions of its real tokens; `order` puts the chunks' embeddings back in text order. Every size is read
+    here, on the host, so the step needs no read of the device. `pin`: page-locked tensors for an asynchronous
+    copy to a GPU."""
     ids_B2L, mask_B2L = batch["input_ids"], batch["attention_mask"]
     b = ids_B2L.shape[0]
-    # queries first, then documents: [2B, L], trimmed to the longest real text of the (micro-)batch
-    ids, mask = trim(ids_B2L.transpose(0, 1).reshape(2 * b, -1), mask_B2L.transpose(0, 1).reshape(2 * b, -1))
-    embedding = mean_pool(last_hidden(model, ids, mask).float(), mask)
+    ids_NL = ids_B2L.transpose(0, 1).reshape(2 * b, -1)
+    lengths_N = mask_B2L.transpose(0, 1).reshape(2 * b, -1).sum(1)
+    chunks, rows = [], []
+    for picked in bucket_plan(lengths_N, overhead):
+        width = max(1, int(lengths_N[picked].max()))
+        mask = _mask(lengths_N[picked], width)
+        chunks.append({"input_ids": ids_NL[picked, :width], "attention_mask": mask,
+                       "positions": mask.reshape(-1).nonzero().squeeze(1)})
+        rows.append(picked)
+    order = torch.empty(2 * b, dtype=torch.long)
+    order[torch.cat(rows)] = torch.arange(2 * b)
+    out = {"chunks": chunks, "order": order, "doc_index": batch["doc_index"], "query_index": batch["query_index"],
+           "real_tokens": int(lengths_N.sum()), "positions": sum(c["input_ids"].numel() for c in chunks)}
+    return pin_tensors(out) if pin else out
+
+
+def pair_loss(model: nn.Module, batch: dict, temperature: float | torch.Tensor) -> torch.Tensor:
+    """InfoNCE of a `PairBatches` batch: queries and documents mean-pooled from length-bucketed chunks (a batch
+    not laid out yet is laid out here, for its device), whose MoE layers run the real tokens alone and whose
+    routing records join into one per layer, so the router losses read the whole batch as one forward."""
+    if "chunks" not in batch:
+        batch = lay_out_pairs({k: v.cpu() for k, v in batch.items()}, chunk_overhead(batch["input_ids"].device))
+        batch = to_device(batch, next(model.parameters()).device)
+    pooled = []
+    with joined_records(model):
+        for chunk in batch["chunks"]:
+            ids, mask = chunk["input_ids"], chunk["attention_mask"]
+            with real_tokens(mask, chunk["positions"]):
+                pooled.append(mean_pool(last_hidden(model, ids, mask).float(), mask))
+    embedding = torch.cat(pooled).index_select(0, batch["order"])
+    b = embedding.shape[0] // 2
     doc, query = batch["doc_index"], batch["query_index"]
     same_BB = (doc[:, None] == doc[None, :]) | (query[:, None] == query[None, :])
     return info_nce(embedding[:b], embedding[b:], temperature, same_BB)
@@ -163,8 +233,16 @@ class ContrastiveTask:
         return pair_loss(model, batch, self.temperature)
 
     @staticmethod
+    def layout(batch: dict, device: torch.device, processes: int = 1) -> dict:
+        """A micro-batch laid out on the host for `device` (`lay_out_pairs`), pinned for a GPU. With several
+        processes it stays one forward (DDP's reducer pairs one forward with each backward); its MoE layers
+        still compute the real tokens alone."""
+        overhead = chunk_overhead(device) if processes == 1 else math.inf
+        return lay_out_pairs(batch, overhead, pin=device.type == "cuda")
+
+    @staticmethod
     def tokens(batch: dict) -> int:
-        return int(batch["attention_mask"].sum())
+        return batch["real_tokens"] if "real_tokens" in batch else int(batch["attention_mask"].sum())
 
     def evaluate(self, model: nn.Module) -> dict | None:
         return pair_retrieval(model, self.tokenizer, self.held, max_length=self.max_length)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.modes import eval_mode
+from ..core.moe import real_tokens
 from ..errors import UpcycleError
 
 
@@ -58,8 +59,11 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
         for start in range(0, len(texts), batch_size):
             picked = order[start:start + batch_size]
             enc = tokenize(tokenizer, [texts[i] for i in picked], max_length)
+            # the real tokens' positions read on the host: MoE layers route and compute those alone
+            positions = enc["attention_mask"].reshape(-1).nonzero().squeeze(1).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-            pooled = F.normalize(mean_pool(last_hidden(model, ids, mask).float(), mask), dim=-1).cpu()
+            with real_tokens(mask, positions):
+                pooled = F.normalize(mean_pool(last_hidden(model, ids, mask).float(), mask), dim=-1).cpu()
             if out.shape[1] == 0:
                 out = torch.empty(len(texts), pooled.shape[1])
             out[picked] = pooled

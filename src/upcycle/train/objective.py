@@ -31,6 +31,8 @@ def _groups_for(record: RoutingRecord, groups: torch.Tensor | None) -> torch.Ten
     if groups is None:
         return None
     flat = groups.reshape(-1)
+    if record.positions_T is not None:       # the layer routed the batch's real tokens alone
+        return flat.to(record.positions_T.device).index_select(0, record.positions_T)
     return flat if flat.numel() == record.logits_TE.shape[0] else None
 
 

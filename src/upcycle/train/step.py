@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .batches_ahead import to_device
 from .freezing import Freezer
 from .objective import Objective, causal_lm_loss
 
@@ -140,7 +141,7 @@ def _accumulate(model: nn.Module, micro: list[dict], acc, reg: Objective, task_l
     sums: dict[str, torch.Tensor] = {}
     n_tokens = 0
     for m, cpu_batch in enumerate(micro):
-        batch = {k: v.to(acc.device) if isinstance(v, torch.Tensor) else v for k, v in cpu_batch.items()}
+        batch = to_device(cpu_batch, acc.device)
         sync = contextlib.nullcontext() if m == len(micro) - 1 else acc.no_sync(model)
         with sync, acc.autocast():
             total, logged = reg.loss(task_loss(model, batch), groups=groups, router=router)

@@ -67,7 +67,7 @@ class EMATeacher:
         self._student_params = [p for layer in self.students.values() for p in layer.parameters()]
         self._teacher_params = [p for layer in self.teachers.values() for p in layer.parameters()]
         self.enabled = True
-        self.losses: dict[str, torch.Tensor] = {}
+        self.losses: dict[str, list[tuple[torch.Tensor, torch.Tensor | int]]] = {}
         self.tokens_distilled = 0
         self._handles = [layer.register_forward_hook(self._hook(name)) for name, layer in self.students.items()]
 
@@ -111,22 +111,38 @@ class EMATeacher:
                 return
             x_TD = args[0].reshape(-1, args[0].shape[-1])
             y_TD = output.reshape(-1, output.shape[-1])
-            rows = self._select(layer, x_TD.shape[0])
             record = layer.last_record
+            if record is not None and record.positions_T is not None:     # the layer ran the real tokens alone
+                x_TD, y_TD = x_TD.index_select(0, record.positions_T), y_TD.index_select(0, record.positions_T)
+            rows = self._select(layer, x_TD.shape[0])
             mask_T = record.mask_T if record is not None else None
             if rows is not None:
                 x_TD, y_TD, mask_T = x_TD[rows], y_TD[rows], None
             with torch.no_grad():
                 target_TD = ensemble_output(self._whole(name), x_TD.detach())
-            self.losses[name] = eesd(y_TD, target_TD, mask_T=mask_T)
+            # (loss, its token weight): the forwards of one batch (length-bucketed chunks) average over all of
+            # its real tokens, as one forward of the whole batch would
+            weight = x_TD.shape[0] if mask_T is None else mask_T.sum()
+            self.losses.setdefault(name, []).append((eesd(y_TD, target_TD, mask_T=mask_T), weight))
             self.tokens_distilled += x_TD.shape[0]
         return distill
 
     def loss(self) -> torch.Tensor:
-        """Mean over MoE layers of the EESD losses of the forwards since the last call (then cleared)."""
+        """Mean over MoE layers of the EESD losses of the forwards since the last call (then cleared); a layer's
+        loss over several forwards is their token-weighted mean."""
         if not self.losses:
             return torch.zeros((), device=self._teacher_params[0].device)
-        total = torch.stack(list(self.losses.values())).mean()
+        per_layer = []
+        for parts in self.losses.values():
+            if len(parts) == 1:
+                per_layer.append(parts[0][0])
+                continue
+            # an int weight becomes a filled tensor, not a copy from the host (which would wait for the device)
+            weights = torch.stack([w.float() if torch.is_tensor(w) else torch.full((), float(w), device=loss.device)
+                                   for loss, w in parts])
+            losses = torch.stack([loss for loss, _ in parts])
+            per_layer.append((losses * weights).sum() / weights.sum().clamp_min(1))
+        total = torch.stack(per_layer).mean()
         self.losses = {}
         return total
 

@@ -25,6 +25,7 @@ from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
 from .accelerator import make_accelerator, prepare
+from .batches_ahead import BatchesAhead
 from .checkpointer import Checkpointer, finite_parameters
 from .evaluate import progress_bars
 from .freezing import Freezer
@@ -115,7 +116,7 @@ class _Training:
     def loop(self, end: int) -> bool:
         """Steps up to `end`, with checkpoints and evaluations on their schedules; True if stopped by a signal."""
         cfg = self.cfg
-        with StopFlag() as stop:
+        with StopFlag() as stop, BatchesAhead(self.step_batches, end) as self.ahead:
             for step in range(self.state["step"], end):
                 if not self.one_step(step):
                     continue       # a skipped step: no stop check, checkpoint or evaluation after it
@@ -130,9 +131,9 @@ class _Training:
 
     def one_step(self, step: int) -> bool:
         """Step `step` (0-based) on this process's share of its global batch, logged; False if it was skipped."""
-        cfg, micro, parts = self.cfg, self.micro, self.parts
+        cfg, parts = self.cfg, self.parts
         started = time.perf_counter()
-        batches = micro_batches(self.task.train.batch(step), self.rank, micro, cfg.grad_accum)
+        batches = self.ahead.get(step)
         result = train_step(parts.model, batches, parts.optimizer, parts.objective, task_loss=self.task.loss,
                             tokens=self.task.tokens, accelerator=self.acc, scheduler=parts.scheduler,
                             freezer=self.freezer, step=step, clip_grad=cfg.clip_grad, router=step < self.router_steps)
@@ -148,6 +149,12 @@ class _Training:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss['total']:.4f}", tok_s=f"{result.tokens / seconds:,.0f}")
         return True
+
+    def step_batches(self, step: int) -> list[dict]:
+        """This process's micro-batches of step `step`, laid out by the task for the device (made ahead)."""
+        batches = micro_batches(self.task.train.batch(step), self.rank, self.micro, self.cfg.grad_accum)
+        layout = getattr(self.task, "layout", None)
+        return batches if layout is None else [layout(b, self.acc.device, self.acc.num_processes) for b in batches]
 
     def skip(self, step: int, result: StepResult) -> None:
         """A step that did not update the weights: stop the run, or log it and go on (on_nonfinite: skip)."""
