@@ -105,7 +105,7 @@ def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
     def make(step):
         return lay_out_pairs(batches.batch(step), overhead, pin=device.type == "cuda")
 
-    times, real, positions = [], 0, 0
+    times, every, real, positions = [], [], 0, 0
     with BatchesAhead(make, args.warmup + args.steps) as ahead:
         for step in range(args.warmup + args.steps):
             sync(device)
@@ -114,14 +114,16 @@ def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
             result = train_step(model, laid, optimizer, reg, task_loss=lambda m, b: pair_loss(m, b, TEMPERATURE),
                                 tokens=lambda b: b["real_tokens"], accelerator=acc, clip_grad=1.0, step=step)
             sync(device)
+            every.append(round(time.perf_counter() - start, 4))
             if step >= args.warmup:
-                times.append(time.perf_counter() - start)
+                times.append(every[-1])
                 real += laid["real_tokens"]
                 positions += laid["positions"]
     seconds = statistics.median(times)
     out = {"real_tokens_per_s": real / len(times) / seconds, "step_s_median": seconds, "steps": len(times),
            "real_tokens_per_step": real / len(times), "positions_per_real_token": positions / real,
-           "chunks_per_step": len(laid["chunks"]), "overhead_positions": overhead, "final_loss": result.loss["task"]}
+           "chunks_per_step": len(laid["chunks"]), "overhead_positions": overhead, "final_loss": result.loss["task"],
+           "step_seconds": every}
     del model, optimizer, reg
     if device.type == "cuda":
         torch.cuda.empty_cache()

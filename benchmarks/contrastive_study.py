@@ -74,7 +74,7 @@ PLACEMENTS = {"every-2": "2", "every-1": "1"}
 # budget at which rows part.
 BUDGETS = {"cpu": {"steps": 2000, "batch_size": 64, "sequence_length": 128, "eval_pairs": 2048, "eval_every": 200,
                    "lr": 2e-5},
-           "gpu": {"steps": 200, "batch_size": 512, "sequence_length": 64, "eval_pairs": 2048, "eval_every": 25,
+           "gpu": {"steps": 100, "batch_size": 512, "sequence_length": 64, "eval_pairs": 1024, "eval_every": 25,
                    "lr": 1e-4}}
 SEEDS = (0, 1, 2)
 METHODS = "copy,cluster,drop,spri"
@@ -126,7 +126,7 @@ def parts(work: Path, args: argparse.Namespace) -> dict[str, list[str]]:
             # seed 0 keeps its models: the EESD probe trains its cluster conversion, --part analyze its runs; on
             # the GPU every seed does (its EESD cells reuse its cluster conversion; only JSON comes back)
             keep = "models" if seed == 0 or args.gpu else "results"
-            out[f"{placement}-seed-{seed}"] = compare_command(work / placement, every, METHODS, "none", seed,
+            out[f"{placement}-seed-{seed}"] = compare_command(work / placement, every, args.methods, "none", seed,
                                                               recipe_file, keep)
             if grid:
                 out[f"{placement}-eesd-seed-{seed}"] = compare_command(work / placement, every, "cluster", grid,
@@ -368,7 +368,7 @@ def collect(work: Path, args: argparse.Namespace) -> None:
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
               if (work / "eesd_lambdas.json").is_file() else None, "placements": {}}
     lines = ["# The contrastive method study: all-MiniLM-L6-v2, 8 experts, top-2", ""]
-    design = ["dense", *METHODS.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or "").split(",")
+    design = ["dense", *args.methods.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or "").split(",")
                                               if v)]                  # every row label of the design
     curves = {}
     for placement in args.placements:
@@ -480,7 +480,7 @@ def budget_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--work", str(args.work), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
              "--sequence-length", str(args.sequence_length), "--eval-pairs", str(args.eval_pairs),
              "--eval-every", str(args.eval_every), "--lr", repr(args.lr), "--placements", ",".join(args.placements),
-             "--seeds", ",".join(map(str, args.seeds))]
+             "--seeds", ",".join(map(str, args.seeds)), "--methods", args.methods]
     return flags + (["--gpu"] if args.gpu else []) + (["--eesd", args.eesd] if args.eesd else [])
 
 
@@ -568,6 +568,8 @@ def cli() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-contrastive-study"))
+    parser.add_argument("--methods", default=METHODS, help=f"the MoE rows (default {METHODS}); a part of the "
+                        "design, for a short call")
     parser.add_argument("--part", help="pilot, eesd-probe, analyze, seed-S (every part of seed S), or a compare "
                                        "part (listed with --list)")
     parser.add_argument("--list", action="store_true", help="print the compare parts and their commands")

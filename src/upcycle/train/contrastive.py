@@ -36,7 +36,7 @@ from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs
 from ..errors import UpcycleError
 from .batches_ahead import pin_tensors, to_device
-from .embedding import last_hidden, mean_pool, tokenize
+from .embedding import attention_for_many_shapes, last_hidden, mean_pool, tokenize
 from .retrieval import pair_retrieval
 
 DEFAULT_TEMPERATURE = 0.05      # sentence-transformers MultipleNegativesRankingLoss: scale 20 = 1 / 0.05
@@ -148,9 +148,14 @@ def _ids(keys: list[str]) -> torch.Tensor:
     return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.long)
 
 
-# The fixed cost of one more forward in a batch's length-bucketed chunks, in positions (`length_buckets`): on a
-# GPU a forward of a small encoder is bound by its kernel launches, on the CPU by its arithmetic
-CHUNK_OVERHEAD = {"cpu": 128, "cuda": 8192}
+# The fixed cost of one more forward in a batch's length-bucketed chunks, in positions (`length_buckets`). On the
+# CPU a forward costs its arithmetic, so padding is what to cut. On a GPU a forward of a small encoder costs its
+# kernel launches: on an H200, MiniLM at 512 pairs x 64 tokens trained at 0.036 s a step padded to the longest
+# text (one forward, 5.35 positions per real token) and at 0.054 s in two chunks (1.90 positions per real token)
+# (benchmarks/results/gpu/h200-2026-11-28-contrastive/), so a second forward costs more than the ~43k positions
+# it saves: 131,072 keeps such batches one forward, and still cuts batches of several hundred thousand positions.
+# Either way the MoE layers route and compute the real tokens alone.
+CHUNK_OVERHEAD = {"cpu": 128, "cuda": 131072}
 
 
 def chunk_overhead(device: torch.device | str) -> int:
@@ -189,7 +194,7 @@ def pair_loss(model: nn.Module, batch: dict, temperature: float | torch.Tensor) 
         batch = lay_out_pairs({k: v.cpu() for k, v in batch.items()}, chunk_overhead(batch["input_ids"].device))
         batch = to_device(batch, next(model.parameters()).device)
     pooled = []
-    with joined_records(model):
+    with joined_records(model), attention_for_many_shapes(batch["order"].device):
         for chunk in batch["chunks"]:
             ids, mask = chunk["input_ids"], chunk["attention_mask"]
             with real_tokens(mask, chunk["positions"]):

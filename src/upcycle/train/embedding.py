@@ -7,6 +7,8 @@ Shape suffixes: B rows, L tokens, D hidden size, N texts.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,19 @@ def last_hidden(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL:
             raise UpcycleError(f"{type(model).__name__} returns no hidden states to pool into sentence embeddings")
         hidden = states[-1]
     return hidden
+
+
+def attention_for_many_shapes(device: torch.device):
+    """Scaled-dot-product attention without its cuDNN backend, for forwards whose batch shapes change from call to
+    call (length-bucketed chunks, evaluation batches sorted by length). cuDNN builds an execution plan for every
+    new shape, and on an H200 that made most steps of a bucketed MiniLM batch take 0.25-0.35 s instead of 0.05 s
+    until the plans of every shape had been built (benchmarks/results/gpu/contrastive_step_*.json); the
+    memory-efficient and flash kernels need no plan. Elsewhere (CPU, fixed shapes) nothing changes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def trim(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +77,7 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
             # the real tokens' positions read on the host: MoE layers route and compute those alone
             positions = enc["attention_mask"].reshape(-1).nonzero().squeeze(1).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-            with real_tokens(mask, positions):
+            with real_tokens(mask, positions), attention_for_many_shapes(ids.device):
                 pooled = F.normalize(mean_pool(last_hidden(model, ids, mask).float(), mask), dim=-1).cpu()
             if out.shape[1] == 0:
                 out = torch.empty(len(texts), pooled.shape[1])
