@@ -368,8 +368,8 @@ def collect(work: Path, args: argparse.Namespace) -> None:
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
               if (work / "eesd_lambdas.json").is_file() else None, "placements": {}}
     lines = ["# The contrastive method study: all-MiniLM-L6-v2, 8 experts, top-2", ""]
-    design = ["dense", *args.methods.split(","), *(f"cluster+EESD {v}" for v in (lambdas(work, args.eesd) or "").split(",")
-                                              if v)]                  # every row label of the design
+    grid = (lambdas(work, args.eesd) or "").split(",")
+    design = ["dense", *args.methods.split(","), *(f"cluster+EESD {v}" for v in grid if v)]   # every row label
     curves = {}
     for placement in args.placements:
         path = work / placement / "comparison.json"
