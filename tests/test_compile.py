@@ -50,6 +50,24 @@ def test_the_grouped_path_compiles_into_one_graph():
         assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
 
 
+def test_no_autocast_query_is_traced(monkeypatch):
+    """On CUDA, torch 2.11's dynamo broke the graph at every torch.amp.is_autocast_available call (7 breaks, 8
+    graphs). The branch is forced here: that function is made untraceable, and the layer still compiles into one
+    graph, because the device types that can autocast are read at import (`upcycle.core.autocast`)."""
+    calls = []
+
+    @dynamo.disable
+    def untraceable(device_type):
+        calls.append(device_type)
+        return True
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    layer = _layer(torch.bfloat16)
+    explained = _explain(layer, torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True))
+    reasons = [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+    assert explained.graph_break_count == 0 and explained.graph_count == 1 and calls == [], reasons
+
+
 def test_a_float32_layer_under_compile_takes_the_loop_and_names_its_breaks():
     explained = _explain(_layer(torch.float32), torch.randn(2, 16, 32))
     assert explained.graph_break_count >= 1

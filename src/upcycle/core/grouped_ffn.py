@@ -56,6 +56,8 @@ import os
 
 import torch
 
+from .autocast import autocast_available, autocast_off
+
 
 def _hidden(act, pre_nI: torch.Tensor, gated: bool, grad_h: torch.Tensor | None = None):
     """h from the input projection; with `grad_h`, also d loss / d pre (laid out like pre)."""
@@ -232,7 +234,7 @@ def compute_dtype(device: torch.device, weights_dtype: torch.dtype, input_dtype:
                   ) -> torch.dtype:
     """The autocast dtype when autocast is on for this device, else the wider of the weights' and the input's
     dtype (torch's promotion: float32 inputs to bfloat16 weights compute in float32)."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+    if autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return weights_dtype if input_dtype is None else torch.promote_types(weights_dtype, input_dtype)
 
@@ -245,8 +247,7 @@ def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Ten
     device = x_TD.device
     dtype = compute_dtype(device, w_in.dtype, x_TD.dtype)
     counts = torch.as_tensor(counts, device=device)
-    off = torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
-        else contextlib.nullcontext()
+    off = autocast_off(device.type)
     path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                  for t in (x_TD, weights_N, w_in, b_in, w_down, b_down))

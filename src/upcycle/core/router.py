@@ -21,7 +21,6 @@ before top-2 (Switch/GShard); dropped slots weigh 0, and `renormalize_after_drop
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig
+from .autocast import autocast_off
 
 
 def router_logits(router: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,7 @@ def router_logits(router: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
     Autocast would run the linear in bfloat16 even on float32 inputs, so it is switched off around it; the
     .float() calls are no-ops on a float32 router and guard against a model-wide .to(bfloat16)."""
     device = x_TD.device.type
-    off = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
-           else contextlib.nullcontext())
+    off = autocast_off(device)
     with off:
         bias = None if router.bias is None else router.bias.float()
         return F.linear(x_TD.float(), router.weight.float(), bias)
