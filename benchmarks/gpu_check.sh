@@ -51,8 +51,10 @@ HAS_GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 WORKERS=1
 if $PY -c "import xdist" 2>/dev/null; then WORKERS=${GPU_CHECK_WORKERS:-$(( $(nproc) > 14 ? 14 : $(nproc) ))}; fi
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS"
+# each worker computes on its share of the cores (tests/conftest.py does the same where OMP_NUM_THREADS is unset)
+THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))
 TIMEOUT=""; $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout 240"
-UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "${GPU_CHECK_SUITE_SECONDS:-330}" $PY -m pytest tests -m "not slow" -q \
+OMP_NUM_THREADS=$THREADS UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "${GPU_CHECK_SUITE_SECONDS:-330}" $PY -m pytest tests -m "not slow" -q \
     -p no:cacheprovider -p live_report $XDIST $TIMEOUT -rs --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - started )) s"
 tail -5 "$OUT/pytest.log"

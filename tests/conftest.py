@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,29 @@ def no_weights_loaded(monkeypatch):
         raise AssertionError("the dense weights were loaded before the input was refused")
     # the converter module (the package root exports a function `convert` of the same name)
     monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)
+
+
+def upcycle_command(script: Path | None = None) -> list[str]:
+    """The `upcycle` command line for a subprocess: the console script installed beside this Python, or, where the
+    project runs from src/ on PYTHONPATH with nothing installed (a bare GPU machine), the same console module run
+    by this Python (`script`: where to look for the installed one)."""
+    script = script if script is not None else Path(sys.executable).parent / "upcycle"
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys, upcycle_console; sys.exit(upcycle_console.main())"]
+
+
+def worker_threads(cores: int, workers: int) -> int:
+    """torch threads for each of `workers` pytest-xdist processes on `cores` cores: their share. 14 workers of 16
+    threads each on a 16-core GPU machine ran the suite 4-5x slower per test than 2 workers on 2 cores."""
+    return max(1, cores // max(1, workers))
+
+
+def pytest_configure(config):
+    # an explicit OMP_NUM_THREADS (the Makefile's 1) wins; otherwise each worker takes its share of the cores
+    if "OMP_NUM_THREADS" not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        torch.set_num_threads(worker_threads(cores, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

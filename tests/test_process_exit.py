@@ -46,3 +46,18 @@ def test_main_called_from_python_freezes_nothing(capsys):
     before = gc.get_freeze_count()
     assert main(["methods"]) == 0
     assert gc.get_freeze_count() == before
+
+
+def test_the_tests_command_line_runs_from_src_with_no_console_script(tmp_path):
+    """The suite starts `upcycle` through `conftest.upcycle_command`: with no console script installed (the project
+    on PYTHONPATH alone, as on a bare GPU machine) that is the console module run by this Python, and it runs a
+    command to its exit status (a refusal: 2, with upcycle's one-line message)."""
+    from conftest import upcycle_command
+
+    command = upcycle_command(tmp_path / "bin" / "upcycle")
+    assert command[0] == sys.executable
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([*command, "train", str(tmp_path / "missing"), str(tmp_path / "out"), "--steps", "1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("upcycle: ") and "Traceback" not in done.stderr, done
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import upcycle_command
 from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.config_reader import RECIPES
 from upcycle.errors import UpcycleError
@@ -151,7 +152,7 @@ def test_two_process_accelerate_launch_matches_one_process(tiny_lm, tmp_path):
     and gradient average, so the same losses, router losses and aux-free updates at every step."""
     _, moe, train_txt, held = tiny_lm
     data = ["--data", str(train_txt), "--eval-data", str(held)]
-    one = subprocess.run([str(BIN / "upcycle"), "train", str(moe), str(tmp_path / "one"), *data, *ARGS,
+    one = subprocess.run([*upcycle_command(), "train", str(moe), str(tmp_path / "one"), *data, *ARGS,
                           "--grad-accum", "2"], env=_env(), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
@@ -173,7 +174,7 @@ def test_two_process_accelerate_launch_matches_one_process(tiny_lm, tmp_path):
 def test_ctrl_c_checkpoints_and_resume_finishes(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
     run = tmp_path / "run"
-    cmd = [str(BIN / "upcycle"), "train", str(moe), str(run), "--data", str(train_txt), "--eval-data", str(held),
+    cmd = [*upcycle_command(), "train", str(moe), str(run), "--data", str(train_txt), "--eval-data", str(held),
            "--steps", "400", "--batch-size", "8", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=256"]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = run / "log.jsonl"
@@ -186,7 +187,7 @@ def test_ctrl_c_checkpoints_and_resume_finishes(tiny_lm, tmp_path):
     step = len(_log(run)) - 1                               # minus the step-0 evaluation
     assert 3 <= step < 400 and checkpoints(run)[-1].name == f"step-{step:07d}"
     assert "interrupted at step" in err and not (run / "model").exists()
-    done = subprocess.run([str(BIN / "upcycle"), "train", str(moe), str(run), "--resume", "--quiet"],
+    done = subprocess.run([*upcycle_command(), "train", str(moe), str(run), "--resume", "--quiet"],
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [row["step"] for row in _log(run) if "loss" in row]

@@ -227,3 +227,12 @@ def test_processes_on_one_machine_share_its_cores(monkeypatch):
         assert __import__("os").environ["RAYON_RS_NUM_CPUS"] == "7"
     finally:
         torch.set_num_threads(before)
+
+
+def test_each_pytest_worker_computes_on_its_share_of_the_cores():
+    from conftest import worker_threads
+
+    assert worker_threads(16, 14) == 1 and worker_threads(16, 4) == 4 and worker_threads(2, 8) == 1
+    cores = len(__import__("os").sched_getaffinity(0))
+    workers = int(__import__("os").environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    assert torch.get_num_threads() <= worker_threads(cores, workers)
