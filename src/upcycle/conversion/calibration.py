@@ -25,6 +25,7 @@ from torch import nn
 
 from ..core.modes import forward_replaced
 from ..data.packing import document_ids
+from ..data.token_ids import GPU_STATE_LOST, is_cuda_failure
 from ..errors import UpcycleError
 
 
@@ -261,8 +262,9 @@ def first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batch
             except _Stop:
                 pass
             except Exception as e:   # a batch that does not fit the model (vocabulary, image size, names)
+                lost = f"; {GPU_STATE_LOST}" if is_cuda_failure(e) else ""
                 raise UpcycleError(f"calibration: the model's forward failed on a calibration batch "
-                                   f"({type(e).__name__}: {e})") from e
+                                   f"({type(e).__name__}: {e}){lost}") from e
             if pending:
                 raise UpcycleError(f"calibration: the forward pass never reached the first block of {sorted(pending)}"
                                    f" (does each batch have that tower's inputs?)")

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from ..config import ConvertConfig
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
+from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem
 from ..methods import get_method
@@ -41,6 +42,10 @@ def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: 
         if missing:
             raise UpcycleError(f"calibration data {cfg.calibration.data}: model {name!r} ({config.model_type}, "
                                f"towers {', '.join(towers)}) needs {' and '.join(missing)} in every batch")
+        for number, batch in enumerate(calibration_data, 1):
+            if TOKEN_IDS in batch:
+                check_token_ids(batch[TOKEN_IDS], embedding_rows(config),
+                                f"calibration data {cfg.calibration.data} (batch {number})")
         return
     if PIXELS in reads:
         text = TOKEN_IDS in reads

@@ -33,6 +33,7 @@ from ..config import TrainConfig
 from ..core.moe import joined_records, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
+from ..data.token_ids import check_token_ids, embedding_rows
 from ..data.text_pairs import TextPairs, load_text_pairs
 from ..errors import UpcycleError
 from .batches_ahead import pin_tensors, to_device
@@ -216,6 +217,8 @@ class ContrastiveTask:
         self.tokenizer, self.max_length, self.temperature = tokenizer, cfg.sequence_length, cfg.temperature
         train, held = load_text_pairs(cfg.data, cfg.eval_data)
         self.train = PairBatches(tokenizer, train, cfg.batch_size, cfg.seed, cfg.sequence_length)
+        check_token_ids(self.train.ids_N2L, embedding_rows(model.config),
+                        f"text pairs {cfg.data or '(packaged)'} as tokenized")
         # the same held-out pairs whatever the run's seed, so that runs and seeds are scored on one set
         keep = sorted(random.Random(0).sample(range(len(held)), min(len(held), cfg.eval_pairs)))
         self.held = held.subset(keep)

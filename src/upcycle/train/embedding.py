@@ -15,6 +15,7 @@ from torch import nn
 
 from ..core.modes import eval_mode
 from ..core.moe import real_tokens
+from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 
 
@@ -74,6 +75,7 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
         for start in range(0, len(texts), batch_size):
             picked = order[start:start + batch_size]
             enc = tokenize(tokenizer, [texts[i] for i in picked], max_length)
+            check_token_ids(enc["input_ids"], embedding_rows(getattr(model, "config", None)), "texts to embed, as tokenized")
             # the real tokens' positions read on the host: MoE layers route and compute those alone
             positions = enc["attention_mask"].reshape(-1).nonzero().squeeze(1).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)

@@ -1,0 +1,66 @@
+"""Token ids outside the model's embedding are refused on the host, before any forward: on a GPU the lookup would
+be a device-side assert that leaves the process's CUDA context unusable (upcycle.data.token_ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_tiny
+from upcycle.data.token_ids import check_token_ids, embedding_rows, is_cuda_failure
+from upcycle.errors import UpcycleError
+
+
+def test_the_first_bad_id_is_named_with_its_position():
+    check_token_ids(torch.tensor([[0, 5], [9, 1]]), 10, "ok")
+    with pytest.raises(UpcycleError, match=r"^f\.safetensors: token id 10 at position \[1, 0\] is outside the "
+                                           r"model's embedding of 10 rows \(ids 0 to 9\)"):
+        check_token_ids(torch.tensor([[0, 5], [10, 12]]), 10, "f.safetensors")
+    with pytest.raises(UpcycleError, match=r"token id -1 at position \[2\]"):
+        check_token_ids(torch.tensor([3, 4, -1]), 10, "ids")
+    assert embedding_rows(make_tiny("clip").config) == make_tiny("clip").config.text_config.vocab_size
+
+
+def test_a_calibration_file_of_foreign_ids_is_refused_before_the_weights_load(tmp_path, no_weights_loaded):
+    from upcycle import ConvertConfig, convert
+    from upcycle.config_reader import build
+
+    model = make_tiny("llama")
+    model.save_pretrained(tmp_path / "dense")
+    rows = model.config.vocab_size
+    ids = torch.randint(0, rows, (4, 8))
+    ids[2, 5] = rows + 7
+    save_file({"input_ids": ids, "attention_mask": torch.ones(4, 8, dtype=torch.long)}, tmp_path / "ids.safetensors")
+    with pytest.raises(UpcycleError, match=rf"ids.safetensors \(batch 1\): token id {rows + 7} at position \[2, 5\]"):
+        convert(build(ConvertConfig, {"model": str(tmp_path / "dense"), "method": "cluster",
+                                      "calibration": {"data": str(tmp_path / "ids.safetensors")}}),
+                tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_pairs_tokenized_past_the_embedding_are_refused_before_any_forward(tmp_path, monkeypatch):
+    """A tokenizer with more tokens than the model's embedding (ids past its rows): the task refuses its table
+    at start-up, and the model is never called."""
+    from test_contrastive import tokenizer, toy_pairs, write_pairs
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
+    from upcycle.train.contrastive import ContrastiveTask
+
+    model, tok = make_tiny("bert"), tokenizer()
+    write_pairs(tmp_path / "pairs.jsonl", toy_pairs(32))
+    model.resize_token_embeddings(5)            # fewer rows than the tokenizer's ids
+    called = []
+    model.register_forward_pre_hook(lambda *a: called.append(1))
+    cfg = build(TrainConfig, {"model": "unused", "data": str(tmp_path / "pairs.jsonl"),
+                              "eval_data": str(tmp_path / "pairs.jsonl"), "batch_size": 4,
+                              "sequence_length": 64, "eval_pairs": 4})
+    with pytest.raises(UpcycleError, match=r"pairs.jsonl as tokenized: token id \d+ at position .* outside the "
+                                           r"model's embedding of 5 rows"):
+        ContrastiveTask(cfg, model, tok)
+    assert called == []
+
+
+def test_a_cuda_failure_is_recognised_for_its_message():
+    assert is_cuda_failure(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_cuda_failure(IndexError("index out of range in self"))
