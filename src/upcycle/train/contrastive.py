@@ -33,8 +33,8 @@ from ..config import TrainConfig
 from ..core.moe import joined_records, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
-from ..data.token_ids import check_token_ids, embedding_rows
 from ..data.text_pairs import TextPairs, load_text_pairs
+from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from .batches_ahead import pin_tensors, to_device
 from .embedding import attention_for_many_shapes, last_hidden, mean_pool, tokenize

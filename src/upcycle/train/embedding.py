@@ -69,13 +69,14 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
     """Unit-norm sentence embeddings [N, D] (float32, on the CPU), in eval mode. Texts are sorted by length
     before batching (less padding); the result is in the order given."""
     device = next(model.parameters()).device
+    rows = embedding_rows(getattr(model, "config", None))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     out = torch.empty(len(texts), 0)
     with eval_mode(model):
         for start in range(0, len(texts), batch_size):
             picked = order[start:start + batch_size]
             enc = tokenize(tokenizer, [texts[i] for i in picked], max_length)
-            check_token_ids(enc["input_ids"], embedding_rows(getattr(model, "config", None)), "texts to embed, as tokenized")
+            check_token_ids(enc["input_ids"], rows, "texts to embed, as tokenized")
             # the real tokens' positions read on the host: MoE layers route and compute those alone
             positions = enc["attention_mask"].reshape(-1).nonzero().squeeze(1).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
