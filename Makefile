@@ -54,7 +54,8 @@ runtimes: $(STAMP)
 
 # The GPU check (benchmarks/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
 # `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf), and packs
-# the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu_assets.py; benchmarks/gpu_session.sh).
+# the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu_assets.py; benchmarks/gpu_session.sh,
+# benchmarks/gpu_contrastive.sh), and datasets for sentence-transformers' trainer beside ours (contrastive_step.py).
 GPU_WHEELS := gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 gpu-check:
 	bash benchmarks/gpu_check.sh out/gpu-check

