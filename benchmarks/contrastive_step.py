@@ -33,6 +33,7 @@ import torch
 
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.machine import machine
+from upcycle.train.step import PlainTorch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = ("upcycle_dense", "upcycle_moe", "upcycle_dense_padded", "upcycle_moe_padded", "sentence_transformers")
@@ -56,32 +57,11 @@ def encoder(moe: bool, device: torch.device):
     return model.train(), tokenizer
 
 
-class Autocast:
-    """The parts of an Accelerator the step uses: one process, bf16 autocast on a GPU."""
-
-    num_processes = 1
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+class Autocast(PlainTorch):
+    """`train_step`'s one-process accelerator with bf16 autocast on a GPU (as `upcycle train`'s mixed precision)."""
 
     def autocast(self):
-        import contextlib
-
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
-
-    def no_sync(self, model):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def clip_grad_norm_(self, parameters, max_norm):
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-
-    def reduce(self, tensor, reduction):
-        return tensor
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else super().autocast()
 
 
 def sync(device: torch.device) -> None:
@@ -131,7 +111,7 @@ def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
     return out
 
 
-def sentence_transformers_row(batches, args, device: torch.device) -> dict:
+def sentence_transformers_row(batches, pairs, args, device: torch.device) -> dict:
     """sentence-transformers' own trainer on the dense encoder, its batches in upcycle's order."""
     try:
         import datasets
@@ -147,7 +127,7 @@ def sentence_transformers_row(batches, args, device: torch.device) -> dict:
 
     steps = args.warmup + args.steps
     picked = torch.cat([batches._epoch_plan(0)[0][s] for s in range(steps)]).tolist()
-    train = batches.pairs.subset(picked)
+    train = pairs.subset(picked)
     dataset = datasets.Dataset.from_dict({"anchor": train.queries, "positive": train.documents})
     model = SentenceTransformer(str(minilm_path()), device=str(device))
     model.max_seq_length = args.sequence_length
@@ -175,11 +155,11 @@ def sentence_transformers_row(batches, args, device: torch.device) -> dict:
                       loss=MultipleNegativesRankingLoss(model, scale=1 / TEMPERATURE), callbacks=[Clock()])
     trainer.train()
     timed = times[args.warmup:]
-    real = sum(int(batches.batch(s)["attention_mask"].sum()) for s in range(args.warmup, steps))
+    masks = [batches.batch(s)["attention_mask"] for s in range(args.warmup, steps)]
+    real = sum(int(m.sum()) for m in masks)
     seconds = statistics.median(timed)
     # sentence-transformers pads the queries and the documents of a batch each to their own longest
-    positions = sum(int(batches.batch(s)["attention_mask"].sum(-1).max(0).values.sum()) * batches.batch_size
-                    for s in range(args.warmup, steps))
+    positions = sum(int(m.sum(-1).max(0).values.sum()) * batches.batch_size for m in masks)
     return {"real_tokens_per_s": real / len(timed) / seconds, "step_s_median": seconds, "steps": len(timed),
             "real_tokens_per_step": real / len(timed), "positions_per_real_token": positions / real,
             "trainer": f"sentence-transformers {__import__('sentence_transformers').__version__} "
@@ -234,11 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         args.scratch = Path(scratch)
         for size in sizes:
             batches = PairBatches(tokenizer, train, size, seed=0, max_length=args.sequence_length)
-            batches.pairs = train
             table = {}
             for row in rows:
                 print(f"[contrastive_step] batch {size}: {row}", flush=True)
-                table[row] = (sentence_transformers_row(batches, args, device) if row == "sentence_transformers"
+                table[row] = (sentence_transformers_row(batches, train, args, device) if row == "sentence_transformers"
                               else upcycle_row(row, batches, args, device))
                 print(f"    {json.dumps(table[row])}", flush=True)
             ratios = {}

@@ -300,13 +300,13 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         T = x_TD.shape[0]
         mask = _PADDING_MASK.mask
-        mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
-        if mask_T is not None and mask is _KNOWN_REAL.mask:
+        if mask is not None and mask is _KNOWN_REAL.mask and mask.numel() == T:
             # the real tokens' positions are known (`real_tokens`): padding is neither routed nor computed
             positions_R = _KNOWN_REAL.positions_R
             y_RD = self._forward_tokens(x_TD.index_select(0, positions_R), None, positions_R)
             y_TD = x_TD.new_zeros(T, y_RD.shape[-1]).index_copy(0, positions_R, y_RD)
             return y_TD.view(shape)
+        mask_T = mask.reshape(-1).bool() if mask is not None and mask.numel() == T else None
         return self._forward_tokens(x_TD, mask_T, None).view(shape)
 
     def _forward_tokens(self, x_TD: torch.Tensor, mask_T: torch.Tensor | None,

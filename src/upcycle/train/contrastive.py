@@ -30,7 +30,7 @@ from torch import nn
 
 from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
-from ..core.moe import joined_records, real_tokens
+from ..core.moe import joined_records, real_positions, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs
@@ -178,7 +178,7 @@ def lay_out_pairs(batch: dict[str, torch.Tensor], overhead: float, pin: bool = F
         width = max(1, int(lengths_N[picked].max()))
         mask = _mask(lengths_N[picked], width)
         chunks.append({"input_ids": ids_NL[picked, :width], "attention_mask": mask,
-                       "positions": mask.reshape(-1).nonzero().squeeze(1)})
+                       "positions": real_positions(mask)})
         rows.append(picked)
     order = torch.empty(2 * b, dtype=torch.long)
     order[torch.cat(rows)] = torch.arange(2 * b)

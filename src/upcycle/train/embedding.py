@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.modes import eval_mode
-from ..core.moe import real_tokens
+from ..core.moe import real_positions, real_tokens
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 
@@ -42,7 +42,7 @@ def attention_for_many_shapes(device: torch.device):
     """Scaled-dot-product attention without its cuDNN backend, for forwards whose batch shapes change from call to
     call (length-bucketed chunks, evaluation batches sorted by length). cuDNN builds an execution plan for every
     new shape, and on an H200 that made most steps of a bucketed MiniLM batch take 0.25-0.35 s instead of 0.05 s
-    until the plans of every shape had been built (benchmarks/results/gpu/contrastive_step_*.json); the
+    until the plans of every shape had been built (benchmarks/results/gpu/h200-2026-11-28-contrastive/); the
     memory-efficient and flash kernels need no plan. Elsewhere (CPU, fixed shapes) nothing changes."""
     if device.type != "cuda":
         return contextlib.nullcontext()
@@ -78,7 +78,7 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
             enc = tokenize(tokenizer, [texts[i] for i in picked], max_length)
             check_token_ids(enc["input_ids"], rows, "texts to embed, as tokenized")
             # the real tokens' positions read on the host: MoE layers route and compute those alone
-            positions = enc["attention_mask"].reshape(-1).nonzero().squeeze(1).to(device)
+            positions = real_positions(enc["attention_mask"]).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
             with real_tokens(mask, positions), attention_for_many_shapes(ids.device):
                 pooled = F.normalize(mean_pool(last_hidden(model, ids, mask).float(), mask), dim=-1).cpu()
