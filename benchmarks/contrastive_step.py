@@ -196,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists() and args.out.is_dir():
         print(f"contrastive_step: --out {args.out} is a folder; give a .json file", file=sys.stderr)
         return 2
+    before = None
+    if args.add and args.out.is_file():       # read before any work: a file --add cannot extend is refused now
+        try:
+            before = json.loads(args.out.read_text())
+            before["batches"], before["command"], before["device"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"contrastive_step: --add: {args.out} is not a result of this benchmark ({e})", file=sys.stderr)
+            return 2
     import tempfile
 
     from upcycle.data.assets import minilm_path
@@ -229,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratios["moe_step_over_dense_step"] = (table["upcycle_moe"]["step_s_median"]
                                                       / table["upcycle_dense"]["step_s_median"])
             results["batches"][str(size)] = {"rows": table, "ratios": ratios}
-    if args.add and args.out.is_file():
-        before = json.loads(args.out.read_text())
-        if before.get("device") == results["device"]:
+    if before is not None:
+        if before["device"] == results["device"]:
             results["command"] = f"{before['command']}; {results['command']}"
             results["batches"] = {**before["batches"], **results["batches"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
