@@ -66,6 +66,7 @@ from upcycle.train.run_folder import LOG, read_log
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "contrastive_study"
 RESULTS_GPU = ROOT / "benchmarks" / "results" / "contrastive_study_gpu"
+RESULTS_GPU_LONG = ROOT / "benchmarks" / "results" / "contrastive_study_gpu_long"
 PLACEMENTS = {"every-2": "2", "every-1": "1"}
 # The budget of every cell. CPU: the 2-core protocol (float32). GPU: the whole design in one call of the device
 # tool (a few minutes): the large-batch regime of contrastive training (sentence-transformers trains MiniLM at
@@ -75,7 +76,11 @@ PLACEMENTS = {"every-2": "2", "every-1": "1"}
 BUDGETS = {"cpu": {"steps": 2000, "batch_size": 64, "sequence_length": 128, "eval_pairs": 2048, "eval_every": 200,
                    "lr": 2e-5},
            "gpu": {"steps": 100, "batch_size": 512, "sequence_length": 64, "eval_pairs": 1024, "eval_every": 25,
-                   "lr": 1e-4}}
+                   "lr": 1e-4},
+           # --long: the GPU budget's rows that answer the question (dense, copy, cluster) at 10x the pairs, in a
+           # second call (~8 passes over the training split)
+           "gpu-long": {"steps": 1000, "batch_size": 512, "sequence_length": 64, "eval_pairs": 1024,
+                        "eval_every": 100, "lr": 1e-4}}
 SEEDS = (0, 1, 2)
 METHODS = "copy,cluster,drop,spri"
 MAIN = ("qd_mrr", ("query_to_document", "MRR"))
@@ -111,6 +116,7 @@ def compare_command(folder: Path, every: str, methods: str, eesd: str, seed: int
 
 
 def lambdas(work: Path, given: str | None) -> str | None:
+    """The EESD grid: --eesd's, else the probe's; 'none' for a design without EESD cells."""
     if given:
         return given
     path = work / "eesd_lambdas.json"
@@ -128,7 +134,7 @@ def parts(work: Path, args: argparse.Namespace) -> dict[str, list[str]]:
             keep = "models" if seed == 0 or args.gpu else "results"
             out[f"{placement}-seed-{seed}"] = compare_command(work / placement, every, args.methods, "none", seed,
                                                               recipe_file, keep)
-            if grid:
+            if grid and grid != "none":
                 out[f"{placement}-eesd-seed-{seed}"] = compare_command(work / placement, every, "cluster", grid,
                                                                        seed, recipe_file, keep)
     return out
@@ -361,14 +367,14 @@ def collect(work: Path, args: argparse.Namespace) -> None:
     # the machine the cells ran on (the GPU runner records it in WORK; collect may run on another machine)
     ran_on = json.loads((work / "machine.json").read_text()) if (work / "machine.json").is_file() else machine()
     merged = {"label": "the contrastive method study (docs/contrastive.md, Study)", "machine": ran_on,
-              "collected_on": machine(), "budget": "gpu" if args.gpu else "cpu",
+              "collected_on": machine(), "budget": ("gpu-long" if args.long else "gpu") if args.gpu else "cpu",
               "recipe": yaml.safe_load((work / "recipe.yaml").read_text()),
               # the design's parts (what --list prints); what ran is each placement's "invocations"
               "design_parts": {n: " ".join(["upcycle", *c]) for n, c in parts(work, args).items()},
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
               if (work / "eesd_lambdas.json").is_file() else None, "placements": {}}
     lines = ["# The contrastive method study: all-MiniLM-L6-v2, 8 experts, top-2", ""]
-    grid = (lambdas(work, args.eesd) or "").split(",")
+    grid = [v for v in (lambdas(work, args.eesd) or "").split(",") if v != "none"]
     design = ["dense", *args.methods.split(","), *(f"cluster+EESD {v}" for v in grid if v)]   # every row label
     curves = {}
     for placement in args.placements:
@@ -490,6 +496,8 @@ def seed_parts(work: Path, args: argparse.Namespace, seed: int) -> None:
     commands = parts(work, args)
     for placement in args.placements:
         assert main(commands[f"{placement}-seed-{seed}"]) == 0, f"{placement}-seed-{seed}"
+    if args.eesd == "none":
+        return
     failed = work / "eesd_probe_failed"
     if lambdas(work, args.eesd) is None:
         if seed == args.seeds[0]:
@@ -577,6 +585,9 @@ def cli() -> None:
     parser.add_argument("--gpu", action="store_true",
                         help="the GPU design: the GPU budget, every other block, seeds in parallel processes on the "
                              "one GPU, JSON and logs kept (results in benchmarks/results/contrastive_study_gpu)")
+    parser.add_argument("--long", action="store_true",
+                        help="with --gpu: the long rows (dense, copy, cluster; no EESD) at 10x the GPU budget's pairs "
+                             "(results in benchmarks/results/contrastive_study_gpu_long)")
     parser.add_argument("--deadline", type=float, help="--gpu: stop the seeds' processes after this many seconds")
     parser.add_argument("--results", type=Path, help="where --collect writes (default: benchmarks/results/"
                                                       "contrastive_study, or contrastive_study_gpu with --gpu)")
@@ -589,18 +600,24 @@ def cli() -> None:
     parser.add_argument("--lr", type=float, help=help_budget)
     parser.add_argument("--placements", help="comma-separated: every-2, every-1 (default: both; --gpu: every-2)")
     parser.add_argument("--seeds", type=lambda s: tuple(int(x) for x in s.split(",")), default=SEEDS)
-    parser.add_argument("--eesd", help="comma-separated EESD λ (default: WORK/eesd_lambdas.json of eesd-probe)")
+    parser.add_argument("--eesd", help="comma-separated EESD λ, or none for no EESD cells (default: "
+                                             "WORK/eesd_lambdas.json of eesd-probe; --long: none)")
     parser.add_argument("--pilot-steps", type=int, default=12)
     parser.add_argument("--pilot-eval-pairs", type=int, default=256)
     args = parser.parse_args()
-    for key, value in BUDGETS["gpu" if args.gpu else "cpu"].items():
+    if args.long:
+        if not args.gpu:
+            parser.error("--long is a GPU design: give --gpu with it")
+        args.methods = args.methods if args.methods != METHODS else "copy,cluster"
+        args.eesd = args.eesd or "none"
+    for key, value in BUDGETS[("gpu-long" if args.long else "gpu") if args.gpu else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     names = (args.placements or ("every-2" if args.gpu else ",".join(PLACEMENTS))).split(",")
     if not set(names) <= set(PLACEMENTS):
         sys.exit(f"--placements takes {', '.join(PLACEMENTS)}, got {args.placements!r}")
     args.placements = {name: PLACEMENTS[name] for name in names}
-    args.results = args.results or (RESULTS_GPU if args.gpu else RESULTS)
+    args.results = args.results or (RESULTS_GPU_LONG if args.long else RESULTS_GPU if args.gpu else RESULTS)
     if not args.gpu:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")     # a CPU protocol (float32), as the other studies
     work = args.work = args.work.absolute()

@@ -227,10 +227,15 @@ def worker_threads(cores: int, workers: int) -> int:
 
 
 def pytest_configure(config):
-    # an explicit OMP_NUM_THREADS (the Makefile's 1) wins; otherwise each worker takes its share of the cores
-    if "OMP_NUM_THREADS" not in os.environ:
+    # an explicit OMP_NUM_THREADS (the Makefile's 1) wins; otherwise each worker takes its share of the cores, as
+    # the setting too, so that what the tests start keeps to it (a training run's accelerator.share_cores reads it,
+    # and so do subprocesses)
+    controller = "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None)
+    if "OMP_NUM_THREADS" not in os.environ and not controller:     # xdist's controller: its workers decide
         try:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
-        torch.set_num_threads(worker_threads(cores, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+        threads = worker_threads(cores, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)

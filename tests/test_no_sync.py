@@ -69,10 +69,12 @@ class ToList(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def moe_step(device: torch.device, *, capacity: float | None = None, real: bool = False) -> None:
-    """One forward and backward of a padded batch through an MoE layer, with every router loss and EESD;
-    `real`: the real tokens' positions given, made on the host as the contrastive task makes them, so the
-    layer routes and computes those alone (`moe.real_tokens`)."""
+def prepared_step(device: torch.device, *, capacity: float | None = None, real: bool = False):
+    """One forward and backward of a padded batch through an MoE layer, with every router loss and EESD, as a
+    function whose layer, objective and inputs are already on `device` (moving them there copies from pageable
+    host memory, which CUDA's sync debug mode counts; a training step finds them there). `real`: the real tokens'
+    positions given, made on the host as the contrastive task makes them, so the layer routes and computes those
+    alone (`moe.real_tokens`)."""
     g = torch.Generator().manual_seed(0)
     E, D, F_ = 4, 32, 64
     weights = FFNWeights(w_gate=torch.randn(E, F_, D, generator=g) * 0.1, w_up=torch.randn(E, F_, D, generator=g) * 0.1,
@@ -88,11 +90,18 @@ def moe_step(device: torch.device, *, capacity: float | None = None, real: bool 
     mask[1, 17:] = 0
     positions = torch.tensor(list(range(24)) + list(range(24, 24 + 17))).to(device)   # the mask's ones, on the host
     mask = mask.to(device)
-    with padding_mask(mask), real_tokens(mask, positions) if real else contextlib.nullcontext():
-        y = model(x)
-        total, logged = objective.loss(y.float().square().mean())
-    total.backward()
-    return total, logged
+
+    def step() -> tuple[torch.Tensor, dict]:
+        with padding_mask(mask), real_tokens(mask, positions) if real else contextlib.nullcontext():
+            y = model(x)
+            total, logged = objective.loss(y.float().square().mean())
+        total.backward()
+        return total, logged
+    return step
+
+
+def moe_step(device: torch.device, *, capacity: float | None = None, real: bool = False) -> tuple:
+    return prepared_step(device, capacity=capacity, real=real)()
 
 
 def test_a_dropless_step_reads_nothing_back_to_the_host():
@@ -141,11 +150,13 @@ def test_with_capacity_the_reads_that_remain_are_counted():
 def test_a_dropless_step_on_cuda_does_not_synchronize():
     device = torch.device("cuda")
     moe_step(device)                       # warm-up: first calls may initialise (cuBLAS handles, caches)
+    moe_step(device, real=True)
+    dropless, on_real_tokens = prepared_step(device), prepared_step(device, real=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        total, logged = moe_step(device)
-        moe_step(device, real=True)
+        total, logged = dropless()
+        on_real_tokens()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(total).item() and set(logged) >= {"load_balance", "z_loss", "dpsl", "eesd", "total"}

@@ -238,4 +238,6 @@ def test_each_pytest_worker_computes_on_its_share_of_the_cores():
     assert worker_threads(16, 14) == 1 and worker_threads(16, 4) == 4 and worker_threads(2, 8) == 1
     cores = len(__import__("os").sched_getaffinity(0))
     workers = int(__import__("os").environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    assert torch.get_num_threads() <= worker_threads(cores, workers)
+    share = worker_threads(cores, workers)
+    # the setting that every later run in this worker reads (a training run's share_cores, a subprocess's torch)
+    assert int(__import__("os").environ["OMP_NUM_THREADS"]) <= share and torch.get_num_threads() <= share

@@ -35,6 +35,7 @@ from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs
 from ..data.token_ids import check_token_ids, embedding_rows
+from ..data.token_lists import token_lists
 from ..errors import UpcycleError
 from .batches_ahead import pin_tensors, to_device
 from .embedding import attention_for_many_shapes, last_hidden, mean_pool, tokenize
@@ -94,8 +95,8 @@ class PairBatches(SeededBatches):
         super().__init__({"pair": torch.arange(len(pairs))}, batch_size, seed)
         if tokenizer.pad_token_id is None:
             raise UpcycleError("the tokenizer has no padding token to batch texts of different lengths")
-        queries = tokenizer(pairs.queries, truncation=True, max_length=max_length)["input_ids"]
-        documents = tokenizer(pairs.documents, truncation=True, max_length=max_length)["input_ids"]
+        queries = token_lists(tokenizer, pairs.queries, max_length)
+        documents = token_lists(tokenizer, pairs.documents, max_length)
         self.ids_N2L, self.lengths_N2 = _table([t for pair in zip(queries, documents, strict=True) for t in pair],
                                                tokenizer.pad_token_id, rows=len(pairs))
         # by text, not doc_id: two ids with one text are one document to any encoder, never a negative of it
