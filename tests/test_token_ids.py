@@ -64,3 +64,65 @@ def test_training_pairs_tokenized_past_the_embedding_are_refused_before_any_forw
 def test_a_cuda_failure_is_recognised_for_its_message():
     assert is_cuda_failure(RuntimeError("CUDA error: device-side assert triggered"))
     assert not is_cuda_failure(IndexError("index out of range in self"))
+
+
+def big_vocabulary_tokenizer(words: int = 300):
+    """A word-level tokenizer whose ids run past the tiny models' 128 embedding rows, and a text that uses them."""
+    from upcycle.data.clip_pairs import caption_tokenizer
+
+    vocabulary = [f"w{i:03d}" for i in range(words)]
+    return caption_tokenizer([" ".join(vocabulary)], max_length=64), " ".join(reversed(vocabulary))
+
+
+def test_a_probe_text_tokenized_past_the_embedding_is_refused_before_the_model_sees_it():
+    from upcycle.config import CheckConfig
+    from upcycle.probe import make_probe
+
+    model = make_tiny("llama")
+    called = []
+    model.register_forward_pre_hook(lambda *a: called.append(1))
+    tok, text = big_vocabulary_tokenizer()
+    with pytest.raises(UpcycleError, match=r"^the probe text \(probe.txt\) as tokenized: token id \d{3} at position "
+                                           r"\[0, \d+\] is outside the model's embedding of 128 rows"):
+        make_probe(model, tok, [text], CheckConfig(sequences=2, tokens=16), seed=0, text_source="probe.txt")
+    assert called == []
+    ok = make_probe(model, tok, [" ".join(f"w{i:03d}" for i in range(100))] * 2, CheckConfig(sequences=2, tokens=16),
+                    seed=0)
+    assert int(ok.inputs["input_ids"].max()) < 128        # ids inside the rows pass
+
+
+def test_calibration_text_tokenized_past_the_embedding_is_refused():
+    from upcycle import ConvertConfig
+    from upcycle.config_reader import build
+    from upcycle.conversion.model_data import calibration_batches
+
+    config = make_tiny("llama").config
+    tok, text = big_vocabulary_tokenizer()
+    cfg = build(ConvertConfig, {"model": "unused", "method": "cluster", "calibration": {"data": "cal.txt",
+                                                                                         "tokens": 32}})
+    with pytest.raises(UpcycleError, match=r"^calibration data cal.txt as tokenized: token id \d{3} at position "
+                                           r"\[0, \d+\] is outside the model's embedding of 128 rows"):
+        calibration_batches(cfg, tok, [text], config)
+    small = " ".join(f"w{i:03d}" for i in range(100))
+    assert int(calibration_batches(cfg, tok, [small], config)[0]["input_ids"].max()) < 128
+
+
+def test_clip_captions_tokenized_past_the_text_embedding_are_refused_at_start_up():
+    """CLIP training encodes every caption at start-up: ids past the text tower's rows are refused there, naming
+    the pairs, and the model is never called."""
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
+    from upcycle.data.clip_pairs import caption_tokenizer, load_pairs
+    from upcycle.train.tasks import CLIPTask
+
+    model = make_tiny("clip")
+    tok = caption_tokenizer(load_pairs("digits").captions, max_length=32)
+    assert tok.vocab_size > 8
+    model.config.text_config.vocab_size = 8        # the rows the check reads: fewer than the tokenizer's ids
+    called = []
+    model.register_forward_pre_hook(lambda *a: called.append(1))
+    cfg = build(TrainConfig, {"model": "unused", "data": "digits", "batch_size": 4})
+    with pytest.raises(UpcycleError, match=r"^image-caption pairs digits as tokenized: token id \d+ at position "
+                                           r"\[\d+, \d+\] is outside the model's embedding of 8 rows"):
+        CLIPTask(cfg, model, tok)
+    assert called == []

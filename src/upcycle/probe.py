@@ -28,6 +28,7 @@ from .config import CheckConfig
 from .core.architectures import PIXELS, TOKEN_IDS, family_of, tower_config
 from .core.modes import eval_mode
 from .data.packing import document_ids
+from .data.token_ids import check_token_ids, embedding_rows
 from .errors import UpcycleError
 
 
@@ -85,6 +86,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
                                f"check.sequences x check.tokens = {check.sequences} x {length} = "
                                f"{check.sequences * length:,}: give more text or lower check.tokens")
         ids = torch.tensor(flat[: check.sequences * length]).view(check.sequences, length)
+        check_token_ids(ids, embedding_rows(text_cfg), f"the probe text ({text_source}) as tokenized")
         source = text_source
     if ids is None:
         ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)

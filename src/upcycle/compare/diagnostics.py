@@ -38,7 +38,7 @@ def held_out_batches(task) -> list[dict[str, torch.Tensor]]:
         if task.held is None:
             return []
         pairs = task.held.subset(list(range(min(len(task.held), DIAGNOSTIC_PAIRS))))
-        batch = task.encode(pairs)
+        batch = task.encode(pairs, "held-out image-caption pairs")
         return [{k: batch[k][i:i + 64] for k in batch} for i in range(0, len(pairs), 64)]
     if task.eval_rows is None:
         return []

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..checkpoint.folders import claim_output
 from ..checkpoint.ownership import GROWING, MARKER, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
+from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, move_files, temp_prefix
 from ..machine import machine
@@ -128,7 +129,8 @@ def _write_pairs(plan: Plan, say) -> None:
     if tokenizer is None:
         raise UpcycleError(f"{plan.model} has no caption tokenizer to encode the calibration captions with")
     pairs = load_pairs(source, split="train")
-    tensors = {**encode_captions(tokenizer, pairs.captions, config.text_config.max_position_embeddings),
+    tensors = {**encode_captions(tokenizer, pairs.captions, config.text_config.max_position_embeddings,
+                                 embedding_rows(config), f"calibration image-caption pairs {source}"),
                "pixel_values": pixel_values(pairs.images, config.vision_config.image_size)}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))

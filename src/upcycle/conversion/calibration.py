@@ -25,7 +25,7 @@ from torch import nn
 
 from ..core.modes import forward_replaced
 from ..data.packing import document_ids
-from ..data.token_ids import GPU_STATE_LOST, is_cuda_failure
+from ..data.token_ids import GPU_STATE_LOST, check_token_ids, is_cuda_failure
 from ..errors import UpcycleError
 
 
@@ -82,9 +82,11 @@ class Reservoir:
 
 
 def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: int = 512, batch_size: int = 8,
-                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+                 seed: int = 0, embedding_rows: int | None = None, where: str = "calibration text"
+                 ) -> list[dict[str, torch.Tensor]]:
     """Model inputs holding at least `tokens` real tokens: documents in a seeded random order, each cut into
-    rows of at most `sequence_length` tokens (a row never spans two documents), right-padded per batch."""
+    rows of at most `sequence_length` tokens (a row never spans two documents), right-padded per batch. With
+    `embedding_rows` (the model's), an id the tokenizer makes outside them is refused, naming `where`."""
     if tokens < 1 or sequence_length < 1 or batch_size < 1:
         raise UpcycleError(f"calibration tokens, sequence_length and batch_size must be >= 1, got {tokens}, "
                            f"{sequence_length}, {batch_size}")
@@ -109,6 +111,7 @@ def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: i
         for j, r in enumerate(chunk):
             ids[j, :len(r)] = torch.tensor(r, dtype=torch.long)
             mask[j, :len(r)] = 1
+        check_token_ids(ids, embedding_rows, f"{where} as tokenized")
         batches.append({"input_ids": ids, "attention_mask": mask})
     return batches
 

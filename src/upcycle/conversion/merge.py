@@ -46,6 +46,7 @@ from ..core.devices import resolve_device
 from ..core.ffn import FFNWeights
 from ..core.surgery import Target
 from ..data.text import read_texts
+from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..export.layout import choose_export, write_stock_configs
 from ..export.stock_folder import check_stock_folder, stock_too_large
@@ -85,7 +86,8 @@ def needed_groups(cfg: ConvertConfig, method: Method) -> set[str]:
     return wanted
 
 
-def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS) -> dict[str, list[dict]]:
+def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS, rows: int | None = None,
+                   ) -> dict[str, list[dict]]:
     """The token batches of source `index`, by group (those of `kinds`; a group without text is absent). The
     held-out documents are a seeded random `held_out` share of `data` unless `eval_data` is given."""
     entry, c = cfg.sources.experts[index], cfg.calibration
@@ -101,16 +103,17 @@ def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS) -> d
         if texts and group in kinds:
             budget = c.tokens if group in ("calibration", "held_out") else ALL_TOKENS
             out[group] = text_batches(tokenizer, texts, tokens=budget, sequence_length=c.sequence_length,
-                                      batch_size=c.batch_size, seed=cfg.seed)
+                                      batch_size=c.batch_size, seed=cfg.seed, embedding_rows=rows,
+                                      where=f"{where}'s {group.replace('_', ' ')} text")
     return out
 
 
-def merge_groups(cfg: ConvertConfig, tokenizer, method: Method) -> list[ReplayGroup]:
+def merge_groups(cfg: ConvertConfig, tokenizer, method: Method, rows: int | None = None) -> list[ReplayGroup]:
     """Every source's replay groups that the merge needs (`needed_groups`), each reservoir-sampled at a target
     with a seed of its own."""
     groups, kinds = [], tuple(g for g in GROUPS if g in needed_groups(cfg, method))
     for i in range(len(cfg.sources.experts)):
-        for kind, batches in source_batches(cfg, tokenizer, i, kinds).items():
+        for kind, batches in source_batches(cfg, tokenizer, i, kinds, rows).items():
             def reservoir(target: Target, i=i, kind=kind) -> Reservoir:
                 return Reservoir(cfg.calibration.tokens, keyed_generator(cfg.seed, "reservoir", i, kind, target.name))
 
@@ -139,7 +142,7 @@ class MergedSource(StreamedBlocks):
         self.tokenizer = load_tokenizer(base.path)
         if self.tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
             raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
-        self.groups = merge_groups(cfg, self.tokenizer, method)
+        self.groups = merge_groups(cfg, self.tokenizer, method, embedding_rows(base.config))
 
         def layout_of(dense: FFNWeights) -> LayerLayout:
             layout = method.layout(dense.intermediate_size, args)

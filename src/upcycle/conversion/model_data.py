@@ -113,11 +113,14 @@ def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | Non
                            f" pass --calibration FILE") from None
 
 
-def calibration_batches(cfg: ConvertConfig, tokenizer, data: list | None) -> list[dict] | None:
-    """Model-input batches from `calibration_corpus`'s data: the user's prepared batches as they are, or the
-    text tokenized into the configured budget."""
+def calibration_batches(cfg: ConvertConfig, tokenizer, data: list | None, config=None) -> list[dict] | None:
+    """Model-input batches from `calibration_corpus`'s data: the user's prepared batches as they are (their ids
+    checked by `check_model_inputs`), or the text tokenized into the configured budget, its ids checked against
+    the embedding of `config`'s model."""
     if data is None or isinstance(data[0], dict):
         return data
     c = cfg.calibration
     return text_batches(tokenizer, data, tokens=c.tokens, sequence_length=c.sequence_length,
-                        batch_size=c.batch_size, seed=cfg.seed)
+                        batch_size=c.batch_size, seed=cfg.seed,
+                        embedding_rows=embedding_rows(config) if config is not None else None,
+                        where=f"calibration data {c.data or '(embedded Wikipedia)'}")

@@ -152,7 +152,7 @@ def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: P
     tokenizer = load_tokenizer(path)
     check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
     texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
-    calibration = calibration_batches(cfg, tokenizer, calibration_data)
+    calibration = calibration_batches(cfg, tokenizer, calibration_data, config)
     promised = promises_dense_function(method, args, cfg.moe)
     from .streaming import StreamedSource, stream_source
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UpcycleError
+from .token_ids import check_token_ids
 
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # Everything a caption says is visible in its image: the digit, and against the median of that digit's images
@@ -173,6 +174,10 @@ def caption_tokenizer(captions: list[str], max_length: int = 16):
                                    unk_token="[UNK]", model_max_length=max_length)
 
 
-def encode_captions(tokenizer, captions: list[str], max_length: int) -> dict[str, torch.Tensor]:
+def encode_captions(tokenizer, captions: list[str], max_length: int, rows: int | None = None,
+                    where: str = "captions") -> dict[str, torch.Tensor]:
+    """Captions as padded ids and mask; with `rows` (the text tower's embedding rows), an id the tokenizer makes
+    outside them is refused, naming `where`."""
     enc = tokenizer(captions, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    check_token_ids(enc["input_ids"], rows, f"{where} as tokenized")
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}

@@ -93,13 +93,15 @@ class CLIPTask:
         self.image_size = model.config.vision_config.image_size
         self.patches = (self.image_size // model.config.vision_config.patch_size) ** 2 + 1
         train = load_pairs(cfg.data, split="train")
-        self.train = SeededBatches(self.encode(train), cfg.batch_size, cfg.seed)
+        self.rows = embedding_rows(model.config)
+        self.train = SeededBatches(self.encode(train, f"image-caption pairs {cfg.data or '(digits)'}"),
+                                   cfg.batch_size, cfg.seed)
         self.held = None
         if cfg.eval_data is not None or cfg.data in (None, "digits"):
             self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout")
 
-    def encode(self, pairs) -> dict[str, torch.Tensor]:
-        return {**encode_captions(self.tokenizer, pairs.captions, self.max_length),
+    def encode(self, pairs, where: str = "captions") -> dict[str, torch.Tensor]:
+        return {**encode_captions(self.tokenizer, pairs.captions, self.max_length, self.rows, where),
                 "pixel_values": pixel_values(pairs.images, self.image_size)}
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
