@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace --out if it is an earlier `upcycle eval` result")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--task", choices=TASKS, help="default: from the model (CLIP: clip, encoders: contrastive)")
+    parser.add_argument("--device", default="auto",
+                        help="where the model runs: auto (a GPU where torch sees one, as `upcycle train`), cpu, cuda "
+                             "or cuda:N; always in float32, as a run's own evaluations")
     parser.add_argument("--pairs", type=whole_number,
                         help="contrastive: held-out pairs, a fixed sample (default: all of them)")
 
@@ -63,11 +66,13 @@ def run_defaults(run: Path) -> dict:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..checkpoint.folders import Input, claim_output, inputs
+    from ..core.devices import resolve_device
     from ..data.model_names import model_inputs
     from ..train.evaluate import evaluate_model
 
     if args.quiet:
         quiet_transformers()
+    resolve_device(args.device)          # a device that is not there is refused before any output is claimed
     path = Path(args.model).expanduser()
     defaults: dict = {}
     if (path / "model").is_dir() and not (path / "config.json").exists():      # a training run folder
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     def evaluate() -> str:
         result = evaluate_model(name, data=data, tokens=tokens, sequence_length=length, progress=not args.quiet,
-                                task=args.task, pairs=args.pairs)
+                                task=args.task, pairs=args.pairs, device=args.device)
         return dumps({"format": "upcycle-eval", **result})
 
     if not args.out:

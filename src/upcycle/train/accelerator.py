@@ -5,6 +5,7 @@ regularizers take its sharded parameters, so the EMA teacher copies each process
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -53,6 +54,24 @@ def make_accelerator(cfg: TrainConfig):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
     return accelerator
+
+
+@contextlib.contextmanager
+def own_forward(model: nn.Module):
+    """The model's own forward within the block. With mixed precision, Accelerate's `prepare` replaces the
+    model's forward with one that runs it under autocast (keeping the original as `_original_forward`); an
+    evaluation measures the float32 model, as `upcycle eval` of the saved folder computes it, so that a run's
+    evaluations and `upcycle eval` agree on any device."""
+    original = model.__dict__.get("_original_forward")
+    wrapped = model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
 
 
 def usable_cores() -> int:

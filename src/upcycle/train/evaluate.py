@@ -80,13 +80,15 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
 def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256) -> torch.Tensor:
     """Unit-norm projected caption embeddings [N, P]."""
     from ..data.clip_pairs import encode_captions
+    from ..data.token_ids import embedding_rows
 
     device = next(model.parameters()).device
     max_length = model.config.text_config.max_position_embeddings
     out = []
     with _bar(len(captions), "caption") as bar:
         for start in range(0, len(captions), batch_size):
-            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length)
+            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length,
+                                  embedding_rows(model.config), "held-out captions")
             features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
             out.append(getattr(features, "pooler_output", features).float())
             bar.update(len(out[-1]))
@@ -154,10 +156,12 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
 
 
 def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOKENS, sequence_length: int = 256,
-                   progress: bool = False, task: str | None = None, pairs: int | None = None) -> dict:
+                   progress: bool = False, task: str | None = None, pairs: int | None = None,
+                   device: str = "auto") -> dict:
     """`upcycle eval`: the model's task metrics on held-out data, as a JSON-ready dict. Causal LMs default to
     the embedded held-out Wikipedia split, CLIP models to the digits test split; `progress`: a bar on stderr
-    (a terminal's) and the held-out budget said there."""
+    (a terminal's) and the held-out budget said there. On `device` ("auto": a GPU where torch sees one, as
+    training runs) in float32, as a training run's evaluations compute, so that the two agree."""
     from pathlib import Path
 
     from ..checkpoint.loading import check_sequence_length, load_model
@@ -170,7 +174,11 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
         raise UpcycleError(f"--tokens must be >= 1, got {tokens}")
     if sequence_length < 2:
         raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
+    from ..core.devices import resolve_device
+
+    target = resolve_device(device)
     model, tokenizer = load_model(name)
+    model.to(target)
     from .contrastive import evaluate_encoder
     from .task_kind import model_task
 

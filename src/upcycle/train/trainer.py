@@ -24,7 +24,7 @@ from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
-from .accelerator import make_accelerator, prepare
+from .accelerator import make_accelerator, own_forward, prepare
 from .batches_ahead import BatchesAhead
 from .checkpointer import Checkpointer, finite_parameters
 from .evaluate import progress_bars
@@ -165,8 +165,9 @@ class _Training:
         self.bar.update(1)
 
     def evaluate(self, step: int) -> dict | None:
-        # a sharded model runs only with every process: each evaluates the whole set, the main one writes it
-        with progress_bars(f"eval at step {step}" if self.progress else None):
+        # a sharded model runs only with every process: each evaluates the whole set, the main one writes it; with
+        # the model's own forward (float32, as `upcycle eval` computes), so that the two agree
+        with progress_bars(f"eval at step {step}" if self.progress else None), own_forward(self.parts.inner):
             result = self.task.evaluate(self.parts.inner) if self.is_main or self.parts.sharded else None
         self.acc.wait_for_everyone()
         if result is not None:
