@@ -155,6 +155,11 @@ def fine_tune(dense, folder, seed: int, *, attention: bool = False):
             if ".mlp." in name or (attention and ".self_attn." in name):
                 p.add_(torch.randn(p.shape, generator=generator) * 0.1)
     model.save_pretrained(folder)
+    from upcycle.checkpoint.loading import TOKENIZER_FILES
+
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt"):   # a fine-tune keeps its tokenizer
+        if (Path(dense) / name).is_file():
+            shutil.copy(Path(dense) / name, Path(folder) / name)
     return folder
 
 

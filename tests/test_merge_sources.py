@@ -422,3 +422,59 @@ def test_the_report_counts_the_base_before_and_the_merged_model_after(family_of_
     base = transformers.AutoModelForCausalLM.from_pretrained(dense)
     assert report["parameters"]["before"] == {"total": count(base), "active_per_token": count(base)}
     assert report["parameters"]["after"]["total"] == count(upcycle.load(tmp_path / "out"))
+
+
+def _with_tokenizer(folder, tokenizer) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def test_a_source_whose_tokenizer_differs_by_one_token_is_refused_with_the_token_named(family_of_models, tmp_path,
+                                                                                       monkeypatch):
+    """The base's tokenizer reads every source's text, and with `non_ffn: average` the embeddings are averaged:
+    a source with another token map is refused, the token named, before any tensor is read."""
+    import shutil
+
+    dense, sources, _, held = family_of_models
+    base_vocab = transformers.AutoTokenizer.from_pretrained(dense).get_vocab()
+    renamed = tmp_path / "renamed"
+    shutil.copytree(sources[1], renamed)
+    tokenizer_json = json.loads((renamed / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    word = next(t for t in sorted(vocab, key=vocab.get) if not t.startswith("["))   # one ordinary word
+    vocab["zzzword"] = vocab.pop(word)
+    (renamed / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    cfg = _cfg(dense, [sources[0], renamed], held, non_ffn="average")
+    _refused_before_reading(monkeypatch, cfg, tmp_path, rf"experts\[1\] .* does not share the base's tokenizer .*: "
+                                                        rf"token '{word}' \(id {base_vocab[word]} in the base\) is not "
+                                                        rf"in the source's vocabulary")
+    absent = tmp_path / "absent"
+    shutil.copytree(sources[1], absent)
+    _with_tokenizer(absent, None)
+    _refused_before_reading(monkeypatch, _cfg(dense, [absent, sources[0]], held), tmp_path,
+                            r"experts\[0\] .* the base has a tokenizer and the source has none")
+
+
+def test_a_source_whose_config_differs_where_the_shared_weights_compute_is_refused(family_of_models, tmp_path,
+                                                                                   monkeypatch):
+    """rope_theta and rms_norm_eps shape no tensor but the function of the attention and the norms the merged
+    model shares (or averages): a source that differs there is refused with both values; a field that says
+    nothing about the function (use_cache, dtype) is not a difference."""
+    import shutil
+
+    dense, sources, _, held = family_of_models
+    other = tmp_path / "eps"
+    shutil.copytree(sources[2], other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(use_cache=not config.get("use_cache", True), rms_norm_eps=1e-3)
+    (other / "config.json").write_text(json.dumps(config))
+    base_eps = json.loads((dense / "config.json").read_text())["rms_norm_eps"]
+    _refused_before_reading(monkeypatch, _cfg(dense, [sources[0], other], held, non_ffn="average"), tmp_path,
+                            rf"experts\[1\].*config.json rms_norm_eps: base {base_eps!r}, source 0.001")
+    config["rms_norm_eps"] = base_eps
+    (other / "config.json").write_text(json.dumps(config))
+    from upcycle.conversion.sources import open_sources
+
+    assert len(open_sources(_cfg(dense, [sources[0], other], held))[1]) == 2     # use_cache alone: accepted

@@ -1,11 +1,16 @@
 """The fine-tuned source models of a multi-source merge, opened and checked against the base before any weight is
 read.
 
-A merge takes attention, embeddings and norms from one model and FFNs from others, so every source must be the
-base's architecture with the base's shapes. Two checks, both on metadata only:
-  1. config.json: the same model type and class, FFN activation and the sizes that shape the tensors
-     (`ARCHITECTURE_KEYS`), each difference named with both values;
-  2. the safetensors headers (`CheckpointReader.shape`, which reads the header, never the data): the same tensor
+A merge takes attention, embeddings and norms from one model and FFNs from others (or, with `non_ffn: average`,
+the mean of everyone's), and reads every source's text with the base's tokenizer, so every source must be the
+base's model in all that the merged model shares. Three checks, all on metadata only:
+  1. config.json: every key that shapes the tensors or the function (the model type and class, the FFN
+     activation, sizes, and the rest: rope_theta, norm epsilons, position and attention settings), each
+     difference named with both values; only keys that say nothing about the computed function are left out
+     (`UNSHARED_CONFIG_KEYS`: names, versions, dtype, caching, dropout and init settings);
+  2. the tokenizer: the same files present, the same vocabulary (the first token whose id differs, or that one
+     side lacks, is named) and the same normalization, splitting and templates;
+  3. the safetensors headers (`CheckpointReader.shape`, which reads the header, never the data): the same tensor
      names and, tensor by tensor, the same shape; the first tensor that differs is named.
 A source stored in another dtype is accepted (a bf16 fine-tune of a float32 base): its tensors are cast to the
 output's dtype like the base's.
@@ -28,11 +33,20 @@ from ..config import ConvertConfig
 from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
 
-# config keys that decide the tensors' shapes or the FFN's function (the experts compute with the source's FFN)
+# config keys that decide the tensors' shapes or the FFN's function (the experts compute with the source's FFN),
+# compared first so that the message names the most telling difference
 ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_act", "hidden_activation", "activation_function",
                      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "mlp_bias",
                      "attention_bias")
+# config keys that say nothing about the function the weights compute: fine-tunes of one base differ in them
+UNSHARED_CONFIG_KEYS = frozenset({
+    "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "_commit_hash",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "output_attentions",
+    "output_hidden_states", "return_dict", "initializer_range", "initializer_factor", "attention_dropout",
+    "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "embd_pdrop",
+    "resid_pdrop", "attn_pdrop", "classifier_dropout", "summary_first_dropout", "id2label", "label2id",
+    "problem_type", "finetuning_task", "tokenizer_class", "task_specific_params", "use_bfloat16"})
 
 
 @dataclass
@@ -57,11 +71,57 @@ def open_checkpoint(name: str) -> Source:
 
 
 def architecture_difference(base, other) -> str | None:
-    """The first config key of ARCHITECTURE_KEYS whose value differs, described; None when they agree."""
+    """The first config key whose value differs, ARCHITECTURE_KEYS first, then every other key but
+    UNSHARED_CONFIG_KEYS (nested configs compared whole), described; None when they agree."""
     a, b = base.to_dict(), other.to_dict()
-    for key in ARCHITECTURE_KEYS:
+    rest = sorted((set(a) | set(b)) - set(ARCHITECTURE_KEYS) - UNSHARED_CONFIG_KEYS)
+    for key in (*ARCHITECTURE_KEYS, *rest):
         if a.get(key) != b.get(key):
             return f"config.json {key}: base {a.get(key)!r}, source {b.get(key)!r}"
+    return None
+
+
+def tokenizer_difference(base_path: str, source_path: str) -> str | None:
+    """How the source's tokenizer differs from the base's, or None: the base's reads every source's text, so a
+    source fine-tuned with another token map would train its experts on other tokens than the merged model's."""
+    from ..checkpoint.loading import load_tokenizer
+
+    base, source = load_tokenizer(base_path), load_tokenizer(source_path)
+    if base is None:
+        return None         # the merged model has no tokenizer: no text is read with one
+    if source is None:
+        return ("the base has a tokenizer and the source has none, so its token map cannot be checked (if it was "
+                "fine-tuned from the base, copy the base's tokenizer files into it)")
+    ours, theirs = base.get_vocab(), source.get_vocab()
+    for token, i in sorted(ours.items(), key=lambda item: item[1]):
+        if token not in theirs:
+            return f"token {token!r} (id {i} in the base) is not in the source's vocabulary"
+        if theirs[token] != i:
+            return f"token {token!r} is id {i} in the base and id {theirs[token]} in the source"
+    for token, i in sorted(theirs.items(), key=lambda item: item[1]):
+        if token not in ours:
+            return f"token {token!r} (id {i} in the source) is not in the base's vocabulary"
+    return _backend_difference(base, source)
+
+
+def _backend_difference(base, source) -> str | None:
+    """The first part of the fast tokenizers' definitions (tokenizer.json) that differs with equal vocabularies:
+    the normalizer, the pre-tokenizer, the merges, the templates."""
+    import json
+
+    try:
+        a, b = (json.loads(t.backend_tokenizer.to_str()) for t in (base, source))
+    except (AttributeError, ValueError):
+        return None if type(base) is type(source) else \
+            f"the tokenizer classes differ: base {type(base).__name__}, source {type(source).__name__}"
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if key == "model" and isinstance(x, dict) and isinstance(y, dict):
+            part = next((k for k in sorted(set(x) | set(y)) if k != "vocab" and x.get(k) != y.get(k)), None)
+            if part is not None:
+                return f"the tokenizers' model {part} differs (tokenizer.json)"
+        elif key != "added_tokens" and x != y:
+            return f"the tokenizers' {key} differs (tokenizer.json)"
     return None
 
 
@@ -92,6 +152,9 @@ def open_sources(cfg: ConvertConfig) -> tuple[Source, list[Source]]:
         why = architecture_difference(base.config, source.config) or shape_difference(base.reader, source.reader)
         if why is not None:
             raise UpcycleError(f"{where} does not have the base's architecture and shapes ({cfg.model}): {why}")
+        why = tokenizer_difference(base.path, source.path) if source is not base else None
+        if why is not None:
+            raise UpcycleError(f"{where} does not share the base's tokenizer ({cfg.model}): {why}")
         sources.append(source)
     return base, sources
 
