@@ -223,6 +223,27 @@ def test_gguf_quantized_types(tmp_path, out_type):
     assert 0 < drift < {"q8_0": 0.01, "q4_0": 0.2}[out_type]
 
 
+@pytest.mark.parametrize(("out_type", "largest"), [("f16", 1e5), ("q8_0", 1e7), ("q4_0", 1e6)])
+def test_gguf_refuses_finite_weights_its_type_would_write_as_inf(tmp_path, out_type, largest):
+    """float16 holds at most 65,504, and a quantized block keeps its scale (|max| / 127 for Q8_0, / 8 for Q4_0)
+    in float16: a finite weight beyond that would be read back by llama.cpp as inf. Refused with the tensor
+    named and nothing written; bf16 (float32's range) writes the same model."""
+    model, tokenizer = upcycled("mistral"), byte_level_tokenizer()
+    target = export_target(model, "mixtral")
+    experts = model.model.layers[0].mlp.experts
+    up_rows = experts.weights().w_up.shape[1]        # the fused gate-and-up tensor holds up after gate's rows
+    with torch.no_grad():
+        getattr(experts, experts.in_name)[0, up_rows if experts.gated else 0, 0] = largest
+    with pytest.raises(UpcycleError, match=rf"GGUF {out_type}: tensor blk.0.ffn_up_exps.weight does not fit "
+                                           rf"{out_type.upper() if out_type != 'f16' else 'F16'} .*nothing was "
+                                           rf"written: write --gguf-type bf16 or f32"):
+        write_gguf(model, target, tmp_path / "m.gguf", tokenizer, out_type=out_type)
+    assert not (tmp_path / "m.gguf").exists()
+    write_gguf(model, target, tmp_path / "bf16.gguf", tokenizer, out_type="bf16")
+    stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "bf16.gguf")).tensors}["blk.0.ffn_up_exps.weight"]
+    assert np.isfinite(torch.from_numpy(np.asarray(stored.data).copy()).view(torch.bfloat16).float().numpy()).all()
+
+
 def test_gguf_command_and_refusals(tmp_path, capsys):
     tokenizer = byte_level_tokenizer()
     upcycle.save(upcycled("qwen3"), tmp_path / "up", tokenizer=tokenizer)
@@ -235,6 +256,10 @@ def test_gguf_command_and_refusals(tmp_path, capsys):
     upcycle.save(upcycled("qwen3", every=2), tmp_path / "dense", tokenizer=tokenizer)
     assert main(["export", str(tmp_path / "dense"), str(tmp_path / "x"), "--format", "gguf"]) == 2
     assert "dense blocks [0, 2]" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    # a GGUF weight type with the safetensors format would be ignored: refused, nothing written
+    assert main(["export", str(tmp_path / "up"), str(tmp_path / "x"), "--gguf-type", "q8_0"]) == 2
+    assert "--gguf-type q8_0 is the weight type of a GGUF file: give --format gguf" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     model = upcycled("mistral")          # renormalized top-k: Mixtral's llama arch, but not qwen2moe
     with pytest.raises(UpcycleError, match="qwen2moe always uses them raw.*changes the function.*"

@@ -115,10 +115,39 @@ def gguf_tensors(model: nn.Module, target: StockClass, config: dict) -> dict[str
 
 
 def encode(name: str, tensor: torch.Tensor, out_type: str) -> tuple[np.ndarray, str]:
-    """`tensor` as the numpy array the GGUF file holds and its GGML type name. Norms, biases, routers and the
-    shared expert's gate stay F32, as llama.cpp's converter keeps 1-D tensors and routers; a row whose length is
-    not a multiple of the quantization block is written F16, as that converter falls back; a Q4_0 file keeps its
-    embeddings and output matrix at Q8_0."""
+    """`tensor` as the numpy array the GGUF file holds and its GGML type name, refused when a finite weight is not
+    finite as written (`_check_written`). Norms, biases, routers and the shared expert's gate stay F32, as
+    llama.cpp's converter keeps 1-D tensors and routers; a row whose length is not a multiple of the quantization
+    block is written F16, as that converter falls back; a Q4_0 file keeps its embeddings and output matrix at
+    Q8_0."""
+    array, ggml_type = _encode(name, tensor, out_type)
+    _check_written(name, tensor, array, ggml_type, out_type)
+    return array, ggml_type
+
+
+def _check_written(name: str, tensor: torch.Tensor, array: np.ndarray, ggml_type: str, out_type: str) -> None:
+    """Every writer checks that what it writes is finite in the written type: float16 holds at most 65,504, and
+    a quantized block keeps its scale (its largest |value| / 127 for Q8_0) in float16 too, so a large finite
+    weight would be read back by llama.cpp as inf."""
+    if ggml_type == "F32":
+        return
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if ggml_type == "BF16":
+        written = torch.from_numpy(array).view(torch.bfloat16)
+    elif ggml_type == "F16":
+        written = torch.from_numpy(array)
+    else:
+        written = torch.from_numpy(dequantize(array, GGMLQuantizationType[ggml_type]))
+    if not bool(torch.isfinite(written).all()):
+        largest = float(tensor.detach().abs().max())
+        raise UpcycleError(f"GGUF {out_type}: tensor {name} does not fit {ggml_type} (its largest |weight| is "
+                           f"{largest:.6g}; float16 holds at most 65,504, also as a quantized block's scale), so "
+                           f"llama.cpp would read inf; nothing was written: write --gguf-type bf16 or f32")
+
+
+def _encode(name: str, tensor: torch.Tensor, out_type: str) -> tuple[np.ndarray, str]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
