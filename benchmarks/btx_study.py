@@ -280,11 +280,12 @@ def main() -> None:
     if args.table:
         print(table(json.loads((RESULTS / "btx_study.json").read_text())))
         return
-    out = Path(args.out)
-    if args.fresh:
-        import shutil
+    from work_folder import claim_work, clear
 
-        shutil.rmtree(out, ignore_errors=True)
+    out = claim_work(Path(args.out))
+    if args.fresh:
+        clear(out, out)
+        out = claim_work(out)
     result_file = RESULTS / "btx_study.json"
     results = {"machine": machine(), "settings": {"ft_steps": args.ft_steps, "joint_steps": args.joint_steps,
                                                   "lr": args.lr, "batch_size": 4, "sequence_length": SEQ,

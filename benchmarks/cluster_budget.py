@@ -29,7 +29,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -208,6 +207,9 @@ def main() -> None:
                         help="the method study's folder, whose finished cluster conversions are reused")
     parser.add_argument("--out", type=Path, default=RESULTS / "cluster_budget.json")
     args = parser.parse_args()
+    from work_folder import claim_work, clear
+
+    args.work = claim_work(args.work)
     budgets = [int(b) for b in args.budgets.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     started = time.time()
@@ -258,7 +260,7 @@ def main() -> None:
     for tokens in [int(b) for b in args.train.split(",") if b and f"{b}-seed-0" not in result["trained"]]:
         result["trained"][f"{tokens}-seed-0"] = trained_perplexity(args.work, tokens, 0)
         save(result, args.out)
-        shutil.rmtree(args.work / f"cluster-{tokens}-seed-0", ignore_errors=True)    # models and optimizer state
+        clear(args.work / f"cluster-{tokens}-seed-0", args.work)    # models and optimizer state
     result.setdefault("wall_seconds_per_invocation", []).append(round(time.time() - started))
     save(result, args.out)
     plot(result, args.out.with_suffix(".png"))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from btx_study import SOURCES, machine, merge_mergekit, recipe, timed, write_data  # noqa: E402  (the path first)
 from identical_outputs import perturbed_copy  # noqa: E402
+from work_folder import claim_work, clear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "merge_speed.json"
 
 
 def ours(out: Path, config: Path) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
+    clear(out, out.parent)                  # inside the claimed --work folder
     row = timed([sys.executable, "-m", "upcycle.cli", "convert", "default", out, "--config", config,
                  "--every", 1, "--top-k", 2, "--quiet", "--overwrite"])
     report = json.loads((out / "upcycle_report.json").read_text()) if row["exit_code"] == 0 else {}
@@ -110,7 +110,7 @@ def forward(config: Path) -> dict:
 
 
 def theirs(out: Path, fts: dict[str, Path]) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
+    clear(out, out.parent)                  # inside the claimed --work folder
     return merge_mergekit(out, fts)
 
 
@@ -124,7 +124,9 @@ def main() -> None:
         return forward_seconds(args.forward)
     from upcycle.data.assets import default_model_path
 
-    work = args.work.resolve()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    work = claim_work(args.work.resolve())
     files = write_data(work / "data")
     fts = {s: work / f"ft-{s}" for s in SOURCES}
     for seed, s in enumerate(SOURCES):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import shutil
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from upcycle.checkpoint.writer import ShardedWriter  # noqa: E402  (the source tree)
 from upcycle.machine import machine  # noqa: E402
+from work_folder import claim_work, clear  # noqa: E402  (benchmarks/)
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS, BLOCK_BYTES = 32, 35 * 2**20
@@ -52,16 +52,20 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=20.0)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "write-cost")
     args = parser.parse_args()
+    if args.rounds < 1 or not args.pause >= 0:
+        parser.error(f"--rounds must be >= 1 and --pause >= 0, got {args.rounds} and {args.pause}")
+    work = claim_work(args.work)
     rounds = []
     for i in range(args.rounds):
-        shutil.rmtree(args.work, ignore_errors=True)
+        for folder in (work / "first", work / "again"):
+            clear(folder, work)
         time.sleep(args.pause)
-        first = write_once(args.work / "first")
-        shutil.rmtree(args.work / "first")
-        again = write_once(args.work / "again")
+        first = write_once(work / "first")
+        clear(work / "first", work)
+        again = write_once(work / "again")
         rounds.append({"first": first, "again": again})
         print(f"round {i + 1}: first {first}, again {again}", flush=True)
-    shutil.rmtree(args.work, ignore_errors=True)
+    clear(work, work)
     median = {kind: {key: statistics.median(r[kind][key] for r in rounds) for key in ("wall_s", "system_s")}
               for kind in ("first", "again")}
     result = {"machine": machine(), "bytes": BLOCKS * BLOCK_BYTES, "pause_s": args.pause, "rounds": rounds,
