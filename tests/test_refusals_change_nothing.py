@@ -330,6 +330,12 @@ CORPUS = {
                                ["convert", "dense", "out", "--set", "streaming=true", *SMALL]][-1],
     "calibration-fifo": lambda s: ["convert", "dense", "out", "--method", "cluster", "--calibration",
                                    str(_fifo(s)), *SMALL],
+    # 14. round 5: JSON nested past the parser's depth, a flag another format would ignore
+    "config-nested-5000": lambda s: [(s / "dense" / "config.json").write_text("[" * 5000 + "]" * 5000),
+                                     ["convert", "dense", "out", *SMALL]][-1],
+    "upcycle-config-nested-5000": lambda s: [(s / "moe" / "upcycle_config.json").write_text("[" * 5000 + "]" * 5000),
+                                             ["export", "moe", "out"]][-1],
+    "gguf-type-with-hf": lambda s: ["export", "moe", "out", "--gguf-type", "q4_0"],
 }
 
 

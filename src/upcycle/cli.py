@@ -56,17 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:     # train says what OUT holds; elsewhere outputs are written atomically
         print(f"upcycle: interrupted; {str(e) or 'nothing was written'}", file=sys.stderr)
         return 130
-    except RuntimeError as e:
-        # an interrupt landing in a class's __set_name__ while a module loads reaches us wrapped (Python 3.11)
-        if not isinstance(e.__cause__, KeyboardInterrupt):
-            raise
-        print("upcycle: interrupted; nothing was written", file=sys.stderr)
-        return 130
     except BrokenPipeError:            # `upcycle methods | head`: the reader left; no traceback
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:
+        # an interrupt landing in a class's __set_name__ while a module loads reaches us wrapped (Python 3.11)
+        if isinstance(e, RuntimeError) and isinstance(e.__cause__, KeyboardInterrupt):
+            print("upcycle: interrupted; nothing was written", file=sys.stderr)
+            return 130
+        from .files import no_room
+
+        why = no_room(e)                # a full disk or a file-size limit: one line, not a traceback
+        if why is None:
+            raise
+        print(f"upcycle: error: {why}. Outputs are built aside and moved into place only when complete, so "
+              f"nothing of this one was kept and an earlier output is as it was (a training run keeps its last "
+              f"finished checkpoint: --resume continues from it); free space or raise the limit and run it again",
+              file=sys.stderr)
+        return 2
 
 
 def leaving(status: int) -> int:

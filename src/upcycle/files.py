@@ -205,3 +205,50 @@ def json_text(value, *, indent: int | None = None, where: str | None = None) -> 
         print(f"[upcycle] {where}: {len(found)} value(s) were not finite (NaN or infinite) and are written as null: "
               f"{', '.join(found[:5])}{', ...' if len(found) > 5 else ''}", file=sys.stderr)
     return json.dumps(clean, indent=indent, allow_nan=False)
+
+
+# errnos of a write that found no room: a full disk, a file-size limit (`ulimit -f`), a quota
+_NO_ROOM = {28: "no space left on the device", 27: "a file-size limit (ulimit -f) was reached",
+            122: "the disk quota is exceeded"}
+# the same, as libraries that wrap the OSError in their own error say it (safetensors' Rust IoError, torch.save)
+_NO_ROOM_TEXT = (("No space left on device", 28), ("os error 28", 28), ("File too large", 27),
+                 ("os error 27", 27), ("Disk quota exceeded", 122), ("os error 122", 122))
+
+
+def no_room(error: BaseException) -> str | None:
+    """Why a write failed for want of room, or None when `error` is something else: the error itself, or any
+    error it was raised from, as an OSError's errno or as a wrapping library words it."""
+    seen = error
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
+            where = f" writing {seen.filename}" if seen.filename else ""
+            return f"{_NO_ROOM[seen.errno]}{where}"
+        text = str(seen)
+        for words, code in _NO_ROOM_TEXT:
+            if words in text:
+                return _NO_ROOM[code]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# A JSON file upcycle reads beside a model (config.json, upcycle_config.json, a report): kilobytes, megabytes for
+# a config with a large label map; more is not one, and reading it whole would cost the memory first.
+MAX_JSON_BYTES = 64 * 2**20
+
+
+def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON value in `path`, or one UpcycleError naming the file and `what` it is: unreadable, larger than
+    `max_bytes` (checked before reading), not UTF-8, not JSON, or nested too deeply for the parser."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise UpcycleError(f"{path}: the {what} is {size:,} bytes, more than the {max_bytes:,} such a file "
+                               f"holds; it was not read")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise UpcycleError(f"{path}: the {what} nests too deeply to be read") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UpcycleError(f"{path}: the {what} cannot be read ({type(e).__name__}: {e})") from None

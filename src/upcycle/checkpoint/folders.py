@@ -196,8 +196,12 @@ def acquire_lock(out: Path) -> _Lock:
                 os.close(fd)             # a file of the user's under the lock's name: left as it is
                 raise UpcycleError(f"{path} exists and is not an upcycle lock file (it holds other text); upcycle "
                                    f"would write its lock there: move it away")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"process {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"process {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            except OSError:              # no room even for the lock's line (a full disk): leave no lock behind
+                _Lock(path, fd).release()
+                raise
             return _Lock(path, fd)
         os.close(fd)
 

@@ -30,6 +30,7 @@ from ..core.surgery import track_padding_masks
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
+from ..files import read_json_file
 from .agreement import check_dense_checkpoint
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
 from .sentence_modules import read_sentence_modules
@@ -71,15 +72,13 @@ def _refuse_own_code(folder: Path, config: Path) -> None:
     """A config whose model type transformers does not know, naming Python of the folder's own (`auto_map`),
     is refused here with the reason; transformers would ask whether to run it. A known type with an `auto_map`
     loads with transformers' own class, and the folder's code is never imported."""
-    import json
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UpcycleError(f"could not load model {str(folder)!r}: config.json is not JSON "
-                           f"({type(e).__name__}: {e})") from None
+        data = read_json_file(config, "model's config")
+    except UpcycleError as e:
+        raise UpcycleError(f"could not load model {str(folder)!r}: {e}") from None
     if not isinstance(data, dict):
         raise UpcycleError(f"could not load model {str(folder)!r}: config.json must be a JSON object")
     model_type = data.get("model_type")

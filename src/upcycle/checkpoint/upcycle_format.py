@@ -34,6 +34,7 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
+from ..files import read_json_file
 from .agreement import check_checkpoint
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
@@ -187,10 +188,7 @@ def _load_weights(model: nn.Module, reader: CheckpointReader) -> tuple[list[str]
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UpcycleError(f"{path}: the {what} cannot be read ({type(e).__name__}: {e})") from None
+    data = read_json_file(path, what)
     if not isinstance(data, dict):
         raise UpcycleError(f"{path}: the {what} must be a JSON object")
     return data

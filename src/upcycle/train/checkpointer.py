@@ -46,16 +46,22 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
-        run_state.save_rng(tmp, self.rank)
-        model_state, optimizer_state, teacher_state = self._whole_state()
+        try:
+            run_state.save_rng(tmp, self.rank)
+            model_state, optimizer_state, teacher_state = self._whole_state()
+            if self.is_main:
+                with self._whole_model(model_state) as model:
+                    run_state.save_main(tmp, model=model, optimizer_state=optimizer_state,
+                                        scheduler=self.parts.scheduler, step=step, tokens=tokens,
+                                        teacher_state=teacher_state)
+            self.acc.wait_for_everyone()
+            if self.is_main:
+                run_state.write_manifest(tmp, step=step, processes=self.acc.num_processes)
+        except BaseException:            # a full disk, a kill: no half-written checkpoint left beside the others
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.is_main:
-            with self._whole_model(model_state) as model:
-                run_state.save_main(tmp, model=model, optimizer_state=optimizer_state,
-                                    scheduler=self.parts.scheduler, step=step, tokens=tokens,
-                                    teacher_state=teacher_state)
-        self.acc.wait_for_everyone()
-        if self.is_main:
-            run_state.write_manifest(tmp, step=step, processes=self.acc.num_processes)
             replace_directory(tmp, folder / f"step-{step:07d}")
             for old in checkpoints(self.folder.path)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
