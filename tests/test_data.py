@@ -63,3 +63,28 @@ def test_documents_longer_than_the_model_are_cut_into_rows_without_the_tokenizer
     assert warned == []
     tokenizer(document)                                            # the check can see the warning it guards
     assert len(warned) == 1 and "longer than the specified maximum" in warned[0][0]
+
+
+def test_a_document_past_the_piece_size_is_tokenized_in_bounded_pieces_with_the_same_ids(monkeypatch):
+    """A document longer than MAX_PIECE_CHARS (a file with no blank line is one document) reaches the tokenizer
+    in pieces no longer than that, cut before a whitespace, and gives the ids of the whole document."""
+    from upcycle.data import packing
+    from upcycle.data.clip_pairs import caption_tokenizer
+
+    words = [f"w{i}" for i in range(50)]
+    tokenizer = caption_tokenizer([" ".join(words)], max_length=64)
+    text = "\n".join(" ".join(words[(i * 7 + j) % 50] for j in range(13)) for i in range(400))
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(packing, "MAX_PIECE_CHARS", 500)
+    seen = []
+    original = type(tokenizer).__call__
+
+    def spy(self, piece, **kwargs):
+        seen.append(len(piece))
+        return original(self, piece, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", spy)
+    assert packing.document_ids(tokenizer, text) == whole
+    assert len(seen) > 10 and max(seen) <= 500
+    assert "".join(packing.text_pieces(text, 500)) == text
+    assert list(packing.text_pieces("x" * 1200, 500)) == ["x" * 500, "x" * 500, "x" * 200]     # no whitespace

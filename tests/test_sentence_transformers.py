@@ -5,6 +5,7 @@ and so does a trained run's `model/` for its own weights. Modules that could run
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,3 +107,49 @@ def test_modules_that_could_run_code_are_not_carried(tmp_path, case):
         convert(ConvertConfig(model=str(src), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
                               check=CheckConfig(tokens=16)), tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "modules.json").exists() and not (tmp_path / "out" / "1_Pooling").exists()
+
+
+@pytest.mark.parametrize(("case", "why"), [
+    ("large module file", "more than 256 MiB"),
+    ("many modules", "lists 2,000,001 modules"),
+    ("folder named like an upcycle file", "the name of a file upcycle writes"),
+    ("linked text file", "is a symbolic link"),
+    ("nested json", "nests too deeply"),
+])
+def test_module_files_are_bounded_before_they_are_read(tmp_path, monkeypatch, case, why):
+    """Every reader of a source's modules is bounded by what it has read: a module file's size is checked before
+    it is read, modules.json's length before its modules are, and a module folder may not take the name of a file
+    upcycle writes beside the model. Each is not carried, with the reason, in well under a second."""
+    import time
+
+    from upcycle.checkpoint import sentence_modules
+    from upcycle.checkpoint.sentence_modules import read_sentence_modules
+
+    src = tmp_path / "src"
+    (src / "1_Pooling").mkdir(parents=True)
+    (src / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32}')
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    read = []
+    if case == "large module file":
+        with open(src / "1_Pooling" / "vocab.txt", "wb") as f:
+            f.truncate(300 << 20)                     # sparse: 300 MB that take no disk
+        original = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or original(self))
+    elif case == "many modules":
+        modules = modules[:1] + [modules[1]] * 2_000_000
+    elif case == "folder named like an upcycle file":
+        (src / "upcycle_report.json").mkdir()
+        modules[1]["path"] = "upcycle_report.json"
+    elif case == "linked text file":
+        (tmp_path / "notes.txt").write_text("mine")
+        (src / "1_Pooling" / "notes.txt").symlink_to(tmp_path / "notes.txt")
+    else:
+        (src / "sentence_bert_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    (src / "modules.json").write_text(json.dumps(modules) if case != "many modules" else
+                                      "[" + ",".join(json.dumps(m) for m in modules) + "]")
+    monkeypatch.setattr(sentence_modules, "MAX_ROOT_FILE_BYTES", 1 << 30)   # the length check, not the size
+    started = time.perf_counter()
+    with pytest.warns(UserWarning, match=why):
+        assert read_sentence_modules(src) is None
+    assert time.perf_counter() - started < 30 and "vocab.txt" not in read

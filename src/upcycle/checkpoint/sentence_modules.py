@@ -28,6 +28,8 @@ CARRIED_SUFFIXES = (".json", ".txt", ".safetensors")
 OWN_CLASSES = "sentence_transformers."
 TRANSFORMER_CLASSES = ("sentence_transformers.models.Transformer", "sentence_transformers.base.models.Transformer")
 MAX_BYTES = 256 << 20          # a Dense projection is a few MB; anything near this is not a module's config
+MAX_ROOT_FILE_BYTES = 1 << 20  # modules.json and its siblings: a few hundred bytes
+MAX_MODULES = 64               # sentence-transformers models chain a handful (Transformer, Pooling, Dense, Normalize)
 
 
 class NotCarried(ValueError):
@@ -55,6 +57,8 @@ def _module_files(folder: Path, module: dict) -> dict[str, bytes]:
         return {}
     if sub in ("", ".", "..") or "/" in sub or "\\" in sub:
         raise NotCarried(f"module {kind} has the path {sub!r}, not a subfolder's name")
+    if sub.startswith(".") or sub in _written_names():
+        raise NotCarried(f"module {kind} has the path {sub!r}, the name of a file upcycle writes beside the model")
     directory = folder / sub
     if not directory.exists():                 # Normalize has nothing to store, and some folders omit it
         return {}
@@ -62,10 +66,31 @@ def _module_files(folder: Path, module: dict) -> dict[str, bytes]:
         raise NotCarried(f"{sub} is not a plain folder")
     files = {}
     for entry in sorted(directory.iterdir()):
+        if entry.is_symlink():
+            raise NotCarried(f"{sub}/{entry.name} is a symbolic link (upcycle never reads through a link)")
         if not _regular_file(entry) or not entry.name.endswith(CARRIED_SUFFIXES):
             raise NotCarried(f"{sub}/{entry.name} is not a JSON, text or safetensors file")
-        files[f"{sub}/{entry.name}"] = entry.read_bytes()
+        files[f"{sub}/{entry.name}"] = _read_bounded(entry, MAX_BYTES - budget_used(files))
     return files
+
+
+def budget_used(files: dict[str, bytes]) -> int:
+    return sum(map(len, files.values()))
+
+
+def _read_bounded(path: Path, room: int) -> bytes:
+    """The file's bytes, refused by its size before it is read when it would pass `room`."""
+    size = os.lstat(path).st_size
+    if size > room:
+        raise NotCarried(f"its module files hold more than {MAX_BYTES >> 20} MiB ({path.name}: {size:,} bytes)")
+    return path.read_bytes()
+
+
+def _written_names() -> set[str]:
+    from .ownership import MARKER, MODEL_FILES
+
+    return {*MODEL_FILES, MARKER, "log.jsonl", "inputs.json", "checkpoints", "model", "model.gguf",
+            "analysis.json", "comparison.json"}
 
 
 def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
@@ -80,15 +105,25 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
             if (folder / name).exists():
                 if not _regular_file(folder / name):
                     raise NotCarried(f"{name} is not a plain file")
+                if os.lstat(folder / name).st_size > MAX_ROOT_FILE_BYTES:
+                    raise NotCarried(f"{name} holds more than {MAX_ROOT_FILE_BYTES >> 20} MiB")
                 files[name] = (folder / name).read_bytes()
                 parsed[name] = json.loads(files[name])      # each is JSON; a malformed one is not carried
         modules = parsed[MODULES_FILE]
         if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
             raise NotCarried(f"{MODULES_FILE} is not a list of modules")
+        if len(modules) > MAX_MODULES:
+            raise NotCarried(f"{MODULES_FILE} lists {len(modules):,} modules (sentence-transformers models chain "
+                             f"a handful; at most {MAX_MODULES} are carried)")
         for module in modules:
             files.update(_module_files(folder, module))
         if sum(map(len, files.values())) > MAX_BYTES:
             raise NotCarried(f"its module files hold more than {MAX_BYTES >> 20} MiB")
+    except RecursionError:
+        warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes (a "
+                      f"file nests too deeply to read); SentenceTransformer on the output will use mean pooling "
+                      f"alone", stacklevel=2)
+        return None
     except (NotCarried, OSError, ValueError) as e:
         warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes "
                       f"({e}); SentenceTransformer on the output will use mean pooling alone", stacklevel=2)

@@ -19,14 +19,37 @@ import torch
 
 from ..errors import UpcycleError
 
+# The most characters the tokenizer is given at once. A document is tokenized whole up to this size; a longer one
+# (a 200 MB file with no blank line is one document) in pieces cut just before a whitespace, so that the
+# tokenizer's working memory stays bounded: tokenized whole, such a document took over 11 GB. A piece starts at
+# the whitespace a whole-document tokenizer would also see before its word.
+MAX_PIECE_CHARS = 1_000_000
+
 
 def document_ids(tokenizer, text: str) -> list[int]:
-    """The token ids of a whole document, without special tokens, to be cut into rows by the caller. A
-    transformers tokenizer is asked not to warn that the text is longer than its model_max_length: that warning
-    would be false here (the rows are cut to the sequence length). Other tokenizers are called plainly."""
-    if hasattr(tokenizer, "deprecation_warnings"):      # transformers' PreTrainedTokenizerBase
-        return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """The token ids of a whole document, without special tokens, to be cut into rows by the caller (in pieces of
+    at most MAX_PIECE_CHARS characters). A transformers tokenizer is asked not to warn that the text is longer
+    than its model_max_length: that warning would be false here (the rows are cut to the sequence length). Other
+    tokenizers are called plainly."""
+    ids: list[int] = []
+    for piece in text_pieces(text, MAX_PIECE_CHARS):
+        if hasattr(tokenizer, "deprecation_warnings"):      # transformers' PreTrainedTokenizerBase
+            ids += tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"]
+        else:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def text_pieces(text: str, limit: int) -> Iterator[str]:
+    """`text` in consecutive pieces of at most `limit` characters, each cut just before a whitespace character
+    where the piece has one (else at the limit)."""
+    start = 0
+    while len(text) - start > limit:
+        cut = max(text.rfind(" ", start + 1, start + limit), text.rfind("\n", start + 1, start + limit))
+        cut = cut if cut > start else start + limit
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
