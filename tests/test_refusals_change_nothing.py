@@ -336,6 +336,7 @@ CORPUS = {
     "upcycle-config-nested-5000": lambda s: [(s / "moe" / "upcycle_config.json").write_text("[" * 5000 + "]" * 5000),
                                              ["export", "moe", "out"]][-1],
     "gguf-type-with-hf": lambda s: ["export", "moe", "out", "--gguf-type", "q4_0"],
+    "resume-missing-out": lambda s: ["train", "moe", "missing", "--resume", *TRAIN],
 }
 
 

@@ -264,3 +264,13 @@ def test_router_losses_only_in_the_warmup_phase(tiny_lm, tmp_path):
     terms = [set(row["loss"]) for row in _log(tmp_path / "run") if "loss" in row]
     assert terms[:2] == [{"task", "load_balance", "dpsl", "eesd", "total"}] * 2
     assert terms[2:] == [{"task", "eesd", "total"}] * 2
+
+
+def test_resuming_a_run_folder_that_does_not_exist_says_so(tiny_lm, tmp_path):
+    from upcycle.errors import UpcycleError
+
+    _, moe, train_txt, held = tiny_lm
+    with pytest.raises(UpcycleError, match=r"cannot resume: .*missing does not exist \(--resume continues a run "
+                                           r"folder"):
+        train(_cfg(moe, train_txt, held, steps=2), tmp_path / "missing", resume=True, progress=False)
+    assert not (tmp_path / "missing").exists()

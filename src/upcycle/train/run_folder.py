@@ -50,6 +50,9 @@ def checkpoints(out: Path) -> list[Path]:
 def saved_config(out: Path) -> dict:
     """The run's own config as a recipe mapping (a legacy `overwrite` key, which runs once saved, dropped)."""
     saved_file = out / RUN_CONFIG
+    if not out.exists():
+        raise UpcycleError(f"cannot resume: {out} does not exist (--resume continues a run folder that `upcycle "
+                           f"train` wrote; leave it out to start a run there)")
     if not saved_file.is_file():
         raise UpcycleError(f"cannot resume: {out} has no {RUN_CONFIG}")
     try:
