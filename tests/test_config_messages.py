@@ -52,3 +52,23 @@ def test_train_config_errors_are_messages_too(tmp_path, capsys):
     assert main(["train", str(tmp_path / "no-model"), str(tmp_path / "run"), "--set", "lr=[1,"]) == 2
     assert "--set lr=[1,: the value is not valid YAML" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_config_with_zero_heads_or_nesting_past_the_parser_is_named(tmp_path, capsys):
+    """A model's config.json is checked as read, before transformers builds a config from it (which divides by
+    the head count, and whose JSON parser recurses): the key or the nesting is named, one line."""
+    import json
+
+    from conftest import make_tiny
+
+    dense = tmp_path / "dense"
+    make_tiny("llama").save_pretrained(dense)
+    config = json.loads((dense / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    assert main(["convert", str(dense), str(tmp_path / "out"), "--quiet"]) == 2
+    assert "config.json's num_attention_heads is 0; upcycle takes whole numbers from 1" in capsys.readouterr().err
+    (dense / "config.json").write_text("[" * 5000 + "]" * 5000)
+    assert main(["convert", str(dense), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: the model's config nests too deeply to be read" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -337,6 +337,8 @@ CORPUS = {
                                              ["export", "moe", "out"]][-1],
     "gguf-type-with-hf": lambda s: ["export", "moe", "out", "--gguf-type", "q4_0"],
     "resume-missing-out": lambda s: ["train", "moe", "missing", "--resume", *TRAIN],
+    "config-zero-heads": lambda s: [_edit_config(s / "dense", num_attention_heads=0),
+                                    ["convert", "dense", "out", *SMALL]][-1],
 }
 
 

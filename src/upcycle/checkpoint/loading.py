@@ -81,6 +81,7 @@ def _refuse_own_code(folder: Path, config: Path) -> None:
         raise UpcycleError(f"could not load model {str(folder)!r}: {e}") from None
     if not isinstance(data, dict):
         raise UpcycleError(f"could not load model {str(folder)!r}: config.json must be a JSON object")
+    check_config_sizes(data, str(folder))
     model_type = data.get("model_type")
     if data.get("auto_map") and model_type not in CONFIG_MAPPING:
         raise UpcycleError(f"could not load model {str(folder)!r}: its type {model_type!r} is not one transformers "
@@ -180,11 +181,13 @@ SIZE_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "hidden_size": 2**18,
 
 def check_config_sizes(config, name: str) -> None:
     """Refuse a config whose sizes no real model has (SIZE_LIMITS), or that are not positive, in any sub-config
-    (CLIP's text and vision configs)."""
+    (CLIP's text and vision configs). `config`: a transformers config, or config.json's mapping as read (checked
+    before transformers builds its config, which divides by some of these: zero heads was a modulo by zero)."""
     def walk(cfg, where: str) -> None:
-        for key, value in vars(cfg).items():
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):     # a sub-config
-                walk(value, f"{where}{key}.")
+        items = cfg.items() if isinstance(cfg, dict) else vars(cfg).items()
+        for key, value in items:
+            if isinstance(value, dict) or (hasattr(value, "to_dict") and hasattr(value, "model_type")):
+                walk(value, f"{where}{key}.")                                    # a sub-config
             elif key in SIZE_LIMITS and value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMITS[key]:
                     raise UpcycleError(f"model {name!r}: config.json's {where}{key} is {value!r}; upcycle takes "
