@@ -248,6 +248,44 @@ def test_damaged_cache_is_rebuilt(small_dump, cache_env):
     assert T.wikipedia_split(heldout_every=3, path=small_dump) == first
 
 
+def test_a_read_only_cache_loses_only_the_shortcut(small_dump, cache_env):
+    """A cache folder upcycle cannot write (read-only, full): the articles are parsed and used all the same, and a
+    warning says they were not cached; nothing is written there."""
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    cache_env.mkdir()
+    cache_env.chmod(0o555)
+    try:
+        with pytest.warns(UserWarning, match="were not cached in"):
+            train, held = T.wikipedia_split(heldout_every=3, path=small_dump)
+        assert train and held and list(cache_env.iterdir()) == []
+    finally:
+        cache_env.chmod(0o755)
+
+
+def test_a_cache_write_that_fails_loses_only_the_shortcut(small_dump, cache_env, monkeypatch):
+    """The same without relying on permissions (root ignores them): the write fails with EROFS."""
+    import errno
+
+    def refused(path, write):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(T, "atomic_write", refused)
+    with pytest.warns(UserWarning, match="were not cached in .*Read-only file system"):
+        assert T.wikipedia_split(heldout_every=3, path=small_dump)[0]
+
+
+def test_a_cache_location_that_is_a_file_is_refused_at_first_use(tmp_path, monkeypatch):
+    from upcycle.errors import UpcycleError
+
+    (tmp_path / "cache").write_text("mine")
+    monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "cache"))
+    for create in (True, False):
+        with pytest.raises(UpcycleError, match=r"cache folder \(UPCYCLE_CACHE\) is .*cache, which is not a folder"):
+            T.cache_dir(create=create)
+    assert (tmp_path / "cache").read_text() == "mine"
+
+
 # ---------------------------------------------------------------------------
 # cache_dir
 # ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..errors import UpcycleError
 from ..files import atomic_write
 from .wikimarkup import strip_wiki_markup
 
@@ -86,13 +87,21 @@ def cache_dir(create: bool = True) -> pathlib.Path:
     explicit = os.environ.get("UPCYCLE_CACHE")
     xdg = os.environ.get("XDG_CACHE_HOME")
     if explicit:
-        path = pathlib.Path(explicit).expanduser()
+        path, named = pathlib.Path(explicit).expanduser(), "UPCYCLE_CACHE"
     elif xdg:
-        path = pathlib.Path(xdg).expanduser() / "upcycle"
+        path, named = pathlib.Path(xdg).expanduser() / "upcycle", "XDG_CACHE_HOME/upcycle"
     else:
-        path = pathlib.Path.home() / ".cache" / "upcycle"
+        path, named = pathlib.Path.home() / ".cache" / "upcycle", "~/.cache/upcycle"
+    # said at the first use, before any work: a file there would otherwise fail minutes later, at the first write
+    if path.exists() and not path.is_dir():
+        raise UpcycleError(f"upcycle's cache folder ({named}) is {path}, which is not a folder; point UPCYCLE_CACHE "
+                           f"at a folder")
     if create:
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UpcycleError(f"upcycle's cache folder ({named}) {path} cannot be made ({e.strerror or e}); point "
+                               f"UPCYCLE_CACHE at a folder you can write") from None
     return path
 
 
@@ -188,7 +197,13 @@ def _write_article_cache(cache: pathlib.Path, articles: list[Article]) -> None:
             for article in articles:
                 handle.write(json.dumps({"title": article.title, "text": article.text}, ensure_ascii=False) + "\n")
 
-    atomic_write(cache, write)
+    try:
+        atomic_write(cache, write)
+    except OSError as e:        # a read-only or full cache: only the shortcut is lost, as with a damaged one
+        import warnings
+
+        warnings.warn(f"the parsed Wikipedia articles were not cached in {cache.parent} ({e.strerror or e}); "
+                      f"they are parsed again next time", stacklevel=2)
 
 
 def wikipedia_split(
