@@ -194,6 +194,12 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="CUDA: also profile each row's fwd+bwd of upcycle and "
                                                      "hf_grouped_mm into this folder (benchmarks/gpu_profile.py)")
     args = parser.parse_args()
+    from arguments import check_device, check_output_file, check_positive
+
+    check_device(parser, args.device)
+    check_positive(parser, tokens=args.tokens, reps=args.reps)
+    if args.out is not None:
+        check_output_file(parser, args.out)
     s = Setting(args.device, args.dtype, args.autocast)
     s.profile = args.profile
     default_name = "moe_layer" + ("" if s.device.type == "cpu" else f"_{s.device.type}") + \

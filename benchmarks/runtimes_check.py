@@ -461,6 +461,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--docs", action="store_true", help="only regenerate docs/runtimes.md's table")
     args = parser.parse_args()
+    unknown = [part for part in args.only.split(",") if part not in PARTS]
+    if unknown:
+        parser.error(f"--only takes parts of {list(PARTS)}, got {', '.join(map(repr, unknown))}")
     if args.docs:
         write_docs(json.loads(args.out.read_text()))
         return

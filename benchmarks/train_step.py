@@ -154,6 +154,12 @@ def main() -> None:
     parser.add_argument("--profile-models", nargs="+", default=["dense", "upcycle_every_1", "mixtral_grouped_mm"],
                         choices=MODELS)
     args = parser.parse_args()
+    from arguments import check_device, check_output_file, check_positive
+
+    check_device(parser, args.device)
+    check_positive(parser, steps=args.steps, batch_size=args.batch_size, sequence_length=args.sequence_length)
+    if args.out is not None:
+        check_output_file(parser, args.out)
     device = torch.device(args.device)
     started = time.time()
     results = {}

@@ -76,6 +76,10 @@ def main() -> None:
     parser.add_argument("folders", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "verify_reports.json")
     args = parser.parse_args()
+    for folder in args.folders:        # each must be an upcycle conversion: it is what the script re-measures
+        if not (folder / "upcycle_report.json").is_file() or not (folder / "upcycle_config.json").is_file():
+            parser.error(f"{folder} is not a folder `upcycle convert` wrote (no upcycle_report.json and "
+                         f"upcycle_config.json)")
     results = [verify(folder) for folder in args.folders]
     for r in results:
         print(f"{r['method']:6s} agree={r['agree']}  recomputed={r['recomputed']}  reported={r['reported']}")

@@ -54,3 +54,25 @@ def test_a_work_folder_is_claimed_only_when_new_empty_or_a_benchmarks(tmp_path):
     assert outside.is_dir()
     clear(work, work)
     assert not work.exists()
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [
+    ("moe_layer.py", ["--tokens", "0"], "--tokens must be >= 1, got 0"),
+    ("moe_layer.py", ["--out", "{tmp}"], "is a folder; give the JSON file to write"),
+    ("train_step.py", ["--steps", "0", "--device", "cpu"], "--steps must be >= 1, got 0"),
+    ("moe_layer.py", ["--device", "cuda:7"], "torch sees no such GPU here"),
+    ("runtimes_check.py", ["--only", "bogus"], "--only takes parts of"),
+    ("verify_reports.py", ["{tmp}"], "is not a folder `upcycle convert` wrote"),
+])
+def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(tmp_path, script, args, message):
+    """The command line's rule for the scripts a user runs from the repository: a bad argument is argparse's
+    one-line error (exit 2), not a traceback or exit 0 with meaningless numbers, and nothing is written."""
+    import torch
+
+    if "cuda:7" in args and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has an eighth GPU")
+    before = sorted(tmp_path.rglob("*"))
+    done = run_script([str(ROOT / "benchmarks" / script), *(a.format(tmp=tmp_path) for a in args)], tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert sorted(tmp_path.rglob("*")) == before
