@@ -122,6 +122,7 @@ def test_lr_schedule():
 def test_refusals(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
     cfg = _cfg(moe, train_txt, held, steps=2)
+    (tmp_path / "none").mkdir()
     with pytest.raises(UpcycleError, match="no run_config"):
         train(cfg, tmp_path / "none", resume=True, progress=False)
     train(cfg, tmp_path / "run", progress=False)
