@@ -144,3 +144,29 @@ def test_a_gpu_conversion_writes_what_the_cpu_one_writes(bf16_checkpoint, tmp_pa
         # differences and far below what a different partition or rank would change
         scale = float(w.abs().max()) or 1.0
         assert float((w - written["cuda"][name]).abs().max()) <= 1e-3 * scale, name
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_weight_past_float16s_range_is_refused_by_name_before_the_output_exists(tmp_path, capsys, streaming):
+    """The inputs are finite (checked when read); a weight of 1e5 becomes inf when cast to float16. The writer
+    refuses it naming the tensor and the dtype, not the temporary folder it was being written into, and nothing
+    is left; bfloat16 (float32's range) writes the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import write_tiny_lm
+    from upcycle.cli import main
+
+    dense, _, _ = write_tiny_lm(tmp_path / "lm")
+    tensors = load_file(dense / "model.safetensors")
+    name = next(n for n in tensors if "mlp.up_proj" in n)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = 1e5
+    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
+    argv = ["convert", str(dense), str(tmp_path / "out"), "--num-experts", "2", "--top-k", "1", "--quiet",
+            *(["--set", "streaming=true"] if streaming else [])]
+    assert main([*argv, "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor model.layers.0.mlp.experts.w_gate_up holds values that are not finite in float16" in err
+    assert ".tmp-" not in err and len([line for line in err.splitlines() if "upcycle:" in line]) == 1
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0

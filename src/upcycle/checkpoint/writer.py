@@ -93,6 +93,20 @@ def _header(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: d
     return text, offsets
 
 
+def _check_written_finite(name: str, tensor: torch.Tensor) -> None:
+    """Every writer checks that what it writes is finite in the written dtype. The inputs were checked finite
+    when read, so a non-finite value here is a cast that overflowed (float16 holds at most 65,504): refused with
+    the tensor and the dtype named, before the output exists."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.is_meta:
+        return
+    if bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all()):    # the sum: the fast path
+        return
+    kind = str(tensor.dtype).removeprefix("torch.")
+    raise UpcycleError(f"tensor {name} holds values that are not finite in {kind}, the output's dtype (a weight "
+                       f"past float16's 65,504 becomes inf when cast); nothing was written: choose --dtype "
+                       f"bfloat16 or float32")
+
+
 class ShardedWriter:
     """Writes a planned set of tensors into safetensors shards (plus the index when there are several).
 
@@ -138,6 +152,7 @@ class ShardedWriter:
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise UpcycleError(f"tensor {name!r}: planned {slot.dtype} {list(slot.shape)}, got {tensor.dtype} "
                                f"{list(tensor.shape)}")
+        _check_written_finite(name, tensor)
         self.written.add(name)
         fd = self._fds[slot.file]
         if self._pool is None:
