@@ -153,6 +153,27 @@ def test_save_pretrained_never_writes_through_a_link_keeps_foreign_shards_and_re
     assert not (tmp_path / "nan").exists() and not (tmp_path / "nan2").exists()
 
 
+def test_save_pretrained_refuses_a_path_it_cannot_fill_before_writing(tiny_lm, tmp_path):
+    """A folder whose parent is a file, or one where a model file's name is a folder: refused with one message
+    before any weight moves in (the folder's other files untouched, no temporary left)."""
+    import upcycle
+
+    model = upcycle.load(tiny_lm[1])
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(upcycle.UpcycleError, match=r"file/model cannot be made: .*file is a file"):
+        model.save_pretrained(tmp_path / "file" / "model")
+    assert (tmp_path / "file").read_text() == "mine"
+    target = tmp_path / "target"                 # an earlier upcycle save, whose config.json is now a folder
+    shutil.copytree(tiny_lm[1], target)
+    (target / "config.json").unlink()
+    (target / "config.json").mkdir()
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    with pytest.raises(upcycle.UpcycleError, match=r"config.json in .*target is not a plain file"):
+        model.save_pretrained(target)
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == before
+    assert (target / "config.json").is_dir() and not list(target.glob(".upcycle-save-*"))
+
+
 # ---- a run that dies before its first checkpoint -----------------------------------------------------------------
 
 def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_command(tiny_lm, tmp_path, capsys):

@@ -93,7 +93,14 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
                            f"writes through a link)")
     if folder.exists() and not folder.is_dir():
         raise UpcycleError(f"save_pretrained: {folder} is a file")
-    folder.mkdir(parents=True, exist_ok=True)
+    blocking = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UpcycleError(f"save_pretrained: {folder} cannot be made: {blocking} is a file; nothing was written")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UpcycleError(f"save_pretrained: {folder} cannot be made ({e.strerror or e}); nothing was "
+                           f"written") from None
     existing, unnamed = _model_files(folder)
     if existing and not (folder / MOE_CONFIG).is_file() or unnamed:
         found = unnamed or existing
@@ -107,6 +114,13 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
     try:
         save_folder_files(model, tmp, state_dict=state_dict, max_shard_bytes=parse_size(max_shard_size))
         written = sorted(p.name for p in tmp.iterdir())
+        # every name about to be replaced must be a plain file: a folder or link there (config.json as a folder)
+        # would fail half-way, after the weights had moved in
+        odd = [n for n in written
+               if (folder / n).is_symlink() or ((folder / n).exists() and not (folder / n).is_file())]
+        if odd:
+            raise UpcycleError(f"save_pretrained: {', '.join(odd[:3])} in {folder} is not a plain file (a folder or "
+                               f"a link); upcycle writes its model files there: move it away. Nothing was written")
         # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
         move_files(tmp, sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)), folder)
         for name in existing:
