@@ -305,12 +305,25 @@ def check_sentence_transformers(work: Path) -> dict:
     folder = work / "minilm-copy"
     convert(ConvertConfig(model="minilm", method="copy", moe=MoEConfig(num_experts=4, top_k=2),
                           check=CheckConfig(tokens=32)), folder, overwrite=True, progress=False)
-    dense = SentenceTransformer(str(minilm_path()), device="cpu").encode(PROMPTS)
+    dense_model = SentenceTransformer(str(minilm_path()), device="cpu")
+    dense = dense_model.encode(PROMPTS)
     moe_model = SentenceTransformer(str(folder), device="cpu")
     moe = moe_model.encode(PROMPTS)
+    # a folder this sentence-transformers saved itself (its own module names), converted the same way
+    saved, saved_moe = work / "minilm-saved-by-st", work / "minilm-saved-by-st-copy"
+    dense_model.save(str(saved))
+    convert(ConvertConfig(model=str(saved), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                          check=CheckConfig(tokens=32)), saved_moe, overwrite=True, progress=False)
+    from_saved = SentenceTransformer(str(saved_moe), device="cpu")
+    from_saved_embeddings = from_saved.encode(PROMPTS)
     return {"sentence_transformers": __version__, "modules": [type(m).__name__ for m in moe_model],
             "max_abs_embedding_diff": float(np.abs(dense - moe).max()),
-            "norms": [float(x) for x in np.linalg.norm(moe, axis=1)]}
+            "norms": [float(x) for x in np.linalg.norm(moe, axis=1)],
+            "saved_by_sentence_transformers": {
+                "module_types": [m["type"] for m in json.loads((saved / "modules.json").read_text())],
+                "modules_after_conversion": [type(m).__name__ for m in from_saved],
+                "max_abs_embedding_diff": float(np.abs(dense - from_saved_embeddings).max()),
+                "norms": [float(x) for x in np.linalg.norm(from_saved_embeddings, axis=1)]}}
 
 
 def check_torchtitan(work: Path) -> dict:

