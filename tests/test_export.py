@@ -229,3 +229,28 @@ def test_tokenizer_is_written_with_a_class_every_transformers_loads(tmp_path, ex
         generator = T.pipeline("text-generation", model=str(tmp_path / "out"))
         out = generator("the cat", max_new_tokens=3, do_sample=False)[0]["generated_text"]
         assert out.startswith("the cat")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_tied_source_exports_to_qwen2_moe_with_its_own_head(tmp_path, streaming):
+    """llama.cpp's converter leaves a tied head out and its qwen2moe graph requires one, so a tied source (as
+    SmolLM2 is) is exported to Qwen2-MoE untied: the head a copy of the embeddings, config.json saying so, the
+    same logits in transformers. Mixtral keeps the tie (llama.cpp's llama arch falls back to the embeddings)."""
+    from safetensors import safe_open
+
+    from conftest import make_tiny
+
+    model = make_tiny("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "dense")
+    result = convert(cfg(tmp_path / "dense", export_class="qwen2_moe", **({"streaming": True} if streaming else {})),
+                     tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
+    stock = stock_logits_match(tmp_path / "out", result.model)
+    assert stock.lm_head.weight.data_ptr() != stock.model.embed_tokens.weight.data_ptr()
+    convert(cfg(tmp_path / "dense", export_class="mixtral"), tmp_path / "mixtral", progress=False)
+    assert json.loads((tmp_path / "mixtral" / "config.json").read_text())["tie_word_embeddings"] is True

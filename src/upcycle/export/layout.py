@@ -125,6 +125,8 @@ def _full_config(model: nn.Module, target: StockClass) -> dict:
         "torch_dtype": str(model.dtype).removeprefix("torch."), "dtype": str(model.dtype).removeprefix("torch."),
     })
     config.update(target.config_keys(model, blocks, src))
+    if target.untied_head:
+        config["tie_word_embeddings"] = False
     return config
 
 
@@ -156,7 +158,7 @@ def export_state_dict(model: nn.Module, target: StockClass, prefix: str = "", *,
         extra, scales = target.block_tensors(model, name, layer)
         out.update(extra)
         folded += scales
-    if getattr(model.config, "tie_word_embeddings", False):
+    if getattr(model.config, "tie_word_embeddings", False) and not target.untied_head:
         out.pop("lm_head.weight", None)       # tied: stored once, as both versions expect
     return out, folded
 

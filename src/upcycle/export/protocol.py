@@ -29,6 +29,7 @@ class StockClass:
     every_block: bool = False         # every block must be MoE (no dense blocks between)
     always_renormalizes: bool = False  # top-k weights always renormalized (no raw-weight option)
     model_type: str = ""              # the config.json model_type written (default: `name`)
+    untied_head: bool = False         # the LM head written as its own tensor even when the source ties it
 
     def __post_init__(self) -> None:
         if not self.model_type:

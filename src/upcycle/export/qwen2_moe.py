@@ -67,5 +67,8 @@ class Qwen2Moe(StockClass):
         return out
 
 
+# untied_head: published Qwen2-MoE checkpoints have their own head, and llama.cpp's converter leaves a tied one
+# out while its qwen2moe graph requires `output.weight`: a tied source's export is written untied (the head a copy
+# of the embeddings, the same function) so that the converter's file loads
 CLASS = Qwen2Moe("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", sources=("llama", "mistral", "qwen2"),
-                 shared_experts=True)
+                 shared_experts=True, untied_head=True)
