@@ -253,6 +253,58 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cases": results}
 
 
+def llama_cpp_converter(sdist: Path, cache: Path) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py (with its gguf-py beside it) from the llama-cpp-python source
+    distribution, unpacked once under the cache."""
+    import tarfile
+
+    root = cache / "runtimes" / f"llama-cpp-converter-{LLAMA_CPP_PYTHON}"
+    script = root / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)
+                       and (m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith(prefix + "gguf-py/"))]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(root, members=members, filter="data")
+    return script
+
+
+def check_llama_cpp_converter(work: Path, cache: Path) -> dict:
+    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: the stock Qwen2-MoE export of
+    the copy-upcycled SmolLM2 (tied embeddings; raw top-k, as llama.cpp's qwen2moe computes) through llama.cpp's
+    own convert_hf_to_gguf.py, then loaded and run by llama.cpp against the upcycle folder in transformers."""
+    from upcycle.export.from_folder import export_folder
+
+    python, sdist = llama_cpp_env(cache)
+    script = llama_cpp_converter(sdist, cache)
+    name = "qwen2moe (copy, raw top-k)"
+    case = CASES[name]
+    folder = case_folder(work, name, case)
+    convert_case(case, folder)
+    stock, gguf_file = work / "converter" / "qwen2moe-stock", work / "converter" / "qwen2moe-f32.gguf"
+    export_folder(folder, stock, export_class="qwen2_moe", format="hf", overwrite=True)
+    gguf_file.parent.mkdir(parents=True, exist_ok=True)
+    # -I: the converter sees neither the current directory nor PYTHON* variables (it finds its gguf-py itself)
+    done = subprocess.run([sys.executable, "-I", str(script), str(stock), "--outfile", str(gguf_file),
+                           "--outtype", "f32"], capture_output=True, text=True)
+    if done.returncode:
+        return {"converter_exit": done.returncode, "converter_error": done.stderr[-2000:]}
+    request, result = work / "converter" / "request.json", work / "converter" / "llama_cpp.json"
+    request.write_text(json.dumps({"files": {f"{name} converter-f32": str(gguf_file)}, "f32_cache": [],
+                                   "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "threads": os.cpu_count() or 2}))
+    log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
+                          str(result)], capture_output=True, text=True)
+    if log.returncode:
+        raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
+    ran = json.loads(result.read_text())
+    return {"route": "upcycle export --export-class qwen2_moe (hf), then llama.cpp's convert_hf_to_gguf.py "
+                     "--outtype f32", "llama_cpp_python": ran["llama_cpp_python"], "converter_exit": 0,
+            "stock_config_tie_word_embeddings": json.loads((stock / "config.json").read_text())["tie_word_embeddings"],
+            "case": name, "file": compare(reference(folder), ran["files"][f"{name} converter-f32"], result.parent)}
+
+
 def check_onnx(work: Path) -> dict:
     """docs/runtimes.md's ONNX recipe on a stock Qwen3-MoE export of the SmolLM2 copy conversion."""
     import onnxruntime
@@ -434,7 +486,8 @@ def check_lm_eval(work: Path, cache: Path) -> dict:
             "acc": results["results"]["upcycle_local"]["acc,none"]}
 
 
-PARTS = {"llama.cpp": check_llama_cpp, "onnx": check_onnx, "sentence-transformers": check_sentence_transformers,
+PARTS = {"llama.cpp": check_llama_cpp, "llama.cpp-converter": check_llama_cpp_converter, "onnx": check_onnx,
+         "sentence-transformers": check_sentence_transformers,
          "lm-eval": check_lm_eval, "torchtitan": check_torchtitan}
 NOT_RUN = {"vLLM": "not run: it needs an environment of its own (it pins torch and transformers) and a GPU"}
 
@@ -488,7 +541,7 @@ def main() -> None:
     data.update({"machine": machine(), "versions": versions(), "not_run": NOT_RUN})
     for part in args.only.split(","):
         t = time.perf_counter()
-        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "lm-eval") else {}
+        kwargs = {"cache": cache_dir()} if part in ("llama.cpp", "llama.cpp-converter", "lm-eval") else {}
         data["parts"][part] = {**PARTS[part](args.work, **kwargs), "seconds": round(time.perf_counter() - t)}
         data["parts"][part]["date"] = time.strftime("%Y-%m-%d")
         print(f"{part}: done in {data['parts'][part]['seconds']} s", flush=True)
