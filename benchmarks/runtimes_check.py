@@ -254,17 +254,18 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
 
 
 def llama_cpp_converter(sdist: Path, cache: Path) -> Path:
-    """llama.cpp's own convert_hf_to_gguf.py (with its gguf-py beside it) from the llama-cpp-python source
-    distribution, unpacked once under the cache."""
+    """llama.cpp's own convert_hf_to_gguf.py (with the gguf-py and conversion packages it imports from beside
+    it) from the llama-cpp-python source distribution, unpacked once under the cache."""
     import tarfile
 
     root = cache / "runtimes" / f"llama-cpp-converter-{LLAMA_CPP_PYTHON}"
     script = root / "convert_hf_to_gguf.py"
-    if not script.is_file():
+    if not (root / "conversion" / "__init__.py").is_file():
         prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)
-                       and (m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith(prefix + "gguf-py/"))]
+                       and (m.name == prefix + "convert_hf_to_gguf.py"
+                            or m.name.startswith((prefix + "gguf-py/", prefix + "conversion/")))]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(root, members=members, filter="data")
@@ -286,9 +287,10 @@ def check_llama_cpp_converter(work: Path, cache: Path) -> dict:
     stock, gguf_file = work / "converter" / "qwen2moe-stock", work / "converter" / "qwen2moe-f32.gguf"
     export_folder(folder, stock, export_class="qwen2_moe", format="hf", overwrite=True)
     gguf_file.parent.mkdir(parents=True, exist_ok=True)
-    # -I: the converter sees neither the current directory nor PYTHON* variables (it finds its gguf-py itself)
-    done = subprocess.run([sys.executable, "-I", str(script), str(stock), "--outfile", str(gguf_file),
-                           "--outtype", "f32"], capture_output=True, text=True)
+    # -E -s, run in its own folder: the converter sees neither the user's current directory nor PYTHON* variables
+    # nor user site-packages, and imports its own packages from its folder (-I would hide that folder too)
+    done = subprocess.run([sys.executable, "-E", "-s", str(script), str(stock), "--outfile", str(gguf_file),
+                           "--outtype", "f32"], capture_output=True, text=True, cwd=script.parent)
     if done.returncode:
         return {"converter_exit": done.returncode, "converter_error": done.stderr[-2000:]}
     request, result = work / "converter" / "request.json", work / "converter" / "llama_cpp.json"
