@@ -11,8 +11,11 @@
   compared with the upcycle folder loaded by `upcycle.load` and run by transformers. The same source
   distribution gives tests/fixtures/llama_cpp_facts.json (benchmarks/llama_cpp_facts.py), the names and formulas
   the default test run checks without llama.cpp.
+- llama.cpp-converter: the stock Qwen2-MoE export of the copy-upcycled SmolLM2 through llama.cpp's own
+  convert_hf_to_gguf.py (from the same source distribution), then run by llama.cpp as above.
 - ONNX Runtime: docs/runtimes.md's recipe on a stock Qwen3-MoE export, against transformers.
-- sentence-transformers: `SentenceTransformer(folder)` of a copy-upcycled all-MiniLM-L6-v2 against the dense one.
+- sentence-transformers: `SentenceTransformer(folder)` of a copy-upcycled all-MiniLM-L6-v2 against the dense one,
+  and of one converted from a folder sentence-transformers saved itself.
 - lm-eval: its `hf` model scores a stock Mixtral export on a local multiple-choice task (its own environment);
   every choice's log-likelihood is compared with the upcycle folder's, computed as lm-eval computes it.
 - torchtitan: benchmarks/torchtitan_check.py (its own environment; see there).

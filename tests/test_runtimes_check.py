@@ -50,6 +50,19 @@ def test_llama_cpp_ran_every_arch_type_and_pre_tokenizer_upcycle_writes():
     assert seen_pre == set(PRE_TOKENIZERS.values())          # each pre-tokenizer name upcycle writes, in llama.cpp
 
 
+def test_llama_cpps_own_converter_route_loads_a_qwen2_moe_export():
+    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: the stock Qwen2-MoE export
+    of a tied-embedding model (exported untied), through llama.cpp's convert_hf_to_gguf.py, loads and computes in
+    llama.cpp as the upcycle folder does in transformers (the committed run; the bound is the f32 file of upcycle's
+    own writer with llama.cpp's F16 KV cache, 0.070 on logits of scale 33, with 50 % margin)."""
+    part = json.loads(RESULTS.read_text())["parts"]["llama.cpp-converter"]
+    assert part["converter_exit"] == 0 and part["stock_config_tie_word_embeddings"] is False
+    result = part["file"]
+    assert result["loaded"] and result["all_finite"] and result["tokenization_identical"]
+    assert result["metadata"]["general.architecture"] == "qwen2moe"
+    assert result["greedy_identical"] == len(result["prompts"]) and result["max_abs_logit_diff"] < 0.105
+
+
 def test_the_facts_reader_parses_llama_cpps_source(tmp_path, monkeypatch):
     """A miniature of llama.cpp's files in a source distribution: the names with their pre-tokenizer types, the
     regexes of a case group, the archs, norm_w and the shared gate's expression."""
