@@ -302,3 +302,25 @@ def test_an_input_that_exists_but_is_not_a_regular_file_is_named_as_what_it_is(d
                                   str(path), *CONVERT], said)
             assert "no file" not in line and "does not exist" not in line
 
+
+
+def test_save_pretrained_replaces_its_own_weights_but_not_another_models(tiny_lm, tmp_path):
+    """A second save of the same model into its folder replaces the weights (transformers' semantics); a folder
+    whose weights are another model's (tensors this model does not have) is refused, its files untouched."""
+    import upcycle
+    from conftest import make_tiny
+
+    model = upcycle.load(tiny_lm[1])
+    target = tmp_path / "target"
+    model.save_pretrained(target, max_shard_size="40KB")
+    model.save_pretrained(target)                      # the same model again: its own shards replaced
+    assert (target / "model.safetensors").is_file() and not list(target.glob("model-*-of-*.safetensors"))
+    other = tmp_path / "other"
+    model.save_pretrained(other)
+    make_tiny("llama", layers=2).save_pretrained(tmp_path / "dense")
+    shutil.copy(tmp_path / "dense" / "model.safetensors", other / "model.safetensors")   # another model's weights
+    before = (other / "model.safetensors").read_bytes()
+    with pytest.raises(upcycle.UpcycleError, match=r"the weights in .*other are another model's \(they hold "
+                                                   r"model.layers.*which this model does not have\)"):
+        model.save_pretrained(other)
+    assert (other / "model.safetensors").read_bytes() == before and not list(other.glob(".upcycle-save-*"))

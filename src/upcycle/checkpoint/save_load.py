@@ -121,6 +121,11 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
         if odd:
             raise UpcycleError(f"save_pretrained: {', '.join(odd[:3])} in {folder} is not a plain file (a folder or "
                                f"a link); upcycle writes its model files there: move it away. Nothing was written")
+        foreign = _other_models_tensors(folder, existing, tmp)
+        if foreign:
+            raise UpcycleError(f"save_pretrained: the weights in {folder} are another model's (they hold "
+                               f"{', '.join(foreign[:3])}, which this model does not have); replacing them would "
+                               f"delete them: save into a new folder, or remove them yourself. Nothing was written")
         # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
         move_files(tmp, sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)), folder)
         for name in existing:
@@ -128,6 +133,20 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
                 (folder / name).unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _other_models_tensors(folder: Path, existing: list[str], new: Path) -> list[str]:
+    """Tensor names of the weights a save would replace in `folder` that the new save does not write: a re-save
+    of the same model (or of the same model trained) replaces its own weights, another model's are not deleted."""
+    from .reader import CheckpointReader
+
+    if not any(name in (SINGLE_FILE, INDEX_FILE) for name in existing):
+        return []
+    try:
+        old = set(CheckpointReader(folder).names())
+    except UpcycleError:
+        return []               # unreadable weights: nothing to recognise them by (replaced, as transformers does)
+    return sorted(old - set(CheckpointReader(new).names()))
 
 
 class UpcycledModel:
