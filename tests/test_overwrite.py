@@ -250,3 +250,21 @@ def test_the_output_claim_refuses_before_anything_exists(tmp_path):
     with pytest.raises(UpcycleError, match="the same file under another name"):
         with claim_output(hard, kind="eval", given=inputs(("data", data)), overwrite=True, file=True):
             pass
+
+
+def test_eval_overwrite_of_another_upcycle_outputs_file_says_whose_it_is(tiny_lm, tmp_path, capsys):
+    """`eval --out REPORT --overwrite` on a report inside another upcycle output (a conversion's
+    upcycle_report.json): refused naming that output, not as a file "upcycle did not write"."""
+    import shutil
+
+    from upcycle.cli import main
+
+    _, moe, _, held = tiny_lm
+    shutil.copytree(moe, tmp_path / "moe")
+    report = tmp_path / "moe" / "upcycle_report.json"
+    before = report.read_bytes()
+    assert main(["eval", str(moe), "--data", str(held), "--tokens", "64", "--sequence-length", "16", "--quiet",
+                 "--out", str(report), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is a file of the upcycle" in err and "output" in err and "did not write" not in err
+    assert report.read_bytes() == before

@@ -115,6 +115,10 @@ def check_replaceable(out: Path, *, overwrite: bool, file: bool = False, kind: s
                            f"{f' (format {wanted!r})' if wanted else ''}, and {out} is another upcycle file "
                            f"(format {found!r}): replacing it would damage the output it belongs to. Choose "
                            f"another file")
+    if found is None and file and (owner := own_output(out.parent)) not in (None, "empty folder"):
+        raise UpcycleError(f"--overwrite replaces a file only when upcycle wrote it as {kind} output, and {out} is "
+                           f"a file of the upcycle {owner} output {out.parent}: replacing it would damage that "
+                           f"output. Choose another file")
     if found is None:
         extra = None if file else foreign_files(out)
         why = (f"it holds files upcycle did not write ({', '.join(extra[:5])})" if extra else
