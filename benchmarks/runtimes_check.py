@@ -212,6 +212,20 @@ def compare(ours: list[dict], theirs: dict, work: Path) -> dict:
             "logit_scale": float(max(np.abs(m["logits"]).max() for m in ours))}
 
 
+def run_llama_cpp(python: Path, files: dict[str, str], f32_cache: list[str], folder: Path) -> dict:
+    """llama.cpp's results for GGUF `files` (case -> path) from benchmarks/llama_cpp_worker.py in the built
+    environment; its request, result and logits are written into `folder`."""
+    request, result = folder / "request.json", folder / "llama_cpp.json"
+    request.write_text(json.dumps({"files": files, "f32_cache": f32_cache, "prompts": PROMPTS,
+                                   "new_tokens": NEW_TOKENS, "threads": os.cpu_count() or 2}))
+    # -I: the worker sees neither the current directory nor PYTHON* variables (it runs nothing of a user's)
+    log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
+                          str(result)], capture_output=True, text=True)
+    if log.returncode:
+        raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
 def check_llama_cpp(work: Path, cache: Path) -> dict:
     from upcycle.export.from_folder import export_folder
 
@@ -231,16 +245,7 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
             if out_type == "f32":            # and again with llama.cpp's KV cache in F32 instead of its F16
                 files[f"{name} {F32_CACHE}"] = str(out / "model.gguf")
         print(f"{name}: converted, referenced and exported in {time.perf_counter() - t:.0f} s", flush=True)
-    request, result = work / "request.json", work / "llama_cpp.json"
-    request.write_text(json.dumps({"files": files, "f32_cache": [k for k in files if k.endswith(F32_CACHE)],
-                                   "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
-                                   "threads": os.cpu_count() or 2}))
-    # -I: the worker sees neither the current directory nor PYTHON* variables (it runs nothing of a user's)
-    log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
-                          str(result)], capture_output=True, text=True)
-    if log.returncode:
-        raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
-    ran = json.loads(result.read_text())
+    ran = run_llama_cpp(python, files, [k for k in files if k.endswith(F32_CACHE)], work)
     for name, case in CASES.items():
         report = json.loads((case_folder(work, name, case) / "upcycle_report.json").read_text())
         # how far the conversion itself is from the dense model (qwen2moe's raw top-k moves it: RAW_TOPK)
@@ -296,18 +301,11 @@ def check_llama_cpp_converter(work: Path, cache: Path) -> dict:
                            "--outtype", "f32"], capture_output=True, text=True, cwd=script.parent)
     if done.returncode:
         return {"converter_exit": done.returncode, "converter_error": done.stderr[-2000:]}
-    request, result = work / "converter" / "request.json", work / "converter" / "llama_cpp.json"
-    request.write_text(json.dumps({"files": {f"{name} converter-f32": str(gguf_file)}, "f32_cache": [],
-                                   "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "threads": os.cpu_count() or 2}))
-    log = subprocess.run([str(python), "-I", str(ROOT / "benchmarks" / "llama_cpp_worker.py"), str(request),
-                          str(result)], capture_output=True, text=True)
-    if log.returncode:
-        raise SystemExit(f"the llama.cpp worker failed:\n{log.stderr[-4000:]}")
-    ran = json.loads(result.read_text())
+    ran = run_llama_cpp(python, {f"{name} converter-f32": str(gguf_file)}, [], gguf_file.parent)
     return {"route": "upcycle export --export-class qwen2_moe (hf), then llama.cpp's convert_hf_to_gguf.py "
                      "--outtype f32", "llama_cpp_python": ran["llama_cpp_python"], "converter_exit": 0,
             "stock_config_tie_word_embeddings": json.loads((stock / "config.json").read_text())["tie_word_embeddings"],
-            "case": name, "file": compare(reference(folder), ran["files"][f"{name} converter-f32"], result.parent)}
+            "case": name, "file": compare(reference(folder), ran["files"][f"{name} converter-f32"], gguf_file.parent)}
 
 
 def check_onnx(work: Path) -> dict:

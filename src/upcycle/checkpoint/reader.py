@@ -30,16 +30,22 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_INDEX_BYTES = 64 * 2**20
 
 
-def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
-    """Refuse NaN or infinite values in a floating-point tensor read from a checkpoint."""
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or infinity (true of a tensor that is not floating point, or on meta)."""
     if not tensor.is_floating_point() or tensor.is_meta:
-        return
+        return True
     if tensor.element_size() < 2:           # float8: torch has no isfinite for it; its values fit float16
         tensor = tensor.to(torch.float16)
     # A sum is finite only if every term is (NaN and infinities propagate through addition), and a sum costs a
     # twentieth of `isfinite(...).all()` on the CPU; a finite tensor whose sum overflows is checked term by term.
-    if not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    """Refuse NaN or infinite values in a floating-point tensor read from a checkpoint."""
+    if not is_finite(tensor):
+        values = tensor.to(torch.float16) if tensor.element_size() < 2 else tensor
+        bad = int((~torch.isfinite(values)).sum())
         raise UpcycleError(f"{where}: tensor {name} holds {bad} NaN or infinite value(s); a model with non-finite "
                            f"weights is refused")
 

@@ -72,11 +72,11 @@ def _module_files(folder: Path, module: dict) -> dict[str, bytes]:
             raise NotCarried(f"{sub}/{entry.name} is a symbolic link (upcycle never reads through a link)")
         if not _regular_file(entry) or not entry.name.endswith(CARRIED_SUFFIXES):
             raise NotCarried(f"{sub}/{entry.name} is not a JSON, text or safetensors file")
-        files[f"{sub}/{entry.name}"] = _read_bounded(entry, MAX_BYTES - budget_used(files))
+        files[f"{sub}/{entry.name}"] = _read_bounded(entry, MAX_BYTES - _held(files))
     return files
 
 
-def budget_used(files: dict[str, bytes]) -> int:
+def _held(files: dict[str, bytes]) -> int:
     return sum(map(len, files.values()))
 
 
@@ -89,10 +89,11 @@ def _read_bounded(path: Path, room: int) -> bytes:
 
 
 def _written_names() -> set[str]:
-    from .ownership import MARKER, MODEL_FILES
+    """The names upcycle gives the files and folders of its outputs (ownership's lists), and the GGUF file."""
+    from .ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES
 
-    return {*MODEL_FILES, MARKER, "log.jsonl", "inputs.json", "checkpoints", "model", "model.gguf",
-            "analysis.json", "comparison.json"}
+    return {*MODEL_FILES, MARKER, *LEGACY_SIGNATURES, *(name for names in GROWING.values() for name in names),
+            "model.gguf"}
 
 
 def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
@@ -119,7 +120,7 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
                              f"a handful; at most {MAX_MODULES} are carried)")
         for module in modules:
             files.update(_module_files(folder, module))
-        if sum(map(len, files.values())) > MAX_BYTES:
+        if _held(files) > MAX_BYTES:
             raise NotCarried(f"its module files hold more than {MAX_BYTES >> 20} MiB")
     except RecursionError:
         warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes (a "

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoint.reader import is_finite
 from ..errors import UpcycleError
 from .gguf_vocab import gguf_vocab
 from .layout import export_config, export_state_dict
@@ -140,7 +141,7 @@ def _check_written(name: str, tensor: torch.Tensor, array: np.ndarray, ggml_type
         written = torch.from_numpy(array)
     else:
         written = torch.from_numpy(dequantize(array, GGMLQuantizationType[ggml_type]))
-    if not bool(torch.isfinite(written).all()):
+    if not is_finite(written):
         largest = float(tensor.detach().abs().max())
         raise UpcycleError(f"GGUF {out_type}: tensor {name} does not fit {ggml_type} (its largest |weight| is "
                            f"{largest:.6g}; float16 holds at most 65,504, also as a quantized block's scale), so "

@@ -84,11 +84,12 @@ def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: 
 
     device = next(model.parameters()).device
     max_length = model.config.text_config.max_position_embeddings
+    rows = embedding_rows(model.config)
     out = []
     with _bar(len(captions), "caption") as bar:
         for start in range(0, len(captions), batch_size):
-            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length,
-                                  embedding_rows(model.config), "held-out captions")
+            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length, rows,
+                                  "held-out captions")
             features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
             out.append(getattr(features, "pooler_output", features).float())
             bar.update(len(out[-1]))

@@ -36,13 +36,13 @@ class CausalLMTask:
         check_sequence_length(model, cfg.sequence_length)
         train_texts, eval_texts = self.texts(cfg, is_default)
         ids, mask = pack_documents(tokenizer, train_texts, cfg.sequence_length)
-        rows = embedding_rows(model.config)
-        check_token_ids(ids, rows, f"training data {cfg.data or '(embedded Wikipedia)'} as tokenized")
+        vocabulary = embedding_rows(model.config)
+        check_token_ids(ids, vocabulary, f"training data {cfg.data or '(embedded Wikipedia)'} as tokenized")
         self.train = PackedBatches(ids, mask, cfg.batch_size, cfg.seed)
         self.eval_rows = None
         if eval_texts:
             ids, mask = pack_documents(tokenizer, eval_texts, cfg.sequence_length)
-            check_token_ids(ids, rows, f"evaluation data {cfg.eval_data or '(embedded Wikipedia)'} as tokenized")
+            check_token_ids(ids, vocabulary, f"evaluation data {cfg.eval_data or '(embedded Wikipedia)'} as tokenized")
             rows = held_out_rows(cfg.eval_tokens, cfg.sequence_length)   # the rows `upcycle eval` reads
             self.eval_rows = (ids[:rows], mask[:rows])
 
