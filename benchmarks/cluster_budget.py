@@ -44,8 +44,8 @@ from upcycle.conversion.pipeline import convert
 from upcycle.core.moe import moe_layers
 from upcycle.core.router import router_logits
 from upcycle.machine import machine
-from upcycle.train.tasks import make_task
-from upcycle.train.trainer import train
+from upcycle.tasks.make import make_task
+from upcycle.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

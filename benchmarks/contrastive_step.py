@@ -33,7 +33,7 @@ import torch
 
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.machine import machine
-from upcycle.train.step import PlainTorch
+from upcycle.training.step import PlainTorch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = ("upcycle_dense", "upcycle_moe", "upcycle_dense_padded", "upcycle_moe_padded", "sentence_transformers")
@@ -70,11 +70,11 @@ def sync(device: torch.device) -> None:
 
 
 def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
-    from upcycle.train.batches_ahead import BatchesAhead
-    from upcycle.train.contrastive import chunk_overhead, lay_out_pairs, pair_loss
-    from upcycle.train.objective import Objective
-    from upcycle.train.optimizer import make_optimizer
-    from upcycle.train.step import train_step
+    from upcycle.tasks.contrastive import chunk_overhead, lay_out_pairs, pair_loss
+    from upcycle.training.batches_ahead import BatchesAhead
+    from upcycle.training.objective import Objective
+    from upcycle.training.optimizer import make_optimizer
+    from upcycle.training.step import train_step
 
     model, _ = encoder("moe" in name, device)
     optimizer = make_optimizer(model, TrainConfig(lr=LR), fused=device.type == "cuda")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from upcycle.data.assets import minilm_path
     from upcycle.data.text_pairs import load_text_pairs
-    from upcycle.train.contrastive import PairBatches
+    from upcycle.tasks.contrastive import PairBatches
 
     torch.manual_seed(0)
     tokenizer = encoder(False, torch.device("cpu"))[1]

@@ -61,7 +61,7 @@ import yaml
 
 from upcycle.cli import main
 from upcycle.machine import machine
-from upcycle.train.run_folder import LOG, read_log
+from upcycle.training.run_folder import LOG, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "contrastive_study"

@@ -73,15 +73,17 @@ def run(*args) -> None:
 
 
 def perturbed_copy(base: Path, folder: Path, seed: int, tensors: dict | None = None) -> None:
-    """A stand-in for a fine-tune of `base` in `folder`: its config, and its weights with N(0, 0.002²) added to
-    every FFN tensor (seeded), so that the experts differ as fine-tunes' do."""
+    """A stand-in for a fine-tune of `base` in `folder`: its config and tokenizer files, and its weights with
+    N(0, 0.002²) added to every FFN tensor (seeded), so that the experts differ as fine-tunes' do."""
     tensors = load_file(str(base / "model.safetensors")) if tensors is None else tensors
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     changed = {k: (v + rng.normal(0, 0.002, v.shape).astype(v.dtype)) if ".mlp." in k else v
                for k, v in tensors.items()}
     save_file(changed, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(base / "config.json", folder / "config.json")
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (base / name).is_file():         # a merge refuses a source whose tokenizer it cannot check
+            shutil.copy(base / name, folder / name)
 
 
 def make_sources(base: Path, work: Path) -> list[tuple[Path, Path]]:

@@ -50,7 +50,7 @@ import statistics
 from pathlib import Path
 
 from upcycle.cli import main
-from upcycle.train.run_folder import LOG, read_log
+from upcycle.training.run_folder import LOG, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "method_study"

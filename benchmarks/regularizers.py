@@ -57,8 +57,8 @@ def machine() -> dict:
 
 def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
     """dpsl forward + backward per (alpha, backend), repetitions interleaved across the backends."""
-    import upcycle.train.dpsl as module
-    from upcycle.train.dpsl import dpsl
+    import upcycle.training.dpsl as module
+    from upcycle.training.dpsl import dpsl
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, experts, generator=g).requires_grad_(True)
@@ -92,8 +92,8 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.conversion.pipeline import upcycle_model
     from upcycle.core.moe import moe_layers
     from upcycle.data.text import wikipedia_split
-    from upcycle.train.objective import Objective
-    from upcycle.train.step import train_step
+    from upcycle.training.objective import Objective
+    from upcycle.training.step import train_step
 
     torch.manual_seed(0)
     model, tokenizer = load_dense("default")
@@ -111,7 +111,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
 
     clock = {"teacher": 0.0, "moe_forward": 0.0}
     if reg.teacher is not None:
-        import upcycle.train.teacher as teacher_module
+        import upcycle.training.teacher as teacher_module
         original = teacher_module.ensemble_output
 
         def timed(*args, **kwargs):
@@ -149,7 +149,7 @@ def uncertain_share(model, teacher, batch: dict, fraction: float = 0.25) -> dict
     against the all-expert ensemble) carried by the `fraction` of tokens with the highest routing entropy,
     against `fraction` (what a random subset carries on average), mean over MoE layers."""
     from upcycle.core.moe import moe_layers
-    from upcycle.train.teacher import ensemble_output
+    from upcycle.training.teacher import ensemble_output
 
     teacher.enabled = False
     seen, shares = {}, []

@@ -7,7 +7,7 @@ and compare with continuing the dense model for the same steps (the compute-matc
     .venv/bin/python benchmarks/tiny_clip.py --quick    # a CI-sized run (as tests/test_clip_protocol.py does)
 
 Metrics on the 359 held-out digits (every 5th image): zero-shot accuracy with class-name prompts, and
-image->text / text->image Recall@1/5 over the distinct captions (upcycle.train.evaluate.clip_metrics).
+image->text / text->image Recall@1/5 over the distinct captions (upcycle.tasks.evaluate.clip_metrics).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from upcycle.config_reader import RECIPES, build, load_recipe
 from upcycle.data.clip_pairs import caption_tokenizer, digits_pairs
 from upcycle.data.tiny_clip import tiny_clip
 from upcycle.files import atomic_directory
-from upcycle.train.trainer import train
+from upcycle.training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 FULL = {"pretrain_steps": 400, "continue_steps": 200, "batch_size": 128}

@@ -1,4 +1,4 @@
-"""Whole-model training speed: one `upcycle train` step (upcycle.train.step.train_step under Accelerate, as the
+"""Whole-model training speed: one `upcycle train` step (upcycle.training.step.train_step under Accelerate, as the
 trainer runs it) on a dense model, on upcycle's MoE of it, and on transformers' stock MoE classes of the same shapes.
 
 Models (random weights; SmolLM2-135M's shapes by default: 30 blocks, D 576, F 1536, 9 heads, 3 KV heads, vocabulary
@@ -37,9 +37,9 @@ from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, Regularize
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.preservation import count_parameters
 from upcycle.machine import machine
-from upcycle.train.objective import Objective
-from upcycle.train.optimizer import make_optimizer
-from upcycle.train.step import train_step
+from upcycle.training.objective import Objective
+from upcycle.training.optimizer import make_optimizer
+from upcycle.training.step import train_step
 
 RESULTS = Path(__file__).parent / "results"
 PRESETS = {  # (layers, hidden, intermediate, heads, kv heads, vocabulary, experts, top-k)

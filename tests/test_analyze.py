@@ -18,7 +18,7 @@ from upcycle.cli import main
 from upcycle.config import CheckConfig
 from upcycle.errors import UpcycleError
 from upcycle.export.from_folder import export_folder
-from upcycle.train.trainer import train
+from upcycle.training.trainer import train
 
 
 def _options(train_txt: Path, held: Path, **kw) -> AnalyzeOptions:

@@ -12,7 +12,7 @@ import torch
 from upcycle.cli import main
 from upcycle.data.clip_pairs import digits_pairs, read_pairs
 from upcycle.errors import UpcycleError
-from upcycle.train.evaluate import recall_at
+from upcycle.tasks.evaluate import recall_at
 
 
 def _summary(capsys) -> dict:

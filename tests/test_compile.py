@@ -80,7 +80,7 @@ def test_upcycle_train_runs_compiled(tiny_lm, tmp_path):
     """`--set compile=true` trains the compiled model; its losses follow the eager run's (compiled kernels round
     differently: 1e-3 relative on a 2-step tiny run covers that, a wrong graph would be far off)."""
     from upcycle.config import TrainConfig
-    from upcycle.train.trainer import train
+    from upcycle.training.trainer import train
 
     _, moe, train_txt, held = tiny_lm
     base = dict(model=str(moe), data=str(train_txt), eval_data=str(held), steps=2, batch_size=4, sequence_length=32,

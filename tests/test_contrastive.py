@@ -21,10 +21,10 @@ from upcycle.data.text_pairs import (
     split_by_document,
 )
 from upcycle.errors import UpcycleError
-from upcycle.train.contrastive import InfoNCE, PairBatches, info_nce, pair_loss
-from upcycle.train.embedding import embed_texts, last_hidden, mean_pool
-from upcycle.train.retrieval import pair_retrieval, retrieval_metrics
-from upcycle.train.task_kind import uses_contrastive
+from upcycle.tasks.contrastive import InfoNCE, PairBatches, info_nce, pair_loss
+from upcycle.tasks.embedding import embed_texts, last_hidden, mean_pool
+from upcycle.tasks.kind import uses_contrastive
+from upcycle.tasks.retrieval import pair_retrieval, retrieval_metrics
 
 WORDS = "the a cat dog bird sat ran flew on under over mat tree roof red blue big small".split()
 
@@ -168,9 +168,9 @@ def test_copy_upcycled_encoder_gives_the_dense_embeddings_and_the_same_retrieval
 def test_train_and_eval_an_upcycled_encoder_with_every_router_regularizer(encoder_pair, tmp_path):
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
-    from upcycle.train.evaluate import evaluate_model
-    from upcycle.train.run_folder import read_log
-    from upcycle.train.trainer import train
+    from upcycle.tasks.evaluate import evaluate_model
+    from upcycle.training.run_folder import read_log
+    from upcycle.training.trainer import train
 
     _, moe, data = encoder_pair
     cfg = build(TrainConfig, {"model": str(moe), "data": str(data), "steps": 3, "batch_size": 8, "lr": 1e-3,
@@ -197,7 +197,7 @@ def test_a_forward_without_negatives_is_refused_before_anything_is_written(encod
     train nothing (loss 0, gradient 0: no in-batch negative): refused, naming why, with OUT left unmade."""
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
-    from upcycle.train.trainer import train
+    from upcycle.training.trainer import train
 
     _, moe, data = encoder_pair
     base = {"model": str(moe), "data": str(data), "steps": 1, "sequence_length": 64, "eval_pairs": 4}

@@ -102,4 +102,4 @@ def test_the_development_page_holds_the_generated_layout_table():
     assert shown == layout().strip(), ("docs/development.md's layout table is not what the code says: "
                                        "regenerate it with `.venv/bin/python tests/layout_table.py --write`")
     assert f"`{Path(__file__).name}`" not in shown          # the table lists src/upcycle, not the tests
-    assert "`train/trainer.py`" in shown and "`probe.py`" in shown
+    assert "`training/trainer.py`" in shown and "`probe.py`" in shown

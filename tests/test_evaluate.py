@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from upcycle.train.evaluate import perplexity
+from upcycle.tasks.evaluate import perplexity
 
 
 def test_perplexity_is_exp_of_the_token_weighted_nll():

@@ -82,7 +82,8 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 # each other; methods,
 # metrics and checkpoint I/O read core; the probe runs models, whole or a block at a time from a checkpoint, and
 # compares their outputs; export (the stock classes) reads checkpoints and checks with the probe; conversion uses those;
-# train uses conversion and checkpoints; analyze loads models and run folders through them and train; compare runs
+# tasks (what a model trains and is evaluated on) read checkpoints and data; training runs the tasks' losses in its
+# loop; analyze loads models and run folders through them; compare runs
 # conversion, training and the metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
     "upcycle.errors": 0,
@@ -93,11 +94,12 @@ LAYERS = {
     "upcycle.probe": 4,
     "upcycle.export": 5,
     "upcycle.conversion": 6,
-    "upcycle.train": 7,
-    "upcycle.analyze": 8,
-    "upcycle.compare": 9,
-    "upcycle.commands": 10,
-    "upcycle.cli": 11, "upcycle": 11,
+    "upcycle.tasks": 7,
+    "upcycle.training": 8,
+    "upcycle.analyze": 9,
+    "upcycle.compare": 10,
+    "upcycle.commands": 11,
+    "upcycle.cli": 12, "upcycle": 12,
 }
 
 
@@ -128,9 +130,9 @@ def test_imports_only_go_down_the_layers():
 
 
 def test_an_upward_import_is_reported():
-    graph = {"upcycle.core.moe": {"upcycle.train.losses"}, "upcycle.train.losses": {"upcycle.core.router"},
+    graph = {"upcycle.core.moe": {"upcycle.training.losses"}, "upcycle.training.losses": {"upcycle.core.router"},
              "upcycle.core.router": set(), "upcycle.data.text": {"upcycle.core.moe"}}
-    assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.train.losses",
+    assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.training.losses",
                                      "upcycle.data.text -> upcycle.core.moe"]
 
 
@@ -144,9 +146,23 @@ def test_the_public_names_resolve_in_a_fresh_interpreter():
             "for name in upcycle.__all__:\n"
             "    assert getattr(upcycle, name) is not None, name\n"
             "from upcycle.core.router import RoutingRecord\n"
-            "assert upcycle.RoutingRecord is RoutingRecord\n")
+            "assert upcycle.RoutingRecord is RoutingRecord\n"
+            # training from Python beside converting: upcycle.train(cfg, out) as upcycle.convert(cfg, out)
+            "from upcycle.training.trainer import train\n"
+            "from upcycle.conversion.pipeline import convert\n"
+            "assert upcycle.train is train and upcycle.convert is convert\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_tasks_and_training_are_two_packages():
+    """What a model trains on (`tasks/`, which analyze and compare use too) and how the loop runs (`training/`)
+    each have a package; no `train/` package remains, and the tasks do not import the training loop's modules."""
+    assert (PACKAGE / "tasks" / "__init__.py").is_file() and (PACKAGE / "training" / "__init__.py").is_file()
+    assert not (PACKAGE / "train").exists()
+    graph = import_graph()
+    assert not [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("upcycle.tasks")
+                for t in targets if t.startswith("upcycle.training")]
 
 
 def _only_imports(tree: ast.Module) -> bool:

@@ -24,7 +24,7 @@ from upcycle.config import MoEConfig, RegularizerConfig
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
 from upcycle.core.moe import MoELayer, padding_mask, real_tokens
-from upcycle.train.objective import Objective
+from upcycle.training.objective import Objective
 
 aten = torch.ops.aten
 # aten operations whose result size or value the host needs: on a GPU each waits for the device

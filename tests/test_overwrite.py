@@ -16,8 +16,8 @@ import pytest
 from conftest import digest, fails, fake_run, train_config
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
-from upcycle.train.run_folder import checkpoints
-from upcycle.train.trainer import train
+from upcycle.training.run_folder import checkpoints
+from upcycle.training.trainer import train
 
 QUIET = ["--quiet"]
 CONVERT = ["--num-experts", "2", "--top-k", "1", "--quiet"]

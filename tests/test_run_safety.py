@@ -18,10 +18,10 @@ import torch
 from conftest import train_config
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
-from upcycle.train import run_state
-from upcycle.train.run_folder import checkpoints
-from upcycle.train.stopping import TrainingStopped
-from upcycle.train.trainer import train
+from upcycle.training import run_state
+from upcycle.training.run_folder import checkpoints
+from upcycle.training.stopping import TrainingStopped
+from upcycle.training.trainer import train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
 
@@ -107,9 +107,9 @@ def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
 
 def _failing_loss(monkeypatch, at_call: int, failure):
     """Make the causal-LM loss return NaN (or raise) on its `at_call`-th call (1-based)."""
-    import upcycle.train.tasks as tasks
+    import upcycle.tasks.causal_lm as causal_lm
 
-    real, calls = tasks.causal_lm_loss, {"n": 0}
+    real, calls = causal_lm.causal_lm_loss, {"n": 0}
 
     def loss(model, batch):
         calls["n"] += 1
@@ -120,7 +120,7 @@ def _failing_loss(monkeypatch, at_call: int, failure):
             return value * failure
         return value
 
-    monkeypatch.setattr(tasks, "causal_lm_loss", loss)
+    monkeypatch.setattr(causal_lm, "causal_lm_loss", loss)
 
 
 def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(tiny_lm, tmp_path, monkeypatch):

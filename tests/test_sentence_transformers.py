@@ -61,8 +61,8 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
     from upcycle.checkpoint.loading import load_model
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
-    from upcycle.train.embedding import embed_texts
-    from upcycle.train.trainer import train
+    from upcycle.tasks.embedding import embed_texts
+    from upcycle.training.trainer import train
 
     _, moe = minilm_moe
     write_pairs(tmp_path / "pairs.jsonl", toy_pairs(64))

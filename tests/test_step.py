@@ -1,4 +1,4 @@
-"""One training step: `upcycle train`'s loop runs `upcycle.train.step.train_step`, the function
+"""One training step: `upcycle train`'s loop runs `upcycle.training.step.train_step`, the function
 a script calls, and both compute the same update; a non-finite step changes nothing."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import upcycle
-import upcycle.train.trainer as trainer
+import upcycle.training.trainer as trainer
 from upcycle.checkpoint.loading import load_tokenizer
 from upcycle.config import RegularizerConfig, TrainConfig
-from upcycle.train.objective import Objective, causal_lm_loss
-from upcycle.train.step import train_step
-from upcycle.train.tasks import make_task
+from upcycle.tasks.causal_lm import causal_lm_loss
+from upcycle.tasks.make import make_task
+from upcycle.training.objective import Objective
+from upcycle.training.step import train_step
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, eesd=0.1, eesd_beta=0.9, aux_free_rate=1e-3)
 

@@ -45,7 +45,7 @@ def test_training_pairs_tokenized_past_the_embedding_are_refused_before_any_forw
     from test_contrastive import tokenizer, toy_pairs, write_pairs
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
-    from upcycle.train.contrastive import ContrastiveTask
+    from upcycle.tasks.contrastive import ContrastiveTask
 
     model, tok = make_tiny("bert"), tokenizer()
     write_pairs(tmp_path / "pairs.jsonl", toy_pairs(32))
@@ -113,7 +113,7 @@ def test_clip_captions_tokenized_past_the_text_embedding_are_refused_at_start_up
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
     from upcycle.data.clip_pairs import caption_tokenizer, load_pairs
-    from upcycle.train.tasks import CLIPTask
+    from upcycle.tasks.clip import CLIPTask
 
     model = make_tiny("clip")
     tok = caption_tokenizer(load_pairs("digits").captions, max_length=32)

@@ -19,10 +19,10 @@ from conftest import upcycle_command
 from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.config_reader import RECIPES
 from upcycle.errors import UpcycleError
-from upcycle.train.freezing import Freezer
-from upcycle.train.run_folder import checkpoints
-from upcycle.train.schedule import lr_factor
-from upcycle.train.trainer import train
+from upcycle.training.freezing import Freezer
+from upcycle.training.run_folder import checkpoints
+from upcycle.training.schedule import lr_factor
+from upcycle.training.trainer import train
 
 BIN = Path(sys.executable).parent
 TIMING = ("tokens_per_s", "seconds")

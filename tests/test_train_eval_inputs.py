@@ -15,8 +15,8 @@ from conftest import make_tiny
 from upcycle.cli import main
 from upcycle.config import RegularizerConfig, TrainConfig
 from upcycle.errors import UpcycleError
-from upcycle.train.evaluate import evaluate_model
-from upcycle.train.trainer import train
+from upcycle.tasks.evaluate import evaluate_model
+from upcycle.training.trainer import train
 
 RUN = ["--steps", "2", "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64"]
 

@@ -85,7 +85,7 @@ def test_eval_of_a_run_reads_the_runs_own_held_out_budget(run, capsys):
 
 
 def test_one_default_budget_for_eval_and_training():
-    from upcycle.train.evaluate import evaluate_model, held_out_rows
+    from upcycle.tasks.evaluate import evaluate_model, held_out_rows
 
     assert TrainConfig().eval_tokens == EVAL_TOKENS
     assert inspect.signature(evaluate_model).parameters["tokens"].default == EVAL_TOKENS
@@ -122,7 +122,7 @@ def test_analyze_run_draws_the_logs_curves(run, tiny_lm, tmp_path):
 def test_a_staged_runs_records_reach_the_tracker_once_it_is_out(tmp_path):
     """Records logged before `start` (a run staged beside the OUT it replaces) are sent, in order, at start."""
     pytest.importorskip("tensorboard", reason="the tensorboard tracker needs tensorboard (the dev extra)")
-    from upcycle.train.trackers import Trackers
+    from upcycle.training.trackers import Trackers
 
     trackers = Trackers("tensorboard", {"lr": 0.1, "train": ["all"], "regularizers": {"z_loss": 0.0}}, enabled=True)
     records = [{"step": 0, "eval": {"perplexity": 9.5, "tokens": 62}},
@@ -150,7 +150,7 @@ def test_report_to_is_checked_before_anything_is_written(tiny_lm, tmp_path, monk
     _, moe, train_txt, _ = tiny_lm
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    from upcycle.train.trainer import train
+    from upcycle.training.trainer import train
 
     with pytest.raises(UpcycleError, match="needs the wandb package"):
         train(TrainConfig(model=str(moe), data=str(train_txt), steps=1, report_to="wandb"), tmp_path / "run")
@@ -166,7 +166,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal(monkeypatch):
     import torch
 
     from conftest import make_tiny
-    from upcycle.train.evaluate import perplexity, progress_bars
+    from upcycle.tasks.evaluate import perplexity, progress_bars
 
     model = make_tiny("llama")
     ids = torch.randint(3, 128, (5, 12), generator=torch.Generator().manual_seed(0))
@@ -185,7 +185,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal(monkeypatch):
 def test_wandb_offline_run_is_written_inside_the_run_folder(tmp_path, monkeypatch):
     """report_to wandb with WANDB_MODE=offline: no network, the run lands in OUT/wandb/ holding the scalars."""
     pytest.importorskip("wandb", reason="report_to wandb needs wandb (optional, not in the dev extra)")
-    from upcycle.train.trackers import Trackers
+    from upcycle.training.trackers import Trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -24,10 +24,10 @@ from upcycle.core.grouped_ffn import SegmentBias, forced_kernel_path
 from upcycle.core.moe import MoELayer, moe_layers, padding_mask, real_positions, real_tokens
 from upcycle.data.length_buckets import bucket_plan, positions_computed
 from upcycle.errors import UpcycleError
-from upcycle.train.batches_ahead import BatchesAhead
-from upcycle.train.contrastive import PairBatches, info_nce, lay_out_pairs, pair_loss
-from upcycle.train.embedding import last_hidden, mean_pool
-from upcycle.train.objective import Objective
+from upcycle.tasks.contrastive import PairBatches, info_nce, lay_out_pairs, pair_loss
+from upcycle.tasks.embedding import last_hidden, mean_pool
+from upcycle.training.batches_ahead import BatchesAhead
+from upcycle.training.objective import Objective
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=1e-3, limoe_local=0.01, limoe_global=0.01, limoe_m=2.0,
                                  dpsl=0.01, eesd=0.5)
@@ -216,7 +216,7 @@ def test_batches_made_ahead_are_the_ones_asked_for_and_errors_come_at_their_step
 
 
 def test_processes_on_one_machine_share_its_cores(monkeypatch):
-    from upcycle.train import accelerator
+    from upcycle.training import accelerator
 
     before = torch.get_num_threads()
     monkeypatch.setattr(accelerator, "usable_cores", lambda: 16)

@@ -4,8 +4,7 @@
     result = upcycle.convert(upcycle.ConvertConfig(model="default", method="copy"), "out/smollm2-moe")
     model = upcycle.load("out/smollm2-moe")          # or AutoModelForCausalLM.from_pretrained, after import upcycle
     upcycle.save(model, "out/copy")                    # model.save_pretrained("out/copy") writes the same format
-    from upcycle.train.trainer import train
-    train(upcycle.TrainConfig(model="out/smollm2-moe", steps=40), "out/train-copy")
+    upcycle.train(upcycle.TrainConfig(model="out/smollm2-moe", steps=40), "out/train-copy")
 
 The names below load on first use, so that `import upcycle` (and the `upcycle` command's start) does not import
 torch and transformers before they are needed.
@@ -22,7 +21,7 @@ _install_auto_classes()
 
 _NAMES = {
     "ConvertConfig": "config", "MoEConfig": "config", "PlacementConfig": "config", "RegularizerConfig": "config",
-    "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.pipeline",
+    "TrainConfig": "config", "UpcycleError": "errors", "convert": "conversion.pipeline", "train": "training.trainer",
     "upcycle_model": "conversion.pipeline", "load": "checkpoint.save_load", "save": "checkpoint.save_load",
     "MoELayer": "core.moe",
     "RoutingRecord": "core.router", "METHODS": "methods",

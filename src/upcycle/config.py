@@ -288,7 +288,7 @@ class ConvertConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FreezeRule:
-    # Parameter groups (see upcycle.train.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
+    # Parameter groups (see upcycle.training.freezing.GROUPS) or glob patterns on parameter names, kept frozen while
     # step < until x steps (until = 1.0: the whole run).
     params: tuple[str, ...]
     until: float = ranged(1.0, 0, 1)

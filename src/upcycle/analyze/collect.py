@@ -8,7 +8,7 @@ forcing on the same rows; `upcycle.probe.compare`, the conversion report's own K
 `snapshot_metrics` turns that into `analysis.layer_metrics` per layer.
 
 An encoder (docs/contrastive.md) predicts no token, so it has no NLL and no output distribution to take a KL
-of: its forward is the hidden-state one its task uses (`upcycle.train.embedding`), one text per row, each batch
+of: its forward is the hidden-state one its task uses (`upcycle.tasks.embedding`), one text per row, each batch
 cut to its longest row, and beside the dense model it reports what its task reads instead: the cosine of each
 text's sentence embedding (mean-pooled, normalized) to the dense encoder's embedding of the same text
 (`embedding_cosine_to_dense`: 1 = the same direction, as a function-preserving conversion gives; retrieval
@@ -31,8 +31,8 @@ from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
 from ..metrics import layer_metrics
 from ..probe import ProbeOutput, compare
-from ..train.embedding import last_hidden, mean_pool, trim
-from ..train.task_kind import is_encoder
+from ..tasks.embedding import last_hidden, mean_pool, trim
+from ..tasks.kind import is_encoder
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -20,8 +20,8 @@ import math
 import sys
 from pathlib import Path
 
-from ..train.run_folder import LOG, read_log
-from ..train.trackers import flatten_numbers
+from ..training.run_folder import LOG, read_log
+from ..training.trackers import flatten_numbers
 
 STEP_SERIES = ("lr", "tokens_per_s", "grad_norm")
 ROUTING_STATS = ("entropy", "load_cov", "dropped")

@@ -2,7 +2,7 @@
 task reads it, and by default the texts of held-out pairs, one data source per kind of text.
 
 An encoder never reads packed documents: each query and each document is one row, [CLS] text [SEP], cut at
-`sequence_length` (`upcycle.train.embedding.tokenize`, the task's own tokenization). `text_rows` makes a
+`sequence_length` (`upcycle.tasks.embedding.tokenize`, the task's own tokenization). `text_rows` makes a
 source's rows that way: its texts in a seeded order until they hold `tokens` real tokens (whole texts, so a
 source may hold a few more), sorted by length so that a batch cut to its longest row runs little padding.
 
@@ -12,7 +12,7 @@ split of the packaged pairs), or every pair of --pairs FILE. Each pair `source` 
 `SOURCE/query` and `SOURCE/document`: a pair source's queries are its own kind of text (WordNet lemmas, usage
 examples, headings, sentences), but its documents may be another source's too (the two WordNet sources share
 their definitions), and a text labelled with two sources would blur the specialization score. So a document
-shared by several sources counts for the first that names it (as `upcycle.train.retrieval.relevance` does
+shared by several sources counts for the first that names it (as `upcycle.tasks.retrieval.relevance` does
 for queries), and a source left without texts is dropped.
 """
 
@@ -29,13 +29,13 @@ from ..core.architectures import find_family
 from ..data.source_texts import SourceRows
 from ..data.text_pairs import TextPairs, load_text_pairs, read_text_pairs
 from ..errors import UpcycleError
-from ..train.embedding import tokenize
-from ..train.run_folder import INPUTS
+from ..tasks.embedding import tokenize
+from ..training.run_folder import INPUTS
 
 
 def is_encoder_folder(folder: str | Path) -> bool:
     """Whether an upcycle folder's base model is an encoder (a family that attends both ways, not configured as
-    a decoder: `upcycle.train.task_kind.is_encoder` on the config alone); False for any other folder."""
+    a decoder: `upcycle.tasks.kind.is_encoder` on the config alone); False for any other folder."""
     if not (Path(folder) / MOE_CONFIG).is_file():
         return False
     config = base_config(folder)

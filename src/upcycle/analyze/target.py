@@ -36,8 +36,8 @@ from ..checkpoint.upcycle_format import MOE_CONFIG
 from ..core.stock_moe import is_stock_moe
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
-from ..train.run_folder import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
-from ..train.run_state import MANIFEST, step_of
+from ..training.run_folder import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
+from ..training.run_state import MANIFEST, step_of
 
 REPORT = "upcycle_report.json"
 

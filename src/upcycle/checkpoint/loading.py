@@ -6,7 +6,7 @@
   stock MoE checkpoint (`--export hf`)           -> transformers' own class, as it is (`upcycle.core.stock_moe`)
 
 `load_model` picks among them for `train` and `eval` (which task a model then trains on is
-`upcycle.train.task_kind`'s question); `check_sequence_length` refuses rows longer than a learned position table.
+`upcycle.tasks.kind`'s question); `check_sequence_length` refuses rows longer than a learned position table.
 
 A model folder from someone else is data, never code, and never a way out of itself: every transformers load
 here passes `trust_remote_code=False` (a folder whose config asks for its own Python is refused, whatever stdin

@@ -45,7 +45,7 @@ def run_defaults(run: Path) -> dict:
     run or whose records do not read."""
     import yaml
 
-    from ..train.run_folder import INPUTS, RUN_CONFIG
+    from ..training.run_folder import INPUTS, RUN_CONFIG
 
     try:
         saved = yaml.safe_load((run / RUN_CONFIG).read_text())
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..checkpoint.folders import Input, claim_output, inputs
     from ..core.devices import resolve_device
     from ..data.model_names import model_inputs
-    from ..train.evaluate import evaluate_model
+    from ..tasks.evaluate import evaluate_model
 
     if args.quiet:
         quiet_transformers()

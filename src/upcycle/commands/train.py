@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.resume and args.config is None:   # the run's own config, with any flags on top (which must agree)
-        from ..train.run_folder import saved_config
+        from ..training.run_folder import saved_config
 
         data = saved_config(Path(args.out))
     else:
@@ -69,7 +69,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from ..train.trainer import train
+    from ..training.trainer import train
 
     cfg = train_config(args)
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,

@@ -22,10 +22,10 @@ from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
 from ..files import atomic_write_text, json_text
-from ..train.run_folder import LOG, checkpoints, read_log
-from ..train.run_state import newest_complete
-from ..train.tasks import make_task
-from ..train.trainer import train
+from ..tasks.make import make_task
+from ..training.run_folder import LOG, checkpoints, read_log
+from ..training.run_state import newest_complete
+from ..training.trainer import train
 from .diagnostics import diagnose, held_out_batches
 from .plan import Cell, Plan
 from .request import DENSE

@@ -23,7 +23,7 @@ from torch import nn
 from ..core.modes import eval_mode
 from ..core.moe import moe_layers
 from ..metrics import layer_metrics
-from ..train.embedding import trim
+from ..tasks.embedding import trim
 
 DIAGNOSTIC_TOKENS = 2048       # causal LM: held-out tokens (whole rows)
 DIAGNOSTIC_PAIRS = 256         # CLIP: held-out image-caption pairs
@@ -33,7 +33,7 @@ SCALARS = ("expert_similarity", "diversity", "output_similarity", "routing_entro
 
 
 def held_out_batches(task) -> list[dict[str, torch.Tensor]]:
-    """The fixed held-out inputs of a training task (`upcycle.train.tasks`): [] when it has none."""
+    """The fixed held-out inputs of a training task (`upcycle.tasks`): [] when it has none."""
     if task.name == "clip":
         if task.held is None:
             return []

@@ -88,7 +88,7 @@ class Plan:
 def task_of_model(model: str) -> str:
     """The task the dense model trains on, from its config alone (no weights read): its family's (CLIP), else
     contrastive for an encoder (a family that attends both ways, not configured as a decoder: what
-    `upcycle.train.task_kind.is_encoder` says of the loaded model), else next tokens."""
+    `upcycle.tasks.kind.is_encoder` says of the loaded model), else next tokens."""
     _, config = dense_config(model)
     family = family_of(config)
     if family.task_of(config) is None and family.bidirectional and not getattr(config, "is_decoder", False):

@@ -3,7 +3,7 @@ training pairs, tokenized as the contrastive task tokenizes them.
 
 A pair file is no calibration text (the converter would read its JSON lines as documents of prose), and an
 encoder never sees packed documents: it reads one query or one document per row, with its special tokens
-([CLS] text [SEP]), cut at the run's `sequence_length` (`upcycle.train.contrastive.PairBatches`). So the
+([CLS] text [SEP]), cut at the run's `sequence_length` (`upcycle.tasks.contrastive.PairBatches`). So the
 calibration is the distinct queries and documents of the training split (`load_text_pairs(data, eval_data)[0]`:
 never a held-out text), in a seeded order (seed 0, so one file serves every seed of a study), taken until they
 hold `calibration.tokens` real tokens (the largest budget of the plan's cells; a cell with a smaller one
@@ -79,7 +79,7 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
 
     from ..checkpoint.loading import dense_config, load_tokenizer
     from ..data.text_pairs import load_text_pairs
-    from ..train.embedding import tokenize
+    from ..tasks.embedding import tokenize
 
     if spec.path.is_file():
         with safe_open(str(spec.path), framework="pt") as f:

@@ -84,7 +84,7 @@ class Family:
     auto_class: str = "AutoModelForCausalLM"
     # the outputs the preservation check compares, in order of preference: the first one the model returns counts
     outputs: tuple[tuple[str, bool], ...] = LM_OUTPUTS
-    # model types that train on another task than next-token prediction (`upcycle.train.tasks.TASKS`)
+    # model types that train on another task than next-token prediction (`upcycle.tasks.kind`)
     tasks_by_type: dict[str, str] | None = None
     # attends both ways: a language-model head of it predicts the next token only when configured as a decoder
     bidirectional: bool = False

@@ -28,3 +28,26 @@ def resolve_device(setting: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UpcycleError(f"device {setting!r}: torch sees {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def pin_tensors(value):
+    """`value` with every tensor in it page-locked (dicts and lists walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory()
+    if isinstance(value, dict):
+        return {k: pin_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pin_tensors(v) for v in value]
+    return value
+
+
+def to_device(value, device: torch.device):
+    """`value` with every tensor in it on `device` (dicts and lists walked); page-locked tensors are copied
+    without waiting for the device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=value.is_pinned())
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    return value

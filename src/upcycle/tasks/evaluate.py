@@ -22,7 +22,7 @@ from ..config import EVAL_TOKENS
 from ..core.modes import eval_mode
 
 # The label of the bar the evaluations in progress show (None: no bar). A context variable rather than an argument
-# so that a task's `evaluate(model)` (`upcycle.train.tasks`, a task someone adds) shows one without passing it on.
+# so that a task's `evaluate(model)` (`upcycle.tasks`, a task someone adds) shows one without passing it on.
 _BAR_LABEL: ContextVar[str | None] = ContextVar("upcycle_eval_bar", default=None)
 
 
@@ -181,7 +181,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     model, tokenizer = load_model(name)
     model.to(target)
     from .contrastive import evaluate_encoder
-    from .task_kind import model_task
+    from .kind import model_task
 
     task = model_task(model, task)
     if task == "contrastive":      # encoders: retrieval on text pairs (`pairs`: how many)

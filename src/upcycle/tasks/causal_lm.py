@@ -1,13 +1,6 @@
-"""Training tasks: how a model and a data source become batches, a task loss and an evaluation.
-
-- causal_lm: next-token cross-entropy on packed documents (`data.pack_documents`), padding masked; evaluated by
-  held-out perplexity.
-- clip: symmetric InfoNCE with CLIP's learned temperature, L = (L_I->T + L_T->I) / 2 (docs/methods.md §3), computed by
-  transformers' CLIPModel over the batch; evaluated by zero-shot classification and retrieval. The two towers are
-  separate backbones, so each MoE layer sees one modality and its router losses are per modality (CLIP-UP).
-- contrastive: text encoders (BERT family) on query-document pairs, symmetric in-batch InfoNCE of mean-pooled
-  embeddings; evaluated by retrieval (`upcycle.train.contrastive`).
-"""
+"""The causal-LM task: next-token cross-entropy on packed documents (`data.packing.pack_documents`), padding and
+-100 labels masked; evaluated by held-out perplexity (`tasks.evaluate.perplexity`). Its text defaults to the
+embedded Wikipedia corpus for the embedded SmolLM2 and folders converted from it."""
 
 from __future__ import annotations
 
@@ -18,13 +11,19 @@ from torch import nn
 
 from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
-from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
-from ..data.packing import PackedBatches, SeededBatches, pack_documents
+from ..data.packing import PackedBatches, pack_documents
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
-from .evaluate import clip_metrics, held_out_rows, perplexity
-from .objective import causal_lm_loss
-from .task_kind import model_task
+from .evaluate import held_out_rows, perplexity
+
+
+def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored."""
+    labels, mask = batch.get("labels"), batch.get("attention_mask")
+    if labels is None:      # a batch without a mask is all real tokens
+        labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, labels=labels).loss
 
 
 class CausalLMTask:
@@ -81,42 +80,6 @@ class CausalLMTask:
         return perplexity(model, *self.eval_rows, batch_size=8)
 
 
-class CLIPTask:
-    name = "clip"
-
-    def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer) -> None:
-        if tokenizer is None:
-            raise UpcycleError("CLIP training needs the model's caption tokenizer (none found next to the model; "
-                               "`upcycle tiny-clip` writes one)")
-        self.tokenizer = tokenizer
-        self.max_length = model.config.text_config.max_position_embeddings
-        self.image_size = model.config.vision_config.image_size
-        self.patches = (self.image_size // model.config.vision_config.patch_size) ** 2 + 1
-        train = load_pairs(cfg.data, split="train")
-        self.rows = embedding_rows(model.config)
-        self.train = SeededBatches(self.encode(train, f"image-caption pairs {cfg.data or '(digits)'}"),
-                                   cfg.batch_size, cfg.seed)
-        self.held = None
-        if cfg.eval_data is not None or cfg.data in (None, "digits"):
-            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout")
-
-    def encode(self, pairs, where: str = "captions") -> dict[str, torch.Tensor]:
-        return {**encode_captions(self.tokenizer, pairs.captions, self.max_length, self.rows, where),
-                "pixel_values": pixel_values(pairs.images, self.image_size)}
-
-    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(**batch, return_loss=True).loss
-
-    def tokens(self, batch: dict) -> int:
-        """Text tokens plus image patches (+ class token) that went through the towers."""
-        return int(batch["attention_mask"].sum()) + batch["pixel_values"].shape[0] * self.patches
-
-    def evaluate(self, model: nn.Module) -> dict | None:
-        if self.held is None:
-            return None
-        return clip_metrics(model, self.tokenizer, self.held, batch_size=256)
-
-
 def from_embedded_model(name: str) -> bool:
     """Whether `name` is the embedded SmolLM2 or a folder converted from it (its run_config.yaml says so), so
     that the embedded Wikipedia corpus is its default text."""
@@ -134,14 +97,3 @@ def from_embedded_model(name: str) -> bool:
     except yaml.YAMLError:
         return False
     return isinstance(saved, dict) and saved.get("model") in DEFAULT_MODEL_NAMES
-
-
-def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
-    from .contrastive import ContrastiveTask
-
-    kind = model_task(model, cfg.task)
-    if kind == "contrastive":        # encoders: text pairs (upcycle.train.contrastive)
-        return ContrastiveTask(cfg, model, tokenizer)
-    if kind == "clip":
-        return CLIPTask(cfg, model, tokenizer)
-    return CausalLMTask(cfg, model, tokenizer, is_default=from_embedded_model(cfg.model))

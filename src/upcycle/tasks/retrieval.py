@@ -8,7 +8,7 @@ first one found counts). A query without any relevant candidate is refused.
 
 `pair_retrieval` evaluates an encoder on held-out pairs: distinct query texts against distinct document texts;
 a document is relevant to a query when some pair joins them, so repeated texts are one candidate rather than
-ties that split the ranks (as `upcycle.train.evaluate.clip_metrics` does for captions).
+ties that split the ranks (as `upcycle.tasks.evaluate.clip_metrics` does for captions).
 Shape suffixes: Q queries, C candidates.
 """
 

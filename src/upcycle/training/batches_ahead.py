@@ -12,31 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
-
-def pin_tensors(value):
-    """`value` with every tensor in it page-locked (dicts and lists walked)."""
-    if isinstance(value, torch.Tensor):
-        return value.pin_memory()
-    if isinstance(value, dict):
-        return {k: pin_tensors(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [pin_tensors(v) for v in value]
-    return value
-
-
-def to_device(value, device: torch.device):
-    """`value` with every tensor in it on `device` (dicts and lists walked); page-locked tensors are copied
-    without waiting for the device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=value.is_pinned())
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_device(v, device) for v in value]
-    return value
-
 
 class BatchesAhead:
     """`get(step)` returns `make(step)`, made in a worker thread while the step before ran; `end` bounds what is

@@ -1,6 +1,6 @@
 """Where a run computes: the Accelerator (one process, DDP, or FSDP2; DeepSpeed and Megatron refused), and the
 model, optimizer and schedule put on it. Under FSDP the model is sharded first (on CPU processes here with
-`upcycle.train.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
+`upcycle.training.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
 regularizers take its sharded parameters, so the EMA teacher copies each process's shard."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def make_accelerator(cfg: TrainConfig):
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
     if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
-        # upcycle.train.run_state writes whole state gathered by upcycle.train.sharding (FSDP2); these engines
+        # upcycle.training.run_state writes whole state gathered by upcycle.training.sharding (FSDP2); these engines
         # shard differently, and a checkpoint that resumes wrong is worse than none
         raise UpcycleError(f"`upcycle train` runs on one process, DDP or FSDP2; "
                            f"{accelerator.distributed_type.name} is not supported")

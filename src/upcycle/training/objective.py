@@ -5,7 +5,7 @@
 Router losses are read from each MoE layer's `last_record` (docs/design.md principle 3: no model forward is
 rewritten); coefficients come from `RegularizerConfig` (docs/methods.md §3 gives each paper's values). The stateful
 parts, the EMA teacher (EESD) and the aux-free selection bias, are updated after the optimizer step
-(`after_optimizer_step`). The one training step that uses this objective is `upcycle.train.step.train_step`.
+(`after_optimizer_step`). The one training step that uses this objective is `upcycle.training.step.train_step`.
 """
 
 from __future__ import annotations
@@ -70,15 +70,6 @@ def router_losses(model: nn.Module, cfg: RegularizerConfig, *, groups: torch.Ten
         for name, fn in enabled:
             terms.setdefault(name, []).append(fn(record, record.mask_T, g, cfg))
     return {name: torch.stack(values).mean() for name, values in terms.items()}
-
-
-def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored."""
-    labels, mask = batch.get("labels"), batch.get("attention_mask")
-    if labels is None:      # a batch without a mask is all real tokens
-        labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return model(**inputs, labels=labels).loss
 
 
 class Objective:

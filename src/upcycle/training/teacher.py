@@ -7,7 +7,7 @@ the teacher runs all experts densely under no-grad: y_ens(x) = sum_i g_i^ema(x) 
 experts, so that a student with top-k = E matches it exactly), with the EMA router's full softmax. Each layer's
 loss `losses.eesd` = (1/T) sum_x ||sg(y_ens(x)) - y_moe(x)||^2 over real tokens; `loss()` averages the layers.
 
-Under FSDP (`upcycle.train.sharding`) the student's parameters are shards, and so are the teacher's: each process
+Under FSDP (`upcycle.training.sharding`) the student's parameters are shards, and so are the teacher's: each process
 keeps the float32 EMA of its own part (the update needs no communication), and a layer's teacher is gathered whole
 only while it runs, one layer at a time.
 

@@ -16,7 +16,7 @@ A checkpoint is complete when its manifest exists and every file has the recorde
 skips (and names) the ones that are not, so a torn write falls back to the previous checkpoint.
 
 The state is whole whatever wrote it: one process, DDP (every process holds all of it), or FSDP (gathered by
-`upcycle.train.sharding` and written by the main process in the same files). So a checkpoint resumes on the
+`upcycle.training.sharding` and written by the main process in the same files). So a checkpoint resumes on the
 same number of processes or fewer, sharded or not; every process needs the RNG state its rank wrote.
 """
 

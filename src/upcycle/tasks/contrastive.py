@@ -2,7 +2,7 @@
 
 Each step takes B (query, document) pairs, runs the 2B texts through the encoder in ONE forward (so every MoE
 layer's routing record, which the router losses, EESD and DPSL read, covers the whole batch), mean-pools the last
-hidden states over the attention mask (`upcycle.train.embedding`, as sentence-transformers does for
+hidden states over the attention mask (`upcycle.tasks.embedding`, as sentence-transformers does for
 all-MiniLM-L6-v2), normalizes, and scores s_ij = cos(q_i, d_j) / tau. The loss is symmetric InfoNCE (CLIP,
 Radford et al. 2021, eq. in docs/methods.md §3; CLIP-UP trains its text tower with it):
 
@@ -30,6 +30,7 @@ from torch import nn
 
 from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
+from ..core.devices import pin_tensors, to_device
 from ..core.moe import joined_records, real_positions, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
@@ -37,7 +38,6 @@ from ..data.text_pairs import TextPairs, load_text_pairs
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..data.token_lists import token_lists
 from ..errors import UpcycleError
-from .batches_ahead import pin_tensors, to_device
 from .embedding import attention_for_many_shapes, last_hidden, mean_pool, tokenize
 from .retrieval import pair_retrieval
 

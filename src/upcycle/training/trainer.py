@@ -24,16 +24,16 @@ from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
+from ..tasks.evaluate import progress_bars
+from ..tasks.make import make_task
 from .accelerator import make_accelerator, own_forward, prepare
 from .batches_ahead import BatchesAhead
 from .checkpointer import Checkpointer, finite_parameters
-from .evaluate import progress_bars
 from .freezing import Freezer
 from .run_folder import LOG, RunFolder, check_request, checkpoints, finished_run, resume_point, train_inputs
 from .run_log import RunLog
 from .step import StepResult, any_process, micro_batches, train_step
 from .stopping import StopFlag, TrainingStopped, check_skip
-from .tasks import make_task
 from .trackers import Trackers, check_available
 
 

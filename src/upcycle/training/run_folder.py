@@ -1,7 +1,7 @@
 """A training run's folder OUT, and what a run may and may not do to it (docs/training.md, "What `--overwrite`
 and `--resume` may and may not do"):
 
-  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.train.run_state`)   model/
+  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.training.run_state`)   model/
 
 - A new run is checked before anything is written (`check_fresh_out`: OUT is not an input, does not hold one,
   is not the current directory; an existing run needs --resume or --overwrite).
@@ -42,7 +42,7 @@ RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every", "repo
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.train.run_state.problem`)."""
+    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.training.run_state.problem`)."""
     folder = out / CHECKPOINTS
     return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
 

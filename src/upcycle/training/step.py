@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batches_ahead import to_device
+from ..core.devices import to_device
+from ..tasks.causal_lm import causal_lm_loss
 from .freezing import Freezer
-from .objective import Objective, causal_lm_loss
+from .objective import Objective
 
 
 @dataclass
