@@ -72,14 +72,14 @@ def child_convert(method: str, tokens: int) -> dict:
 @torch.no_grad()
 def child_naive(tokens: int) -> dict:
     from upcycle.checkpoint.loading import load_dense
-    from upcycle.config import PlacementConfig
+    from upcycle.config import CalibrationConfig, PlacementConfig
     from upcycle.conversion.calibration import text_batches
     from upcycle.core.surgery import plan_targets
     from upcycle.data.text import wikipedia_split
 
     t = time.perf_counter()
     model, tokenizer = load_dense("default")
-    batches = text_batches(tokenizer, wikipedia_split()[0], tokens=tokens)
+    batches = text_batches(tokenizer, wikipedia_split()[0], CalibrationConfig(tokens=tokens))
     targets = plan_targets(model, PlacementConfig(every=2))
     kept: dict[str, list[torch.Tensor]] = {t.name: [] for t in targets}
     mask = {}

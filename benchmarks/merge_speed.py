@@ -63,7 +63,7 @@ def forward_seconds(config: Path) -> None:
     from upcycle.checkpoint.loading import load_tokenizer
     from upcycle.config import ConvertConfig
     from upcycle.config_reader import build
-    from upcycle.conversion.calibration import Reservoir, first_block_inputs, join_batches, replay_block
+    from upcycle.conversion.calibration import Capture, Reservoir, first_block_inputs, join_batches, replay_block
     from upcycle.conversion.merge import needed_groups, source_batches
     from upcycle.data.assets import default_model_path
     from upcycle.methods import get_method
@@ -87,9 +87,9 @@ def forward_seconds(config: Path) -> None:
         states = [first_block_inputs(model, {"text": blocks}, [j.batch for j in js])["text"] for js in joined]
         for block in blocks:
             for js, group_states in zip(joined, states, strict=True):
-                replay_block(block, group_states, [j.batch["attention_mask"] for j in js], block.mlp,
-                             Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(0)),
-                             rows=[j.rows for j in js], padding_skips=block.mlp)
+                sampler = Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(0))
+                replay_block(block, group_states, [j.batch["attention_mask"] for j in js],
+                             Capture(block.mlp, sampler, [j.rows for j in js]), padding_skips=block.mlp)
 
     def seconds(run) -> float:
         t = time.perf_counter()

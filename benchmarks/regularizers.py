@@ -86,7 +86,7 @@ def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
 
 def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.checkpoint.loading import load_dense
-    from upcycle.config import ConvertConfig, RegularizerConfig
+    from upcycle.config import CalibrationConfig, ConvertConfig, RegularizerConfig
     from upcycle.config_reader import build
     from upcycle.conversion.calibration import text_batches
     from upcycle.conversion.pipeline import upcycle_model
@@ -100,8 +100,8 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     upcycle_model(model, build(ConvertConfig, {"method": "drop", "moe": {"num_experts": 8, "top_k": 2},
                                                "placement": {"every": 2}}), progress=False)
     rows = tokens // ROWS
-    batches = [b for b in text_batches(tokenizer, wikipedia_split()[0], tokens=tokens * (steps + 1),
-                                       sequence_length=ROWS, batch_size=rows, seed=0)
+    batches = [b for b in text_batches(tokenizer, wikipedia_split()[0], CalibrationConfig(
+                                           tokens=tokens * (steps + 1), sequence_length=ROWS, batch_size=rows), seed=0)
                if b["input_ids"].shape == (rows, ROWS)][: steps + 1]
     reg_cfg = {"plain": RegularizerConfig(),
                "eesd": RegularizerConfig(eesd=1.0),

@@ -27,7 +27,7 @@ from upcycle.config import TrainConfig
 from upcycle.config_reader import RECIPES, build, load_recipe
 from upcycle.data.clip_pairs import caption_tokenizer, digits_pairs
 from upcycle.data.tiny_clip import tiny_clip
-from upcycle.files import atomic_directory
+from upcycle.outputs.staging import atomic_directory
 from upcycle.training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"

@@ -179,7 +179,7 @@ def test_save_pretrained_refuses_a_path_it_cannot_fill_before_writing(tiny_lm, t
 def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_command(tiny_lm, tmp_path, capsys):
     """What a run killed at once (SIGKILL: no clean-up) leaves: its marker, config, inputs and an empty log. The
     same command starts it again; --resume says there is nothing to resume and what to do."""
-    from upcycle.checkpoint.ownership import GROWING, write_marker
+    from upcycle.outputs.ownership import GROWING, write_marker
 
     _, moe, train, _ = tiny_lm
     out, finished = tmp_path / "run", tmp_path / "finished"

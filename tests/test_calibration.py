@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny
 from upcycle.config import CalibrationConfig, ConvertConfig, PlacementConfig
 from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_groups
-from upcycle.conversion.calibration import Reservoir, join_batches, text_batches
+from upcycle.conversion.calibration import Capture, Reservoir, join_batches, text_batches
+from upcycle.conversion.orchestrator import BlockSource
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.architectures import family_of, find_tower_layers
 from upcycle.core.surgery import plan_targets
@@ -64,9 +65,14 @@ def capture(model, targets, batches, *, budget: int, seed: int = 0, on_block=Non
             on_block(visit.target)
         return None, None
 
-    convert_blocks(model, family_of(model.config), targets, method_groups(cfg, None, batches), record,
-                   before_block=lambda path, block: None, after_block=lambda visit, block, built: None,
-                   progress=False)
+    class Recording(BlockSource):           # a model held whole, its layers recorded, none built
+        def __init__(self) -> None:
+            self.model = model
+
+        def layer_builder(self):
+            return record
+
+    convert_blocks(Recording(), targets, method_groups(cfg, None, batches), progress=False)
     return got
 
 
@@ -137,7 +143,7 @@ def test_replaying_without_the_output_leaves_the_states_and_records_the_same_row
             states = first_block_inputs(model, {"text": model.model.layers}, batches)["text"]
             before = [s.hidden.clone() for s in states]
             reservoir = Reservoir(10_000, torch.Generator().manual_seed(0))
-            replay_block(block, states, masks, block.mlp, reservoir, output_needed=output_needed)
+            replay_block(block, states, masks, Capture(block.mlp, reservoir), output_needed=output_needed)
             kept.append(reservoir.sample())
             same = all(torch.equal(s.hidden, b) for s, b in zip(states, before, strict=True))
             assert same is (not output_needed)
@@ -194,8 +200,9 @@ class CharTokenizer:
 
 
 def test_text_batches_cut_documents_into_padded_rows():
+    shape = CalibrationConfig(tokens=60, sequence_length=10, batch_size=2)
     docs = ["a" * 25, "b" * 7, "c" * 40]
-    batches = text_batches(CharTokenizer(), docs, tokens=60, sequence_length=10, batch_size=2, seed=0)
+    batches = text_batches(CharTokenizer(), docs, shape, seed=0)
     rows = [ids[m.bool()].tolist() for b in batches
             for ids, m in zip(b["input_ids"], b["attention_mask"], strict=True)]
     assert sum(map(len, rows)) >= 60 and all(1 <= len(r) <= 10 for r in rows)
@@ -204,10 +211,10 @@ def test_text_batches_cut_documents_into_padded_rows():
         m = b["attention_mask"]
         assert torch.equal(m, m.sort(dim=1, descending=True).values)
         assert (b["input_ids"][m == 0] == 2).all()
-    again = text_batches(CharTokenizer(), docs, tokens=60, sequence_length=10, batch_size=2, seed=0)
+    again = text_batches(CharTokenizer(), docs, shape, seed=0)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(batches, again, strict=True))
     with pytest.raises(UpcycleError):
-        text_batches(CharTokenizer(), docs, tokens=0)
+        text_batches(CharTokenizer(), docs, CalibrationConfig(tokens=0))
 
 
 def test_a_data_aware_method_refuses_empty_calibration():
@@ -253,8 +260,8 @@ def _replay_rows(model, batches, *, join: bool, skip_padding: bool, budget: int 
         states = first_block_inputs(model, {"text": model.model.layers}, [j.batch for j in joined])["text"]
         reservoir = Reservoir(budget, torch.Generator().manual_seed(0))
         for i, block in enumerate(model.model.layers[:2]):
-            replay_block(block, states, masks, block.mlp if i == 1 else None, reservoir if i == 1 else None,
-                         rows=[j.rows for j in joined], padding_skips=block.mlp if skip_padding else None)
+            capture = Capture(block.mlp, reservoir, [j.rows for j in joined]) if i == 1 else None
+            replay_block(block, states, masks, capture, padding_skips=block.mlp if skip_padding else None)
     out = torch.cat([s.hidden[m.bool()] for s, m in zip(states, masks, strict=True)])
     return reservoir.sample(), reservoir.seen, out
 

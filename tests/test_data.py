@@ -48,6 +48,7 @@ def test_documents_longer_than_the_model_are_cut_into_rows_without_the_tokenizer
     the specified maximum" warning would be false, and is not logged."""
     from transformers.tokenization_utils_base import logger
 
+    from upcycle.config import CalibrationConfig
     from upcycle.conversion.calibration import text_batches
     from upcycle.data.clip_pairs import caption_tokenizer
 
@@ -58,7 +59,7 @@ def test_documents_longer_than_the_model_are_cut_into_rows_without_the_tokenizer
     tokenizer.deprecation_warnings.clear()                         # the warning is logged once per tokenizer
     ids, mask = pack_documents(tokenizer, [document], sequence_length=32)
     assert int(mask.sum()) == 121 and ids.shape == (4, 32)
-    batches = text_batches(tokenizer, [document], tokens=120, sequence_length=32, batch_size=2)
+    batches = text_batches(tokenizer, [document], CalibrationConfig(tokens=120, sequence_length=32, batch_size=2))
     assert sum(int(b["attention_mask"].sum()) for b in batches) == 120
     assert warned == []
     tokenizer(document)                                            # the check can see the warning it guards

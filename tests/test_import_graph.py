@@ -78,16 +78,15 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 
 
 # The layering (docs/design.md): a module imports only its own sub-package and the layers below it. The leaves
-# (version, config, files) know only the error type; core, data and figures (drawn from dicts) are independent of
-# each other; methods,
-# metrics and checkpoint I/O read core; the probe runs models, whole or a block at a time from a checkpoint, and
-# compares their outputs; export (the stock classes) reads checkpoints and checks with the probe; conversion uses those;
-# tasks (what a model trains and is evaluated on) read checkpoints and data; training runs the tasks' losses in its
-# loop; analyze loads models and run folders through them; compare runs
-# conversion, training and the metrics cell by cell; the commands and the CLI are on top.
+# (config, files, outputs) know only the error type and the version; core, data and figures (drawn from dicts)
+# are independent of each other; methods, metrics and checkpoint I/O read core; the probe runs models, whole or a
+# block at a time from a checkpoint, and compares their outputs; export (the stock classes) reads checkpoints and
+# checks with the probe; conversion uses those; tasks (what a model trains and is evaluated on) read checkpoints
+# and data; training runs the tasks' losses in its loop; analyze loads models and run folders through them;
+# compare runs conversion, training and the metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
-    "upcycle.errors": 0,
-    "upcycle.version": 1, "upcycle.config": 1, "upcycle.files": 1,
+    "upcycle.errors": 0, "upcycle.version": 0,
+    "upcycle.config": 1, "upcycle.files": 1, "upcycle.outputs": 1,
     "upcycle.core": 2, "upcycle.data": 2, "upcycle.machine": 2, "upcycle.config_table": 2, "upcycle.figures": 2,
     "upcycle.config_reader": 2,
     "upcycle.methods": 3, "upcycle.metrics": 3, "upcycle.checkpoint": 3,

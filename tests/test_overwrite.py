@@ -173,7 +173,7 @@ def test_overwrite_never_goes_through_a_symbolic_link(lm, tmp_path, capsys):
 
 
 def test_a_second_run_into_the_same_output_is_refused_never_mixed(lm, tmp_path, capsys):
-    from upcycle.checkpoint.folders import claim_output, lock_path
+    from upcycle.outputs.claims import claim_output, lock_path
 
     dense, moe, train, _ = lm
     out = tmp_path / "out"
@@ -236,7 +236,7 @@ def test_an_older_upcycle_folder_is_replaced_only_with_the_shards_its_index_name
 
 def test_the_output_claim_refuses_before_anything_exists(tmp_path):
     """The checks come before the lock and before any folder is made: a refused claim leaves nothing."""
-    from upcycle.checkpoint.folders import claim_output, inputs
+    from upcycle.outputs.claims import claim_output, inputs
 
     data = tmp_path / "data.txt"
     data.write_text("text")

@@ -386,7 +386,7 @@ def test_the_corpus_is_refused_with_one_line_and_changes_nothing(case, sandbox, 
 
 
 def test_the_one_writer_lock_refuses_a_second_run(sandbox, capsys, monkeypatch):
-    from upcycle.checkpoint.folders import claim_output
+    from upcycle.outputs.claims import claim_output
 
     with claim_output(sandbox / "out", kind="convert"):
         refused(sandbox, ["convert", "dense", "out", *SMALL], capsys, monkeypatch, "being written by another")

@@ -168,3 +168,37 @@ def test_probe_text_for_a_vision_model_is_refused(tmp_path, capsys, no_weights_l
     probe.write_text("text a vision tower cannot read\n")
     assert main(["convert", str(vision), str(tmp_path / "out"), "--probe-text", str(probe), "--quiet"]) == 2
     assert "is a vision model and takes no text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_export_class_that_cannot_fit_is_refused_before_a_weight_is_read(tmp_path, tiny_llama, monkeypatch,
+                                                                           streaming):
+    """Mixtral needs every block MoE: with every other block, `--export-class mixtral` is refused on the planned
+    (weightless) model, whichever path converts, before the dense weights load (in memory) or a tensor is read
+    from the checkpoint (streamed); both counted."""
+    import importlib
+
+    from upcycle.checkpoint.reader import CheckpointReader
+    from upcycle.config import ConvertConfig, PlacementConfig
+    from upcycle.conversion.pipeline import convert
+
+    pipeline = importlib.import_module("upcycle.conversion.pipeline")
+    reads = {"dense_weights": 0, "tensors": 0}
+    real_weights, real_get = pipeline.dense_weights, CheckpointReader.get
+
+    def dense_weights(*args, **kwargs):
+        reads["dense_weights"] += 1
+        return real_weights(*args, **kwargs)
+
+    def get(self, name):
+        reads["tensors"] += 1
+        return real_get(self, name)
+
+    monkeypatch.setattr(pipeline, "dense_weights", dense_weights)
+    monkeypatch.setattr(CheckpointReader, "get", get)
+    cfg = ConvertConfig(model=str(tiny_llama), method="copy", placement=PlacementConfig(every=2), export="hf",
+                        export_class="mixtral", streaming=streaming)
+    with pytest.raises(UpcycleError, match="needs every block to be MoE"):
+        convert(cfg, tmp_path / "out", progress=False)
+    assert reads == {"dense_weights": 0, "tensors": 0}
+    assert not (tmp_path / "out").exists()

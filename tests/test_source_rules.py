@@ -84,14 +84,14 @@ def test_every_document_reference_in_the_code_resolves():
     assert not problems, "\n".join(problems)
 
 
-def test_only_files_py_renames_an_output_into_place():
+def test_only_the_staging_module_renames_an_output_into_place():
     """One atomic-write helper: every rename that puts a file or folder in place (`os.replace`, `os.rename`,
-    `Path.replace(target)`, `Path.rename(target)`) is in upcycle/files.py, and the rest of the package writes
-    through it (`atomic_directory`, `replace_directory`, `atomic_write`, `move_files`). A one-argument
+    `Path.replace(target)`, `Path.rename(target)`) is in upcycle/outputs/staging.py, and the rest of the package
+    writes through it (`staged_directory`, `Staging`, `atomic_directory`, `atomic_write`). A one-argument
     `.replace(x)` is a Path's: `str.replace` takes two, and `dataclasses.replace` is called with keywords."""
     found = []
     for path, tree in _modules():
-        if path == SOURCE / "files.py":
+        if path == SOURCE / "outputs" / "staging.py":
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

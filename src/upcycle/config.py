@@ -37,29 +37,84 @@ SEED_MAX = 2**32 - 1            # what every RNG the run seeds takes (NumPy's is
 BIG = 10**9                     # a count no real run reaches (steps, tokens of one evaluation...)
 
 
+# Allowed values, one home for both places that declare them: a config key's range (`ranged`) and a method
+# argument's bound in its signature (`Annotated[float, Range(0, 1)]`, read by `methods.registry`). A float must be
+# finite to lie in any range: NaN and inf lie in none (an unbounded end is written inf, excluded).
 @dataclass(frozen=True)
 class Range:
-    """The allowed interval of a number key (ints: whole numbers; floats: finite unless the interval says)."""
+    """A number between `low` and `high` (None: unbounded on that side), each end closed unless `*_open`."""
 
-    low: float
-    high: float
+    low: float | None = None
+    high: float | None = None
     low_open: bool = False
     high_open: bool = False
 
+    def __post_init__(self) -> None:
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise TypeError(f"Range: low {self.low} > high {self.high}")
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
     def check(self, value, where: str) -> None:
+        """Refuse a number outside the range with one line naming `where` (a config key); whole numbers are
+        told their bound, floats the interval. A value that is no number is the type check's to report."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return                  # a type error is the type check's to report (`coerce`)
+            return
         if isinstance(value, int):
-            if value < self.low or (self.low_open and value == self.low):
+            if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
                 raise UpcycleError(f"{where} must be {'>' if self.low_open else '>='} {self.low:g}, got {value}")
-            if value > self.high:
+            if self.high is not None and value > self.high:
                 raise UpcycleError(f"{where} must be at most {self.high:,}, got {value:,}")
             return
-        ok = math.isfinite(value) and (value > self.low if self.low_open else value >= self.low) and \
-            (value < self.high if self.high_open else value <= self.high)
-        if not ok:
-            interval = (f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}")
-            raise UpcycleError(f"{where} must be a finite number in {interval}, got {short_value(value)}")
+        if not self.contains(value):
+            raise UpcycleError(f"{where} must be a finite number in {self}, got {short_value(value)}")
+
+    def __str__(self) -> str:
+        low = "(-inf" if self.low is None else f"{'(' if self.low_open else '['}{self.low:g}"
+        high = "inf)" if self.high is None else f"{self.high:g}{')' if self.high_open else ']'}"
+        return f"{low}, {high}"
+
+    def describe(self) -> str:
+        """How an error or the listing says it: 'in [0, 1]', or 'finite' when unbounded."""
+        return "finite" if self.low is None and self.high is None else f"in {self}"
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A value from a fixed set (a string argument's choices)."""
+
+    choices: tuple
+
+    def __init__(self, *choices) -> None:
+        if not choices:
+            raise TypeError("OneOf needs at least one choice")
+        object.__setattr__(self, "choices", tuple(choices))
+
+    def contains(self, value) -> bool:
+        return value in self.choices
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(repr(c) for c in self.choices) + "}"
+
+    def describe(self) -> str:
+        return f"one of {', '.join(repr(c) for c in self.choices)}"
+
+
+Bound = Range | OneOf
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 6, 60, 60
+
+
+def short_value(value) -> str:
+    """A value as an error message quotes it: its repr, shortened (a hostile recipe's value can be huge)."""
+    return _REPR.repr(value)
 
 
 def ranged(default, low: float, high: float, *, low_open: bool = False, high_open: bool = False, **kwargs):
@@ -70,15 +125,6 @@ def ranged(default, low: float, high: float, *, low_open: bool = False, high_ope
 def choice(default, choices: tuple, **kwargs):
     """A dataclass field that takes one of `choices`."""
     return field(default=default, metadata={"choices": choices}, **kwargs)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 6, 60, 60
-
-
-def short_value(value) -> str:
-    """A value as an error message quotes it: its repr, shortened (a hostile recipe's value can be huge)."""
-    return _REPR.repr(value)
 
 
 def clip_text(text: str, limit: int = 120) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.layer_inputs import layer_inputs
 from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..data.source_texts import SourceRows
@@ -67,20 +68,11 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
     modules = moe_modules(model)
     if not modules:
         raise UpcycleError(f"{type(model).__name__} has no MoE layer to analyze")
-    cap = Capture(inputs={name: [] for name in modules}, encoder=is_encoder(model))
     current_mask: list[torch.Tensor] = []
-
-    def keep(name: str):
-        def hook(module, args):
-            x_BSD = args[0]
-            x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-            mask_T = current_mask[0].reshape(-1).bool()
-            cap.inputs[name].append(x_TD[mask_T.to(x_TD.device)].detach().float().cpu())
-        return hook
-
-    handles = [m.register_forward_pre_hook(keep(name)) for name, m in modules.items()]
-    device = next(model.parameters()).device
-    try:
+    # stock MoE blocks keep no record: the batch's own mask says which tokens are real
+    with layer_inputs(modules, lambda layer, x: current_mask[0].reshape(-1)) as inputs:
+        cap = Capture(inputs=inputs, encoder=is_encoder(model))
+        device = next(model.parameters()).device
         for index, source in enumerate(rows):
             nll_sum, nll_count, kl_sum, kl_rows = 0.0, 0, 0.0, 0
             for start in range(0, source.input_ids_NS.shape[0], batch_size):
@@ -119,9 +111,6 @@ def capture(model: nn.Module, rows: list[SourceRows], dense: nn.Module | None = 
             cap.nll[source.name] = [nll_sum, nll_count]
             if dense is not None:
                 cap.kl[source.name] = [kl_sum, kl_rows]
-    finally:
-        for handle in handles:
-            handle.remove()
     return cap
 
 

@@ -17,9 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..checkpoint.folders import Input, claim_output, inputs
 from ..checkpoint.loading import check_sequence_length, dense_config, load_dense
-from ..conversion.sources import held_out_split
+from ..data.held_out import held_out_split
 from ..data.model_names import model_inputs
 from ..data.source_texts import (
     DEFAULT_SOURCES,
@@ -34,6 +33,7 @@ from ..figures.html_report import render_report
 from ..figures.plots import write_figures
 from ..files import file_problem, json_text
 from ..machine import machine
+from ..outputs.claims import Input, claim_output, inputs
 from .collect import capture, moe_modules, snapshot_metrics
 from .curves import run_curves
 from .encoder_sources import PairData, encoder_pairs, is_encoder_folder, pair_rows, text_rows

@@ -64,7 +64,7 @@ class AnalysisTarget:
 class RecordedSource:
     name: str
     file: str                         # its held-out text, or the text the held-out documents are drawn from
-    split: dict | None                # {'share', 'seed'}: `conversion.sources.held_out_split` of the file's documents
+    split: dict | None                # {'share', 'seed'}: `data.held_out.held_out_split` of the file's documents
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,15 @@ and hold other files (a Trainer checkpoint's), replacing only the model files of
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import UpcycleError
-from ..files import move_files
-from .folders import claim_output
-from .ownership import indexed_shards
+from ..outputs.claims import claim_output
+from ..outputs.ownership import indexed_shards
+from ..outputs.staging import staged_directory
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite
 from .upcycle_format import MOE_CONFIG, save_folder_files
 from .upcycle_format import load as load_folder
@@ -110,8 +108,8 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
     if linked:
         raise UpcycleError(f"save_pretrained: {', '.join(linked[:3])} in {folder} is a symbolic link; upcycle "
                            f"never writes through a link")
-    tmp = Path(tempfile.mkdtemp(prefix=".upcycle-save-", dir=folder))
-    try:
+    # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
+    with staged_directory(folder, into=True, last=(MOE_CONFIG, "config.json")) as tmp:
         save_folder_files(model, tmp, state_dict=state_dict, max_shard_bytes=parse_size(max_shard_size))
         written = sorted(p.name for p in tmp.iterdir())
         # every name about to be replaced must be a plain file: a folder or link there (config.json as a folder)
@@ -126,13 +124,9 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
             raise UpcycleError(f"save_pretrained: the weights in {folder} are another model's (they hold "
                                f"{', '.join(foreign[:3])}, which this model does not have); replacing them would "
                                f"delete them: save into a new folder, or remove them yourself. Nothing was written")
-        # weights first, config.json last: a folder caught half-way still fails to load rather than mixing
-        move_files(tmp, sorted(written, key=lambda n: (n == "config.json", n == MOE_CONFIG, n)), folder)
-        for name in existing:
-            if name not in written:
-                (folder / name).unlink()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for name in existing:
+        if name not in written:
+            (folder / name).unlink()
 
 
 def _other_models_tensors(folder: Path, existing: list[str], new: Path) -> list[str]:

@@ -90,7 +90,7 @@ def _read_bounded(path: Path, room: int) -> bytes:
 
 def _written_names() -> set[str]:
     """The names upcycle gives the files and folders of its outputs (ownership's lists), and the GGUF file."""
-    from .ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES
+    from ..outputs.ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES
 
     return {*MODEL_FILES, MARKER, *LEGACY_SIGNATURES, *(name for names in GROWING.values() for name in names),
             "model.gguf"}

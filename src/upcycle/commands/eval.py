@@ -65,9 +65,9 @@ def run_defaults(run: Path) -> dict:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from ..checkpoint.folders import Input, claim_output, inputs
     from ..core.devices import resolve_device
     from ..data.model_names import model_inputs
+    from ..outputs.claims import Input, claim_output, inputs
     from ..tasks.evaluate import evaluate_model
 
     if args.quiet:

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from ..checkpoint.folders import claim_output, inputs
     from ..data.clip_pairs import caption_tokenizer, load_pairs
     from ..data.tiny_clip import check_sizes, tiny_clip
+    from ..outputs.claims import claim_output, inputs
 
     sizes = dict(image_size=args.image_size, patch_size=args.patch_size, hidden_size=args.hidden_size,
                  layers=args.layers, max_length=args.max_length, seed=args.seed)

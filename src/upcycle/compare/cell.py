@@ -21,7 +21,8 @@ from pathlib import Path
 from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
-from ..files import atomic_write_text, json_text
+from ..files import json_text
+from ..outputs.staging import atomic_write_text
 from ..tasks.make import make_task
 from ..training.run_folder import LOG, checkpoints, read_log
 from ..training.run_state import newest_complete

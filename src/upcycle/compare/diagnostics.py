@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from ..core.layer_inputs import layer_inputs
 from ..core.modes import eval_mode
 from ..core.moe import moe_layers
 from ..metrics import layer_metrics
@@ -66,24 +67,12 @@ def diagnose(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict |
     layers = moe_layers(model)
     if not layers or not batches:
         return None
-    inputs: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
-
-    def keep(name: str):
-        def hook(module, args, output):
-            x_TD = args[0].reshape(-1, args[0].shape[-1])
-            mask_T = module.last_record.mask_T if module.last_record is not None else None
-            inputs[name].append((x_TD[mask_T] if mask_T is not None else x_TD).detach().float().cpu())
-        return hook
-
-    handles = [layer.register_forward_hook(keep(name)) for name, layer in layers.items()]
     device = next(model.parameters()).device
-    try:
+    # each layer's own record says which of its tokens are real (a tower without padding: all)
+    with layer_inputs(layers, lambda layer, x: layer.last_record.mask_T if layer.last_record else None) as inputs:
         with eval_mode(model):
             for batch in batches:
                 model(**{k: v.to(device) for k, v in batch.items()})
-    finally:
-        for handle in handles:
-            handle.remove()
     per_layer = {}
     with eval_mode(model):       # capacity as at evaluation, like the held-out metric
         for name, layer in layers.items():

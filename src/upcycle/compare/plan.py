@@ -29,7 +29,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.folders import Input, inputs
 from ..checkpoint.loading import dense_config
 from ..config import ConvertConfig, TrainConfig, to_dict
 from ..config_reader import build, recipe_path
@@ -39,6 +38,7 @@ from ..data.assets import DEFAULT_MODEL_NAMES
 from ..data.model_names import model_inputs
 from ..errors import UpcycleError
 from ..methods import get_method
+from ..outputs.claims import Input, inputs
 from .request import DENSE, CompareRequest, eesd_label, parse_grid, read_recipes
 from .text_calibration import CALIBRATION_TEXTS, TextCalibration, text_calibration
 
@@ -170,7 +170,7 @@ def _default_calibration(model: str, task: str, train: TrainConfig, root: Path,
 
 
 def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
-    """Every path the comparison reads, for the output checks (`upcycle.checkpoint.folders`)."""
+    """Every path the comparison reads, for the output checks (`upcycle.outputs.claims`)."""
     train = plan.cells[-1].train
     return [*(Input(what, path) for what, path in model_inputs(request.model)),
             *inputs(("training recipe", recipe_path(request.train_recipe, "train")),
@@ -182,7 +182,7 @@ def compare_inputs(plan: Plan, request: CompareRequest) -> list[Input]:
 
 def _check_out(plan: Plan, request: CompareRequest) -> None:
     """OUT may be new, or a compare folder whose existing cells have the plans this run would give them (where
-    OUT may be at all is `compare_inputs` and `upcycle.checkpoint.folders.claim_output`'s to say)."""
+    OUT may be at all is `compare_inputs` and `upcycle.outputs.claims.claim_output`'s to say)."""
     if plan.out.is_dir() and any(plan.out.iterdir()) and not (plan.out / STUDY).is_file():
         raise UpcycleError(f"output {plan.out} exists and is not an `upcycle compare` folder (no {STUDY}); "
                            f"choose a new folder")

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from ..checkpoint.folders import claim_output
-from ..checkpoint.ownership import GROWING, MARKER, write_marker
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
-from ..files import atomic_write, atomic_write_text, clean_stale_temporaries, move_files, temp_prefix
 from ..machine import machine
+from ..outputs.claims import claim_output
+from ..outputs.ownership import GROWING, MARKER, write_marker
+from ..outputs.staging import atomic_write, atomic_write_text, staged_directory
 from ..version import __version__
 from .cell import finished, run_cell, write_json
 from .plan import FORMAT, STUDY, Plan, compare_inputs, make_plan
@@ -167,11 +165,6 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     atomic_write_text(plan.out / "comparison.md", text)
     if not table:
         return []
-    clean_stale_temporaries(plan.out / "figures")
-    figures = Path(tempfile.mkdtemp(prefix=temp_prefix(plan.out / "figures"), dir=plan.out))
-    try:
+    with staged_directory(plan.out, into=True) as figures:      # drawn aside, then moved in
         names = write_figures(cells, table, plan.task, figures)
-        move_files(figures, names, plan.out)
-    finally:
-        shutil.rmtree(figures, ignore_errors=True)
     return names

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..config import ConvertConfig, TrainConfig
 from ..errors import UpcycleError
-from ..files import atomic_write
+from ..outputs.staging import atomic_write
 
 CALIBRATION_TEXTS = Path("calibration") / "train_texts.safetensors"
 SEED = 0

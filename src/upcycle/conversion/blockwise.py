@@ -23,9 +23,9 @@ without running: `needs_compute` is False for them and `before_block` is not cal
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,14 +33,15 @@ from tqdm.auto import tqdm
 
 from ..config import ConvertConfig
 from ..core.architectures import Family, find_tower_layers
+from ..core.keyed import keyed_generator
 from ..core.modes import eval_mode
 from ..core.moe import MoELayer
-from ..core.surgery import Target, layer_generator, tower_cfg
+from ..core.surgery import Target, tower_cfg
 from ..errors import UpcycleError
-from ..methods import Method
 from ..metrics.experts import similarity_and_diversity
 from ..metrics.routing import layer_routing_stats
-from .calibration import JoinedBatch, Reservoir, first_block_inputs, join_batches, replay_block
+from .calibration import Capture, JoinedBatch, Reservoir, first_block_inputs, join_batches, replay_block
+from .inputs import ConversionInputs
 from .layer_check import layer_check, layer_probe
 from .report import LayerCalibration, LayerEntry, RoutingAtInit
 
@@ -100,6 +101,21 @@ class BlockwiseResult:
 LayerBuilder = Callable[[BlockVisit, nn.Module, Replayed, dict], tuple[MoELayer, LayerEntry]]
 
 
+class Blocks(Protocol):
+    """What `convert_blocks` asks of a block source (`orchestrator.BlockSource` gives it all)."""
+
+    model: nn.Module
+    family: Family
+    desc: str
+    first_inputs: Callable[[dict, list[list[dict]]], list[dict]] | None
+
+    def layer_builder(self) -> LayerBuilder: ...
+
+    def before_block(self, path: str, block: nn.Module) -> None: ...
+
+    def after_block(self, visit: BlockVisit, block: nn.Module, layer: MoELayer | None) -> None: ...
+
+
 def visits(model: nn.Module, family: Family, targets: list[Target], *, replay: bool) -> list[BlockVisit]:
     """Every block of every tower present, in order; `needs_compute` up to the tower's last target when
     batches are replayed, else at the targets only."""
@@ -123,14 +139,13 @@ def _masks(joined: list[JoinedBatch], tower) -> list[torch.Tensor | None]:
 
 
 @torch.no_grad()
-def convert_blocks(model: nn.Module, family: Family, targets: list[Target], groups: list[ReplayGroup],
-                   build_layer: LayerBuilder, *, before_block: Callable[[str, nn.Module], None],
-                   after_block: Callable[[BlockVisit, nn.Module, MoELayer | None], None],
-                   first_inputs: Callable[[dict, list[list[dict]]], list[dict]] | None = None,
-                   progress: bool = True, desc: str = "upcycling blocks") -> BlockwiseResult:
-    """Run the conversion's per-block work (module docstring). `first_inputs(towers, [batches, ...])` records
-    the inputs of each tower's first block for each group's batches (default: the model's forward, stopped
-    there)."""
+def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGroup], *,
+                   progress: bool = True) -> BlockwiseResult:
+    """Run the conversion's per-block work (module docstring) over `source`'s model. `source.first_inputs(towers,
+    [batches, ...])` records the inputs of each tower's first block for each group's batches (None: the model's
+    forward, stopped there)."""
+    model, family, build_layer = source.model, source.family, source.layer_builder()
+    before_block, after_block, first_inputs = source.before_block, source.after_block, source.first_inputs
     result = BlockwiseResult()
     groups = [g for g in groups if g.batches]
     plan = visits(model, family, targets, replay=bool(groups))
@@ -145,7 +160,7 @@ def convert_blocks(model: nn.Module, family: Family, targets: list[Target], grou
         result.timings["calibration"] += time.perf_counter() - t
         # a tower's last block that computes feeds no other: its forwards stop at the FFN's input
         last = {v.tower: v.path for v in plan if v.needs_compute}
-        bar = tqdm(plan, desc=desc, unit="block", disable=not progress, leave=False)
+        bar = tqdm(plan, desc=source.desc, unit="block", disable=not progress, leave=False)
         for visit in bar:
             block = model.get_submodule(visit.path)
             built = None
@@ -178,8 +193,8 @@ def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, g
             hook = family.ffn_output(block).register_forward_hook(
                 lambda module, args, out, outputs=outputs: outputs.append(out.detach().reshape(-1, out.shape[-1])))
         try:
-            replay_block(block, group_states[visit.tower], _masks(group_joined, tower), ffn, sampler,
-                         rows=[j.rows for j in group_joined],
+            capture = Capture(ffn, sampler, [j.rows for j in group_joined]) if ffn is not None else None
+            replay_block(block, group_states[visit.tower], _masks(group_joined, tower), capture,
                          padding_skips=None if group.keep_outputs else whole_ffn,
                          output_needed=output_needed or group.keep_outputs)     # the probe keeps FFN outputs
         finally:
@@ -199,8 +214,7 @@ def method_groups(cfg: ConvertConfig, probe_batches: list[dict] | None,
     """The replay groups of a one-model conversion: the probe's first rows (every token, for the per-layer
     check) and the calibration batches (reservoir-sampled per layer with a seed of its own)."""
     def reservoir(target: Target) -> Reservoir:
-        key = zlib.crc32(f"calibration:{cfg.seed}:{target.tower}:{target.index}".encode())
-        return Reservoir(cfg.calibration.tokens, torch.Generator().manual_seed(key))
+        return Reservoir(cfg.calibration.tokens, keyed_generator("calibration", cfg.seed, target.tower, target.index))
 
     return [ReplayGroup(PROBE, probe_batches or [], lambda target: AllRows(), timing="check", keep_outputs=True),
             ReplayGroup(CALIBRATION, calibration or [], reservoir)]
@@ -222,10 +236,8 @@ class MethodLayers:
 
     model: nn.Module
     family: Family
-    method: Method
-    args: dict
     cfg: ConvertConfig
-    promised: bool
+    inputs: ConversionInputs           # the method, its arguments, whether it promised the dense function
     layer_dtype: torch.dtype | None = None
 
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
@@ -240,8 +252,8 @@ class MethodLayers:
         t = time.perf_counter()
         tcfg = tower_cfg(self.model, self.family, target)
         dense = self.family.extract(block, tcfg)
-        init = self.method(dense.map(lambda w: w.float()), self.args, num_experts=cfg.moe.num_experts,
-                           top_k=cfg.moe.top_k, generator=layer_generator(cfg.seed, target),
+        init = self.inputs.method(dense.map(lambda w: w.float()), self.inputs.args, num_experts=cfg.moe.num_experts,
+                           top_k=cfg.moe.top_k, generator=keyed_generator(cfg.seed, target.tower, target.index),
                            normalize_topk=cfg.moe.normalize_topk, activations=activations)
         entry = LayerEntry(target.name, target.path, init.info, *similarity_and_diversity(init.experts))
         with torch.device(dense.w_up.device):       # where the block is (the GPU with --device cuda)
@@ -260,7 +272,7 @@ class MethodLayers:
             outputs = replayed.outputs.get(PROBE)
             reference = torch.cat(outputs) if outputs else None
             x = probe_rows.sample()
-            entry.check = layer_check(dense, layer, x, cfg.check, promised=self.promised,
+            entry.check = layer_check(dense, layer, x, cfg.check, promised=self.inputs.promised,
                                       reference_ND=reference if reference is not None and len(reference) == len(x)
                                       else None)
             timings["check"] += time.perf_counter() - t

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..config import CalibrationConfig
 from ..core.modes import forward_replaced
 from ..data.packing import document_ids
 from ..data.token_ids import GPU_STATE_LOST, check_token_ids, is_cuda_failure
@@ -81,12 +82,13 @@ class Reservoir:
         return self.rows_ND[: self.filled][order.to(self.rows_ND.device)]
 
 
-def text_batches(tokenizer, texts: list[str], *, tokens: int, sequence_length: int = 512, batch_size: int = 8,
-                 seed: int = 0, embedding_rows: int | None = None, where: str = "calibration text"
-                 ) -> list[dict[str, torch.Tensor]]:
-    """Model inputs holding at least `tokens` real tokens: documents in a seeded random order, each cut into
-    rows of at most `sequence_length` tokens (a row never spans two documents), right-padded per batch. With
-    `embedding_rows` (the model's), an id the tokenizer makes outside them is refused, naming `where`."""
+def text_batches(tokenizer, texts: list[str], budget: CalibrationConfig, *, seed: int = 0,
+                 embedding_rows: int | None = None, where: str = "calibration text") -> list[dict[str, torch.Tensor]]:
+    """Model inputs holding at least `budget.tokens` real tokens: documents in a seeded random order, each cut
+    into rows of at most `budget.sequence_length` tokens (a row never spans two documents), right-padded per
+    batch of `budget.batch_size` rows. With `embedding_rows` (the model's), an id the tokenizer makes outside
+    them is refused, naming `where`."""
+    tokens, sequence_length, batch_size = budget.tokens, budget.sequence_length, budget.batch_size
     if tokens < 1 or sequence_length < 1 or batch_size < 1:
         raise UpcycleError(f"calibration tokens, sequence_length and batch_size must be >= 1, got {tokens}, "
                            f"{sequence_length}, {batch_size}")
@@ -277,20 +279,31 @@ def first_block_inputs(model: nn.Module, towers: dict[str, nn.ModuleList], batch
     return inputs
 
 
+@dataclass
+class Capture:
+    """Where a replay hands a block's FFN inputs: `ffn` is the module whose input is recorded, `sampler` keeps it
+    (a `Reservoir`, or all rows), and `rows` are the rows of each batch a state was joined from
+    (`JoinedBatch.rows`; default one batch per state), so the sampler draws the same keys as for the batches run
+    one by one."""
+
+    ffn: nn.Module
+    sampler: Reservoir
+    rows: list[list[int]] | None = None
+
+
 def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.Tensor | None],
-                 ffn: nn.Module | None = None, reservoir: Reservoir | None = None, *,
-                 rows: list[list[int]] | None = None, output_needed: bool = True,
+                 capture: Capture | None = None, *, output_needed: bool = True,
                  padding_skips: nn.Module | None = None) -> None:
-    """Run `block` on every batch's hidden states, replacing them by its output; with `ffn`, add the FFN's
-    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to `reservoir`, one
-    `add` per batch a state was joined from (`rows`: the rows of each, `JoinedBatch.rows`; default one batch per
-    state), so the reservoir draws the same keys as for the batches run one by one.
+    """Run `block` on every batch's hidden states, replacing them by its output; with `capture`, add the FFN's
+    input at real tokens (mask 1, or every token when the batch has no mask for this tower) to its sampler, one
+    `add` per batch a state was joined from.
     Without `output_needed` (no later block runs on these states), each forward stops once the FFN's input is
     recorded: the FFN and what follows it do not run, and the hidden states are left as they were.
     `padding_skips`: a module of the block mapping each token to one of the same width on its own (the FFN,
     when one module takes its input and gives its output), run on the real tokens only, padding getting zeros:
     padding is masked out of every later block's attention, so no real token's state changes, and the FFN
     holds most of a block's arithmetic."""
+    reservoir = capture.sampler if capture is not None else None
     current: dict = {}
 
     def collect(module, args):
@@ -308,8 +321,8 @@ def replay_block(block: nn.Module, states: list[BlockInput], masks: list[torch.T
         if not output_needed:
             raise _Stop
 
-    handle = ffn.register_forward_pre_hook(collect) if ffn is not None else None
-    rows = rows or [[s.hidden.shape[0]] for s in states]
+    handle = capture.ffn.register_forward_pre_hook(collect) if capture is not None else None
+    rows = (capture.rows if capture is not None else None) or [[s.hidden.shape[0]] for s in states]
     skipping = [padding_skips] if padding_skips is not None else []
     try:
         with forward_replaced(skipping, lambda module, forward: _on_real_tokens(forward, current)):

@@ -25,6 +25,7 @@ from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, ten
 from ..config import ConvertConfig
 from ..core.moe import moe_layers
 from ..methods import Method
+from .inputs import with_resolved_dtype
 from .planned import layout_function, planned_model
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
@@ -103,10 +104,8 @@ def describe(report: dict) -> str:
 def dry_run(cfg: ConvertConfig) -> dict:
     """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
     checks them, then the plan; no weight is read."""
-    import dataclasses
-
-    from ..checkpoint.loading import dense_config, resolve_dtype
+    from ..checkpoint.loading import dense_config
 
     method, args = validate(cfg)
     _, config = dense_config(cfg.model, build=False)      # a dry run writes nothing, the model cache too
-    return plan(dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config)), config, method, args)
+    return plan(with_resolved_dtype(cfg, config), config, method, args)

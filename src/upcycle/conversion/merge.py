@@ -28,6 +28,7 @@ with transformers, against our outputs on the probe taken as the blocks were wri
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -38,33 +39,35 @@ from ..checkpoint.lazy import checkpoint_names
 from ..checkpoint.loading import DTYPES, load_tokenizer
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
-from ..checkpoint.upcycle_format import moe_spec, save_configs
-from ..checkpoint.writer import parse_size
 from ..config import ConvertConfig
 from ..core.architectures import TOKEN_IDS, family_of
 from ..core.devices import resolve_device
 from ..core.ffn import FFNWeights
+from ..core.keyed import keyed_generator
 from ..core.surgery import Target
+from ..data.held_out import held_out_split
 from ..data.text import read_texts
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
-from ..export.layout import choose_export, write_stock_configs
+from ..export.layout import choose_export, write_configs
+from ..export.protocol import export_entry
 from ..export.stock_folder import check_stock_folder, stock_too_large
 from ..methods import LayerLayout, Method
 from ..methods.source_router import expert_groups
 from ..probe import Probe
 from .blockwise import BlockVisit, ReplayGroup
 from .calibration import Reservoir, text_batches
-from .merge_layers import SourceLayers, keyed_generator
+from .inputs import ConversionInputs
+from .merge_layers import SourceLayers
 from .merged_probe import ProbeThroughBlocks
 from .orchestrator import run_conversion
 from .planned import planned_model
 from .report import Converted, LayerEntry
-from .sources import Source, held_out_split, source_name
+from .sources import Source, source_name
 from .streaming import COMPUTE_DTYPE, StreamedBlocks
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
-ALL_TOKENS = 10**12        # prompts are few: every token of them
+ALL_TOKENS = 2**31 - 1     # prompts are few: every token of them (the largest budget a config holds)
 
 
 def _texts(path: str, where: str) -> list[str]:
@@ -101,9 +104,8 @@ def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS, rows
     out = {}
     for group, texts in groups.items():
         if texts and group in kinds:
-            budget = c.tokens if group in ("calibration", "held_out") else ALL_TOKENS
-            out[group] = text_batches(tokenizer, texts, tokens=budget, sequence_length=c.sequence_length,
-                                      batch_size=c.batch_size, seed=cfg.seed, embedding_rows=rows,
+            budget = c if group in ("calibration", "held_out") else dataclasses.replace(c, tokens=ALL_TOKENS)
+            out[group] = text_batches(tokenizer, texts, budget, seed=cfg.seed, embedding_rows=rows,
                                       where=f"{where}'s {group.replace('_', ' ')} text")
     return out
 
@@ -130,9 +132,9 @@ class MergedSource(StreamedBlocks):
     desc = "merging blocks"
     records_probe = False        # nothing here reproduces one dense model: no dense outputs, no verdict
 
-    def __init__(self, cfg: ConvertConfig, method: Method, args: dict, directory: Path,
+    def __init__(self, cfg: ConvertConfig, inputs: ConversionInputs, directory: Path,
                  opened: tuple[Source, list[Source]]) -> None:
-        s = cfg.sources
+        s, method, args = cfg.sources, inputs.method, inputs.args
         base, sources = opened
         family = family_of(base.config)
         if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
@@ -163,9 +165,9 @@ class MergedSource(StreamedBlocks):
             raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                f"({len(missing)} not found, e.g. {missing[:3]})")
         super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, directory,
-                         layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size), planned=planned,
-                         export=self.stock)
-        self.method, self.args, self.base, self.sources = method, args, base, sources
+                         layout_of=layout_of, planned=planned, export=self.stock)
+        self.inputs = dataclasses.replace(inputs, tokenizer=self.tokenizer)    # the base's tokenizer reads the probe
+        self.base, self.sources = base, sources
         self.export_info: dict = {}
         self.ours: ProbeThroughBlocks | None = None       # our outputs on the probe, for the stock check
         self.why_not_checked = (None if self.stock is None else "check.end_to_end: false"
@@ -181,26 +183,20 @@ class MergedSource(StreamedBlocks):
             self.ours.run(visit.tower, block)
 
     def layer_builder(self) -> SourceLayers:
-        s = self.source
-        return SourceLayers(self.cfg, self.method, self.args, self.model, self.base, self.sources, s.names,
-                            s.storage, s.device)
+        return SourceLayers(self.cfg, self.inputs, self.model, self.base, self.sources, self.source)
 
     def finish(self, probe: Probe) -> nn.Module:
         """The configs of the layout written (ours, or the stock class's); with a stock class, the stock model
         loaded whole and checked against our outputs on the probe (`merged_probe.py`)."""
         planned = super().finish(probe)
+        write_configs(planned, self.stock, self.directory, self.tokenizer)
         if self.stock is None:
-            save_configs(planned, self.directory, moe_spec(planned), self.tokenizer)
-            self.export_info = {"format": "upcycle", "streamed": True}
-            if self.why_not_hf:
-                self.export_info["why_not_hf"] = self.why_not_hf
+            self.export_info = export_entry(None, self.why_not_hf, streamed=True)
             return planned
-        write_stock_configs(planned, self.stock, self.directory, self.tokenizer)
         check = ({"checked": False, "why_not": self.why_not_checked} if self.ours is None else
                  check_stock_folder(self.directory, self.ours.output(), probe,
                                     self.cfg.check.export_tolerance, self.family.outputs))
-        self.export_info = {"format": "hf", "class": self.stock.architecture, "model_type": self.stock.model_type,
-                            "streamed": True, "check": check}
+        self.export_info = export_entry(self.stock, streamed=True, check=check)
         return planned
 
     def record(self, layers: list[LayerEntry]) -> dict:
@@ -209,17 +205,16 @@ class MergedSource(StreamedBlocks):
                 "router_source_agreement": _agreement_summary(layers)}
 
 
-def merge_sources(cfg: ConvertConfig, method: Method, args: dict, directory: Path,
-                  opened: tuple[Source, list[Source]], *, texts: list[str] | None, text_source: str,
-                  progress: bool = True, phase=lambda message: None) -> tuple[Converted, dict]:
+def merge_sources(cfg: ConvertConfig, inputs: ConversionInputs, directory: Path, opened: tuple[Source, list[Source]],
+                  *, progress: bool = True, phase=lambda message: None) -> tuple[Converted, dict]:
     """Merge `cfg.sources.experts` on the base `cfg.model` into `directory` (module docstring; `cfg` checked
     by `validate.validate`, the models opened by `sources.open_sources`); returns what it measured and what it
-    wrote. `texts`: the probe of the stock export's check."""
+    wrote. `inputs.texts`: the probe of the stock export's check (the base's tokenizer reads it)."""
     t_start = time.perf_counter()
-    source = MergedSource(cfg, method, args, directory, opened)
-    done = run_conversion(source, cfg, promised=False, tokenizer=source.tokenizer, texts=texts,
-                          text_source=text_source, progress=progress, phase=phase,
-                          load_s=time.perf_counter() - t_start)
+    source = MergedSource(cfg, inputs, directory, opened)
+    load_s = time.perf_counter() - t_start
+    done = run_conversion(source, cfg, source.inputs, progress=progress, phase=phase)
+    done.timings.load = load_s
     return done, source.export_info
 
 

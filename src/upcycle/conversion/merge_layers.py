@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..checkpoint.streamed import StreamSource
 from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.ffn import FFNWeights
+from ..core.keyed import keyed_generator
 from ..core.moe import MoELayer
-from ..core.surgery import Target, layer_generator, tower_cfg
-from ..methods import Method, random_router
+from ..core.surgery import Target, tower_cfg
+from ..methods import random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
 from ..metrics.experts import similarity_and_diversity
 from .blockwise import BlockVisit, Replayed
+from .inputs import ConversionInputs
 from .report import LayerEntry
 from .sources import Source
 
@@ -37,11 +39,11 @@ def _ffn_modules(family, block) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in block.named_modules() if id(m) in wanted}
 
 
-def read_ffn(family, block, prefix: str, tcfg, reader, names: dict[str, str], storage: torch.dtype,
-             device: torch.device | None) -> FFNWeights:
-    """A source's FFN of this block in float32 (rounded to the storage dtype first, as the output stores it):
-    only the FFN's tensors are read, swapped into the (materialized) block for the family's extraction and
-    swapped back."""
+def read_ffn(family, block, prefix: str, tcfg, reader, stream: StreamSource) -> FFNWeights:
+    """A source's FFN of this block from `reader`, in float32 (rounded to the storage dtype first, as the output
+    stores it): only the FFN's tensors are read (by `stream`'s names, onto its device), swapped into the
+    (materialized) block for the family's extraction and swapped back."""
+    names, storage, device = stream.names, stream.storage, stream.device
     saved = {}
     for path, module in _ffn_modules(family, block).items():
         state = module.state_dict()
@@ -63,16 +65,11 @@ def _stack(parts: list[FFNWeights]) -> FFNWeights:
     return dataclasses.replace(parts[0], **{k: torch.cat([p.tensors()[k] for p in parts]) for k in keys})
 
 
-def keyed_generator(seed: int, *parts) -> torch.Generator:
-    """A generator seeded by the seed and what it is for (a source and layer, a reservoir): one stream each."""
-    return torch.Generator().manual_seed(zlib.crc32(":".join(str(p) for p in (seed, *parts)).encode()))
-
-
-def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, ffns: list[FFNWeights],
-                shared: FFNWeights | None, samples: dict[tuple[int, str], torch.Tensor], *, storage: torch.dtype,
-                output_dropout: float) -> tuple[MoELayer, dict, FFNWeights]:
-    """The MoE layer of one target from the sources' FFNs and the groups' FFN-input samples, its facts, and the
-    stacked experts it was made from (float32)."""
+def merged_experts(cfg: ConvertConfig, inputs: ConversionInputs, target: Target, ffns: list[FFNWeights],
+                   samples: dict[tuple[int, str], torch.Tensor]) -> tuple[FFNWeights, torch.Tensor, dict]:
+    """The routed experts of one target (float32, stacked) from the sources' FFNs, its router rows from the
+    groups' FFN-input samples, and its facts."""
+    method, args = inputs.method, inputs.args
     s = cfg.sources
     counts = [e.count for e in s.experts]
     parts, method_rows, facts = [], [], []
@@ -86,7 +83,7 @@ def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, 
     experts = _stack(parts)
     D = experts.hidden_size
     if s.router == "random":
-        router = random_router(sum(counts), D, s.router_std, layer_generator(cfg.seed, target))
+        router = random_router(sum(counts), D, s.router_std, keyed_generator(cfg.seed, target.tower, target.index))
         rows = None
     else:
         kind = "calibration" if s.router == "data" else "prompts"
@@ -99,17 +96,13 @@ def build_layer(cfg: ConvertConfig, method: Method, args: dict, target: Target, 
             if n > 1:
                 router[start:start + n] += extra.to(router.device)
             start += n
-    with torch.device(experts.w_up.device):
-        layer = MoELayer.from_init(experts, router, config=cfg.moe,
-                                   shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None,
-                                   dtype=storage, output_dropout=output_dropout)
     info = {"method_facts": facts if any(facts) else None}
     if rows is not None:
         cos = rows.double() @ rows.double().T
         eye = torch.eye(len(rows), dtype=cos.dtype, device=cos.device)      # the rows may be on the GPU
         info["router_rows_max_cosine"] = (float((cos - 2 * eye).max())
                                           if len(rows) > 1 else None)
-    return layer, info, experts
+    return experts, router, info
 
 
 def _same_function(a: FFNWeights, b: FFNWeights) -> bool:
@@ -156,14 +149,11 @@ class SourceLayers:
     tensors) and the replay groups' FFN inputs (`blockwise.LayerBuilder`), with the layer's agreement facts."""
 
     cfg: ConvertConfig
-    method: Method
-    args: dict
+    inputs: ConversionInputs        # the method and its arguments
     model: nn.Module
     base: Source
     sources: list[Source]
-    names: dict[str, str]
-    storage: torch.dtype
-    device: torch.device | None
+    stream: StreamSource            # the names of the checkpoints' tensors, the storage dtype and the device
 
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
                  timings: dict) -> tuple[MoELayer, LayerEntry]:
@@ -171,12 +161,14 @@ class SourceLayers:
         cfg, target, family = self.cfg, visit.target, family_of(self.model.config)
         samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
         prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
-        ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.names, self.storage, self.device)
-                for src in self.sources]
-        shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.names, self.storage, self.device)
+        ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.stream) for src in self.sources]
+        shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.stream)
                   if cfg.sources.shared_expert else None)
-        layer, info, experts = build_layer(cfg, self.method, self.args, target, ffns, shared, samples,
-                                           storage=self.storage, output_dropout=family.output_dropout(tcfg))
+        experts, router, info = merged_experts(cfg, self.inputs, target, ffns, samples)
+        with torch.device(experts.w_up.device):
+            layer = MoELayer.from_init(experts, router, config=cfg.moe,
+                                       shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None,
+                                       dtype=self.stream.storage, output_dropout=family.output_dropout(tcfg))
         names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
         facts = info.pop("method_facts")
         entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),

@@ -1,5 +1,6 @@
-"""The data a conversion reads beside the weights, read and checked before the weights load: the probe's text
-(the preservation check) and the calibration data (data-aware methods such as cluster)."""
+"""The data a conversion reads beside the weights, read and checked before the weights load: the tokenizer, the
+probe's text (the preservation check) and the calibration data (data-aware methods such as cluster), made into one
+`inputs.ConversionInputs` by `read_inputs`."""
 
 from __future__ import annotations
 
@@ -8,15 +9,30 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..checkpoint.loading import load_tokenizer
 from ..config import ConvertConfig
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem
-from ..methods import get_method
+from ..methods import Method, get_method
 from .calibration import tensor_batches, text_batches
-from .validate import require_calibration
+from .inputs import ConversionInputs, promises_dense_function
+
+
+def read_inputs(cfg: ConvertConfig, method: Method, args: dict, path: str, config) -> ConversionInputs:
+    """The inputs of a conversion of the checkpoint at `path` (its `config` read, no weight): the tokenizer next
+    to it, the calibration data and the probe's text, read and checked against the model before minutes of
+    loading its weights."""
+    data, calibration_source = calibration_corpus(cfg)
+    tokenizer = load_tokenizer(path)
+    check_model_inputs(cfg, config, tokenizer, data)
+    texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
+    return ConversionInputs(method, args, promises_dense_function(method, args, cfg), tokenizer=tokenizer,
+                            texts=texts, text_source=probe_source(cfg),
+                            calibration=calibration_batches(cfg, tokenizer, data, config),
+                            calibration_source=calibration_source)
 
 
 def check_model_inputs(cfg: ConvertConfig, config, tokenizer, calibration_data: list | None) -> None:
@@ -88,7 +104,8 @@ def probe_source(cfg: ConvertConfig) -> str:
 def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | None, str | None]:
     """(data, source) for calibration, read before the model loads: documents from the user's text/JSONL file,
     or ready model-input batches from a .safetensors file; else the embedded Wikipedia train split on the
-    default model when the method needs data; (None, None) when none is needed."""
+    default model when the method needs data; (None, None) when none is needed or none is at hand (making the
+    `ConversionInputs` refuses a method that needs it)."""
     from ..data.text import read_texts, wikipedia_split
 
     method = get_method(cfg.method)
@@ -102,10 +119,8 @@ def calibration_corpus(cfg: ConvertConfig) -> tuple[list[str] | list[dict] | Non
             return read_texts(data), f"text file {data}"
         except (FileNotFoundError, ValueError) as e:
             raise UpcycleError(f"calibration data: {e}") from None
-    if not method.needs_calibration:
+    if not method.needs_calibration or cfg.model not in DEFAULT_MODEL_NAMES:
         return None, None
-    if cfg.model not in DEFAULT_MODEL_NAMES:
-        require_calibration(method, None)
     try:
         return wikipedia_split()[0], "Wikipedia train split (embedded)"
     except (FileNotFoundError, OSError) as e:
@@ -120,7 +135,6 @@ def calibration_batches(cfg: ConvertConfig, tokenizer, data: list | None, config
     if data is None or isinstance(data[0], dict):
         return data
     c = cfg.calibration
-    return text_batches(tokenizer, data, tokens=c.tokens, sequence_length=c.sequence_length,
-                        batch_size=c.batch_size, seed=cfg.seed,
+    return text_batches(tokenizer, data, c, seed=cfg.seed,
                         embedding_rows=embedding_rows(config) if config is not None else None,
                         where=f"calibration data {c.data or '(embedded Wikipedia)'}")

@@ -32,6 +32,7 @@ from ..core.surgery import Target, plan_targets, tower_cfg
 from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output
 from .blockwise import BlockVisit, LayerBuilder, ReplayGroup, convert_blocks
 from .calibration import real_tokens
+from .inputs import ConversionInputs
 from .preservation import count_parameters, rounding_noise
 from .report import CalibrationSummary, Converted, Timings
 
@@ -91,39 +92,33 @@ class BlockSource:
         return {}
 
 
-def run_conversion(source: BlockSource, cfg: ConvertConfig, *, promised: bool, tokenizer=None,
-                   texts: list[str] | None = None, text_source: str = "held-out text",
-                   calibration: list[dict] | None = None, calibration_source: str | None = None,
-                   progress: bool = True, phase: Callable[[str], None] = lambda message: None,
-                   load_s: float = 0.0) -> Converted:
-    """Convert `source`'s model as `cfg` says (checked by `validate.validate`) and return what was measured; on
-    any failure the source lets go of what it holds (`abort`) before the error goes on."""
+def run_conversion(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, *, progress: bool = True,
+                   phase: Callable[[str], None] = lambda message: None) -> Converted:
+    """Convert `source`'s model as `cfg` says (checked by `validate.validate`) with what `inputs` holds, and
+    return what was measured (its `timings.load` is the caller's to set); on any failure the source lets go of
+    what it holds (`abort`) before the error goes on."""
     try:
-        return _run(source, cfg, promised, tokenizer, texts, text_source, calibration, calibration_source, progress,
-                    phase, load_s)
+        return _run(source, cfg, inputs, progress, phase)
     except BaseException:
         source.abort()
         raise
 
 
-def _run(source: BlockSource, cfg: ConvertConfig, promised: bool, tokenizer, texts, text_source: str, calibration,
-         calibration_source, progress: bool, phase, load_s: float) -> Converted:
+def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, progress: bool, phase) -> Converted:
     """`run_conversion`'s steps, in order (the module docstring)."""
-    timings = Timings(load=load_s)
-    model = source.model
+    timings = Timings(load=0.0)
+    model, promised, calibration = source.model, inputs.promised, inputs.calibration
     targets = plan_targets(model, cfg.placement)
     t = time.perf_counter()
     before = count_parameters(model)
-    probe = make_probe(model, tokenizer, texts, cfg.check, cfg.seed, text_source)
+    probe = make_probe(model, inputs.tokenizer, inputs.texts, cfg.check, cfg.seed, inputs.text_source)
     dense = source.dense_output(probe)
     timings.dense_probe = time.perf_counter() - t
     t = time.perf_counter()
     noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
     timings.rounding_noise = time.perf_counter() - t
     phase("dense outputs recorded")
-    result = convert_blocks(model, source.family, targets, source.replay_groups(probe), source.layer_builder(),
-                            before_block=source.before_block, after_block=source.after_block,
-                            first_inputs=source.first_inputs, progress=progress, desc=source.desc)
+    result = convert_blocks(source, targets, source.replay_groups(probe), progress=progress)
     t = time.perf_counter()
     upcycled = source.finish(probe)
     timings.write = time.perf_counter() - t
@@ -141,5 +136,5 @@ def _run(source: BlockSource, cfg: ConvertConfig, promised: bool, tokenizer, tex
         promised=promised, measured=measured, noise=noise, compute_dtype=source.compute_dtype,
         probe=probe if source.records_probe else None, timings=timings, dtype=cfg.dtype, streamed=source.streamed,
         calibration=None if not calibration else CalibrationSummary(
-            calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
+            inputs.calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
         **source.record(result.layers))

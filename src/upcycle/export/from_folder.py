@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..checkpoint.folders import claim_output, inputs
 from ..checkpoint.upcycle_format import load
 from ..config import CheckConfig
 from ..errors import UpcycleError
 from ..files import json_text
+from ..outputs.claims import claim_output, inputs
 from ..probe import make_probe
 from .layout import export_target
 from .stock_folder import export_hf

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.upcycle_format import save_tokenizer
+from ..checkpoint.upcycle_format import moe_spec, save_configs, save_tokenizer
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from .protocol import StockClass
@@ -172,6 +172,15 @@ def folded_scales(model: nn.Module, target: StockClass) -> list[dict]:
     """The scales an export folds into weights (Qwen2-MoE's shared expert x2), from the model's layers alone."""
     return [scale for name, layer in moe_layers(model).items()
             for scale in target.block_tensors(model, name, layer)[1]] if target.shared_experts else []
+
+
+def write_configs(planned: nn.Module, stock: StockClass | None, directory: Path, tokenizer=None) -> None:
+    """The configs of an output whose weights were written block by block (streamed or merged): ours
+    (`upcycle_format.save_configs`), or the stock class's when `stock` is chosen."""
+    if stock is None:
+        save_configs(planned, directory, moe_spec(planned), tokenizer)
+    else:
+        write_stock_configs(planned, stock, directory, tokenizer)
 
 
 def write_stock_configs(model: nn.Module, target: StockClass, directory: Path, tokenizer=None) -> dict:

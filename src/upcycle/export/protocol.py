@@ -59,3 +59,12 @@ class StockClass:
     def model_tensors(self, model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
         """Tensors outside the MoE blocks the class needs and the source lacks (zeros), under `prefix`."""
         return {}
+
+
+def export_entry(stock: StockClass | None, why_not_hf: str | None = None, **facts) -> dict:
+    """A conversion report's `export` entry, the one place it is made: the upcycle format (with why no stock class
+    fitted, when `export: hf` found none) or the stock class written, and what the writing path adds (whether it
+    streamed, the files, how the stock folder was checked)."""
+    if stock is None:
+        return {"format": "upcycle", **facts} | ({"why_not_hf": why_not_hf} if why_not_hf else {})
+    return {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, **facts}

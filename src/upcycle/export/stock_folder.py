@@ -22,6 +22,7 @@ from ..core.modes import eval_mode
 from ..errors import UpcycleError
 from ..probe import Probe, ProbeOutput, compare, input_device, stock_probe_output
 from .layout import export_state_dict, export_target, write_stock_configs
+from .protocol import export_entry
 
 
 def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tensor, tolerance: float,
@@ -38,9 +39,8 @@ def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tenso
     if diff > tolerance:
         raise UpcycleError(f"the exported {target.architecture} differs from the upcycled model by {diff:.3g} "
                            f"> tolerance {tolerance:g}; nothing was written")
-    return {"format": "hf", "class": target.architecture, "model_type": target.model_type,
-            "folded_scales": folded, "dense_layers": config.get("mlp_only_layers", []),
-            "max_abs_logit_diff_vs_upcycle": diff}
+    return export_entry(target, folded_scales=folded, dense_layers=config.get("mlp_only_layers", []),
+                        max_abs_logit_diff_vs_upcycle=diff)
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 contract are in `registry.py`. Importing this package registers every method.
 """
 
+from ..config import OneOf, Range
 from . import cluster, copy, drop, drop_svd, granular, noise, spri  # noqa: E402,F401  (registers the methods)
-from .bounds import OneOf, Range
 from .registry import (
                        COMMON_ARGS,
                        METHODS,

@@ -30,9 +30,9 @@ from typing import Annotated
 import torch
 import torch.nn.functional as F
 
+from ..config import Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .bounds import Range
 from .linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
 from .registry import ExpertInit, LayerLayout, register
 

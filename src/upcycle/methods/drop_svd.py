@@ -30,8 +30,8 @@ from typing import Annotated
 
 import torch
 
+from ..config import Range
 from ..core.ffn import FFNWeights
-from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 MATRICES = ("w_up", "w_gate", "w_down")

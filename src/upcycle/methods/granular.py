@@ -24,9 +24,9 @@ from typing import Annotated
 
 import torch
 
+from ..config import Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .bounds import Range
 from .registry import ExpertInit, LayerLayout, random_router, register
 
 

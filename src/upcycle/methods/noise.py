@@ -14,8 +14,8 @@ from typing import Annotated
 
 import torch
 
+from ..config import Range
 from ..core.ffn import FFNWeights
-from .bounds import Range
 from .registry import ExpertInit, random_router, register
 
 

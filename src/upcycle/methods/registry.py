@@ -9,7 +9,7 @@ A method is a pure function of one dense FFN and a seeded generator (no nn.Modul
 The signature is the schema: the keyword-only arguments after the common ones are the method's arguments,
 their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
 `upcycle.config_reader.coerce`: `1E-3` and `.25` are floats), their defaults the defaults. An argument's allowed values
-are declared there too, `ratio: Annotated[float, Range(0, 1)] = 0.5` (`bounds.py`), and checked with the types,
+are declared there too, `ratio: Annotated[float, Range(0, 1)] = 0.5` (`config.Range`), and checked with the types,
 so an out-of-range value is refused in the conversion's validation, before the model loads. A float argument
 without a declared range is any finite float (NaN or inf is no method's argument).
 """
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import Bound, OneOf, Range
 from ..config_reader import coerce
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .bounds import Bound, OneOf, Range
 
 # Arguments the conversion provides (a method declares the ones it needs), not the user.
 COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")

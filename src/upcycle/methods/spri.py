@@ -35,9 +35,9 @@ from typing import Annotated
 
 import torch
 
+from ..config import OneOf, Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .bounds import OneOf, Range
 from .registry import ExpertInit, LayerLayout, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}

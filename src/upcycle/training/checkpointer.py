@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
-from ..files import atomic_directory, replace_directory
+from ..outputs.staging import Staging, atomic_directory, replace_directory, shared_name
 from . import run_state, sharding
 from .accelerator import Prepared
 from .run_folder import CHECKPOINTS, RunFolder, checkpoints
@@ -34,17 +34,16 @@ class Checkpointer:
 
     def drop_partial(self) -> None:
         """Remove checkpoint writes a crash cut off (main process, when a run resumes)."""
-        for stale in (self.folder.path / CHECKPOINTS).glob(".step-*.tmp"):
+        for stale in (self.folder.path / CHECKPOINTS).glob(shared_name("step-*")):
             shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, step: int, tokens: int) -> None:
         """Every process's RNG, then the main process's state, into a temporary folder renamed when complete;
         then the oldest checkpoints beyond `keep` go."""
         folder = self.folder.path / CHECKPOINTS
-        tmp = folder / f".step-{step:07d}.tmp"
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        # every process writes its RNG state into the one staging folder, which the main process makes
+        staging = Staging(folder / f"step-{step:07d}", shared=True, make=self.is_main)
+        tmp = staging.path
         self.acc.wait_for_everyone()
         try:
             run_state.save_rng(tmp, self.rank)
@@ -59,10 +58,10 @@ class Checkpointer:
                 run_state.write_manifest(tmp, step=step, processes=self.acc.num_processes)
         except BaseException:            # a full disk, a kill: no half-written checkpoint left beside the others
             if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                staging.discard()
             raise
         if self.is_main:
-            replace_directory(tmp, folder / f"step-{step:07d}")
+            replace_directory(tmp, staging.out)
             for old in checkpoints(self.folder.path)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.folder.committed()

@@ -18,18 +18,17 @@ import contextlib
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
-from ..checkpoint.folders import Input, inputs
-from ..checkpoint.ownership import GROWING, write_marker
 from ..config import TrainConfig, to_dict
 from ..config_reader import build
 from ..data.model_names import model_inputs, recorded_location
 from ..errors import UpcycleError
-from ..files import clean_stale_temporaries, replace_directory, temp_prefix
+from ..outputs.claims import Input, inputs
+from ..outputs.ownership import GROWING, write_marker
+from ..outputs.staging import Staging, clean_stale_temporaries, replace_directory
 from . import run_state
 from .stopping import TrainingStopped
 
@@ -109,7 +108,7 @@ def train_inputs(cfg: TrainConfig, recipe: str | None = None) -> list[Input]:
 def never_started(out: Path) -> bool:
     """Whether OUT is a run of upcycle's that stopped before its first checkpoint (a process killed at once leaves
     its config, inputs and log): nothing in it to resume or keep."""
-    from ..checkpoint.ownership import own_output
+    from ..outputs.ownership import own_output
 
     if not out.is_dir() or out.is_symlink() or (out / "model").exists() or own_output(out) != "train":
         return False
@@ -134,7 +133,7 @@ def check_request(cfg: TrainConfig, out: Path, *, resume: bool, overwrite: bool,
 
 def check_fresh_out(out: Path, overwrite: bool) -> None:
     """A new run into an existing, non-empty OUT needs --resume or --overwrite (the rest of the output checks are
-    `upcycle.checkpoint.folders.claim_output`'s)."""
+    `upcycle.outputs.claims.claim_output`'s)."""
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UpcycleError(f"output {out} already exists (pass --resume to continue its run, --overwrite to "
                            f"replace it)")
@@ -162,7 +161,7 @@ class RunFolder:
             clean_stale_temporaries(out)
             out.parent.mkdir(parents=True, exist_ok=True)
             if replacing:
-                name = tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent)
+                name = str(Staging(out).path)
                 print(f"[upcycle] the new run is written to {name} and replaces {out} at its first checkpoint",
                       file=sys.stderr)
             elif not resume:

@@ -19,11 +19,11 @@ import os
 import time
 from pathlib import Path
 
-from ..checkpoint.folders import claim_output
 from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
+from ..outputs.claims import claim_output
 from ..tasks.evaluate import progress_bars
 from ..tasks.make import make_task
 from .accelerator import make_accelerator, own_forward, prepare

@@ -1,5 +1,5 @@
 """Whether upcycle wrote an existing output, file by file, so that `--overwrite` replaces only what it can prove
-is its own (`upcycle.checkpoint.folders.check_replaceable`).
+is its own (`claims.check_replaceable`).
 
 An output folder carries the marker `MARKER`: its kind and the relative path of every file upcycle wrote into it
 (`files`, written when the folder is finished). A folder that grows while a command runs (a training run, a
@@ -19,6 +19,8 @@ import fnmatch
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from .staging import is_temporary, shared_name
 
 MARKER = ".upcycle-output.json"
 MARKER_FORMAT = "upcycle-output"
@@ -43,18 +45,14 @@ GROWN = {
               "checkpoints/step-*/trainer.json", "checkpoints/step-*/rng-*.json", "checkpoints/step-*/manifest.json",
               "checkpoints/step-*/rng-*.safetensors",
               "checkpoints/step-*/*.bin", "checkpoints/step-*/*.pkl",     # Accelerate's format, before upcycle 0.2
-              "checkpoints/.step-*.tmp/*", "tensorboard/*/events.out.tfevents.*", "tensorboard/events.out.tfevents.*",
+              f"checkpoints/{shared_name('step-*')}/*", "tensorboard/*/events.out.tfevents.*",
+              "tensorboard/events.out.tfevents.*",
               "wandb/*", "model/model-*-of-*.safetensors", *(f"model/{name}" for name in MODEL_FILES)),
     "compare": ("study.json", "comparison.json", "comparison.md", "metric_over_steps.png", "init_diagnostics.png",
                 "invocations/*.json", "calibration/*.safetensors", "conversions/*/conversion.json",
                 "cells/*/plan.json", "cells/*/cell.json"),
 }
 LEGACY_FILES = {"convert": MODEL_FILES, "export": MODEL_FILES, "analyze": ()}
-
-
-def is_temporary(name: str) -> bool:
-    """upcycle's own temporaries and locks beside the files they stand for (`upcycle.files.temp_prefix`)."""
-    return name.startswith(".") and (".tmp-" in name or ".old-" in name or name.endswith((".lock", ".tmp")))
 
 
 def write_marker(folder: Path, kind: str, entries: Iterable[str] | None = None) -> None:

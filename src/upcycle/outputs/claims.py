@@ -8,7 +8,7 @@ with `claim_output` before it reads a weight, and holds the claim until it is do
   an input, holds one, lies inside one, or reaches one through symbolic links (both sides are resolved; a model
   folder's linked files count too, as in a Hugging Face cache snapshot) is refused, whatever `--overwrite` says.
 - **own outputs only**: an existing output is replaced only with `--overwrite`, and only when upcycle wrote it:
-  a folder every file of which, at any depth, its marker lists or its kind grows (`upcycle.checkpoint.ownership`),
+  a folder every file of which, at any depth, its marker lists or its kind grows (`upcycle.outputs.ownership`),
   or a JSON file of this command's own kind (`FILE_FORMATS`). A folder the user made, or one they put their own
   files into, at any depth, is never deleted. An output that is a symbolic link is refused (replacing it would
   replace the link or, worse, what it points to).
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UpcycleError
-from ..files import atomic_directory, atomic_write_text, check_writable_output
 from .ownership import MARKER, foreign_files, own_output, write_marker
+from .staging import atomic_directory, atomic_write_text, check_writable_output
 
 
 @dataclass(frozen=True)
