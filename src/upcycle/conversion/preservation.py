@@ -19,9 +19,9 @@ another order (per-expert token gathers, a fused gate/up matmul, two weighted co
 differs from the dense FFN by rounding, and that rounding grows through the depth, the number of converted
 layers and the logits' scale, and depends on the dtype and the CPU's kernels. `rounding_noise` measures it
 on the same probe: the dense model runs once more with each converted FFN computed in an equivalent
-reordered way (its intermediate dimension in two halves, summed second half first, in the model's dtype),
-and the check allows `noise_factor` times that difference (at least a few ulps of the largest output, and
-any allowance the user adds).
+reordered way (its intermediate dimension in two parts split one past the middle, summed second part first, in
+the model's dtype), and the check allows `noise_factor` times that difference (at least a few ulps of the largest
+output, and any allowance the user adds).
 A real break (a wrong weight, a wrong scale) is not rounding and stays orders of magnitude above it.
 """
 
@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 
 class ReorderedFFN(nn.Module):
     """The dense FFN `ffn` (views of the model's own weights) computed with its intermediate dimension split in
-    two halves, the second half first: the same function, summed in another order."""
+    two parts, the second part first: the same function, summed in another order. The split is one past the
+    middle: at the middle itself, a matrix product that sums a width such as 512 or 768 in blocks sums the same
+    two halves, and a + b = b + a exactly, so the measured noise is 0 and only the ulp floor is left."""
 
     def __init__(self, ffn: FFNWeights):
         super().__init__()
@@ -50,7 +52,8 @@ class ReorderedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         F_ = self.ffn.intermediate_size
-        y = self._part(x, slice(F_ // 2, F_)) + self._part(x, slice(0, F_ // 2))
+        split = min(F_, F_ // 2 + 1)
+        y = self._part(x, slice(split, F_)) + self._part(x, slice(0, split))
         return y if self.ffn.b_down is None else y + self.ffn.b_down
 
     def _part(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
