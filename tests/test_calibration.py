@@ -12,6 +12,7 @@ from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_gro
 from upcycle.conversion.calibration import Capture, Reservoir, join_batches, text_batches
 from upcycle.conversion.orchestrator import BlockSource
 from upcycle.conversion.pipeline import upcycle_model
+from upcycle.conversion.report import Timings
 from upcycle.core.architectures import family_of, find_tower_layers
 from upcycle.core.surgery import plan_targets
 from upcycle.errors import UpcycleError
@@ -72,7 +73,7 @@ def capture(model, targets, batches, *, budget: int, seed: int = 0, on_block=Non
         def layer_builder(self):
             return record
 
-    convert_blocks(Recording(), targets, method_groups(cfg, None, batches), progress=False)
+    convert_blocks(Recording(), targets, method_groups(cfg, None, batches), Timings(), progress=False)
     return got
 
 

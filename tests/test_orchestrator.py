@@ -90,6 +90,9 @@ def _calls(name: str) -> list[str]:
 def test_the_probe_the_timings_and_the_record_are_made_in_one_place():
     for name in ("make_probe", "Timings", "Converted", "convert_blocks"):
         assert _calls(name) == ["orchestrator.py"], name
+    # every phase is timed by the record's own `Timings.phase`; the load, before the record exists, by its caller
+    assert sorted(set(_calls("perf_counter"))) == ["merge.py", "pipeline.py", "report.py"]
+    assert _calls("perf_counter").count("report.py") == 2
 
 
 def _parameters(node: ast.FunctionDef) -> int:

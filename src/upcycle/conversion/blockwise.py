@@ -22,7 +22,6 @@ without running: `needs_compute` is False for them and `before_block` is not cal
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConvertConfig
 from ..core.architectures import Family, find_tower_layers
+from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
 from ..core.modes import eval_mode
 from ..core.moe import MoELayer
@@ -43,7 +43,7 @@ from ..metrics.routing import layer_routing_stats
 from .calibration import Capture, JoinedBatch, Reservoir, first_block_inputs, join_batches, replay_block
 from .inputs import ConversionInputs
 from .layer_check import layer_check, layer_probe
-from .report import LayerCalibration, LayerEntry, RoutingAtInit
+from .report import LayerCalibration, LayerEntry, RoutingAtInit, Timings
 
 
 class AllRows:
@@ -94,11 +94,10 @@ class BlockVisit:
 @dataclass
 class BlockwiseResult:
     layers: list[LayerEntry] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=lambda: {"calibration": 0.0, "upcycle": 0.0, "check": 0.0})
 
 
 # (the visit, the dense block, what its replay gathered, the timings to add to) -> the layer and its entry
-LayerBuilder = Callable[[BlockVisit, nn.Module, Replayed, dict], tuple[MoELayer, LayerEntry]]
+LayerBuilder = Callable[[BlockVisit, nn.Module, Replayed, Timings], tuple[MoELayer, LayerEntry]]
 
 
 class Blocks(Protocol):
@@ -139,7 +138,7 @@ def _masks(joined: list[JoinedBatch], tower) -> list[torch.Tensor | None]:
 
 
 @torch.no_grad()
-def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGroup], *,
+def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGroup], timings: Timings, *,
                    progress: bool = True) -> BlockwiseResult:
     """Run the conversion's per-block work (module docstring) over `source`'s model. `source.first_inputs(towers,
     [batches, ...])` records the inputs of each tower's first block for each group's batches (None: the model's
@@ -153,11 +152,10 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
     towers = {v.tower: model.get_submodule(v.path.rsplit(".", 1)[0]) for v in plan if v.needs_compute}
     tower_specs = family.towers_of(model.config)
     with eval_mode(model):
-        t = time.perf_counter()
-        joined = [join_batches(g.batches) for g in groups]
-        states = (first_inputs(towers, [[j.batch for j in js] for js in joined]) if groups and towers
-                  else [{} for _ in groups])
-        result.timings["calibration"] += time.perf_counter() - t
+        with timings.phase("calibration"):
+            joined = [join_batches(g.batches) for g in groups]
+            states = (first_inputs(towers, [[j.batch for j in js] for js in joined]) if groups and towers
+                      else [{} for _ in groups])
         # a tower's last block that computes feeds no other: its forwards stop at the FFN's input
         last = {v.tower: v.path for v in plan if v.needs_compute}
         bar = tqdm(plan, desc=source.desc, unit="block", disable=not progress, leave=False)
@@ -167,9 +165,9 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
             if visit.needs_compute:
                 before_block(visit.path, block)
                 replayed = _replay_groups(visit, block, family, tower_specs[visit.tower], groups, joined, states,
-                                          result.timings, output_needed=visit.path != last[visit.tower])
+                                          timings, output_needed=visit.path != last[visit.tower])
                 if visit.target is not None:
-                    built, entry = build_layer(visit, block, replayed, result.timings)
+                    built, entry = build_layer(visit, block, replayed, timings)
                     result.layers.append(entry)
             after_block(visit, block, built)
         bar.close()
@@ -177,7 +175,7 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
 
 
 def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],
-                   joined: list[list[JoinedBatch]], states: list[dict], timings: dict, *,
+                   joined: list[list[JoinedBatch]], states: list[dict], timings: Timings, *,
                    output_needed: bool) -> Replayed:
     target, ffn_input = visit.target, family.ffn_input(block)
     ffn = ffn_input if target is not None else None
@@ -185,24 +183,23 @@ def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, g
     whole_ffn = ffn_input if ffn_input is family.ffn_output(block) else None
     replayed = Replayed({}, {})
     for group, group_joined, group_states in zip(groups, joined, states, strict=True):
-        t = time.perf_counter()
-        sampler = group.sampler(target) if target is not None else None
-        hook = None
-        if group.keep_outputs and target is not None:      # the model's own FFN output (the probe: all rows)
-            outputs = replayed.outputs.setdefault(group.name, [])
-            hook = family.ffn_output(block).register_forward_hook(
-                lambda module, args, out, outputs=outputs: outputs.append(out.detach().reshape(-1, out.shape[-1])))
-        try:
-            capture = Capture(ffn, sampler, [j.rows for j in group_joined]) if ffn is not None else None
-            replay_block(block, group_states[visit.tower], _masks(group_joined, tower), capture,
-                         padding_skips=None if group.keep_outputs else whole_ffn,
-                         output_needed=output_needed or group.keep_outputs)     # the probe keeps FFN outputs
-        finally:
-            if hook is not None:
-                hook.remove()
-        if sampler is not None:
-            replayed.samples[group.name] = sampler
-        timings[group.timing] = timings.get(group.timing, 0.0) + time.perf_counter() - t
+        with timings.phase(group.timing):
+            sampler = group.sampler(target) if target is not None else None
+            hook = None
+            if group.keep_outputs and target is not None:      # the model's own FFN output (the probe: all rows)
+                outputs = replayed.outputs.setdefault(group.name, [])
+                hook = family.ffn_output(block).register_forward_hook(
+                    lambda module, args, out, outputs=outputs: outputs.append(out.detach().reshape(-1, out.shape[-1])))
+            try:
+                capture = Capture(ffn, sampler, [j.rows for j in group_joined]) if ffn is not None else None
+                replay_block(block, group_states[visit.tower], _masks(group_joined, tower), capture,
+                             padding_skips=None if group.keep_outputs else whole_ffn,
+                             output_needed=output_needed or group.keep_outputs)     # the probe keeps FFN outputs
+            finally:
+                if hook is not None:
+                    hook.remove()
+            if sampler is not None:
+                replayed.samples[group.name] = sampler
     return replayed
 
 
@@ -241,7 +238,7 @@ class MethodLayers:
     layer_dtype: torch.dtype | None = None
 
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
-                 timings: dict) -> tuple[MoELayer, LayerEntry]:
+                 timings: Timings) -> tuple[MoELayer, LayerEntry]:
         target, cfg = visit.target, self.cfg
         activations = seen = None
         reservoir = replayed.samples.get(CALIBRATION)
@@ -249,7 +246,23 @@ class MethodLayers:
             if reservoir.seen == 0:
                 raise UpcycleError(f"calibration: layer {target.name} saw no real tokens")
             activations, seen = reservoir.sample(), reservoir.seen
-        t = time.perf_counter()
+        with timings.phase("upcycle"):
+            layer, entry, dense = self._layer(visit, block, activations, seen)
+        probe_rows = replayed.samples.get(PROBE)
+        if probe_rows is not None:
+            with timings.phase("check"):
+                outputs = replayed.outputs.get(PROBE)
+                reference = torch.cat(outputs) if outputs else None
+                x = probe_rows.sample()
+                entry.check = layer_check(dense, layer, x, cfg.check, promised=self.inputs.promised,
+                                          reference_ND=reference if reference is not None and len(reference) == len(x)
+                                          else None)
+        return layer, entry
+
+    def _layer(self, visit: BlockVisit, block: nn.Module, activations: torch.Tensor | None,
+               seen: int | None) -> tuple[MoELayer, LayerEntry, FFNWeights]:
+        """The MoE layer the method makes from the block's dense FFN, its report entry, and that FFN."""
+        target, cfg = visit.target, self.cfg
         tcfg = tower_cfg(self.model, self.family, target)
         dense = self.family.extract(block, tcfg)
         init = self.inputs.method(dense.map(lambda w: w.float()), self.inputs.args, num_experts=cfg.moe.num_experts,
@@ -265,15 +278,4 @@ class MethodLayers:
         if activations is not None:
             entry.calibration = LayerCalibration(seen, activations.shape[0], RoutingAtInit(
                 **layer_routing_stats(layer, activations, clusters)))
-        timings["upcycle"] += time.perf_counter() - t
-        probe_rows = replayed.samples.get(PROBE)
-        if probe_rows is not None:
-            t = time.perf_counter()
-            outputs = replayed.outputs.get(PROBE)
-            reference = torch.cat(outputs) if outputs else None
-            x = probe_rows.sample()
-            entry.check = layer_check(dense, layer, x, cfg.check, promised=self.inputs.promised,
-                                      reference_ND=reference if reference is not None and len(reference) == len(x)
-                                      else None)
-            timings["check"] += time.perf_counter() - t
-        return layer, entry
+        return layer, entry, dense

@@ -11,7 +11,6 @@ against its source's FFN on held-out inputs (0 for copies: the expert is the sou
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from ..methods.source_router import centroid_row, expert_groups, source_agreemen
 from ..metrics.experts import similarity_and_diversity
 from .blockwise import BlockVisit, Replayed
 from .inputs import ConversionInputs
-from .report import LayerEntry
+from .report import LayerEntry, Timings
 from .sources import Source
 
 
@@ -156,27 +155,26 @@ class SourceLayers:
     stream: StreamSource            # the names of the checkpoints' tensors, the storage dtype and the device
 
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
-                 timings: dict) -> tuple[MoELayer, LayerEntry]:
-        t = time.perf_counter()
-        cfg, target, family = self.cfg, visit.target, family_of(self.model.config)
-        samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
-        prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
-        ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.stream) for src in self.sources]
-        shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.stream)
-                  if cfg.sources.shared_expert else None)
-        experts, router, info = merged_experts(cfg, self.inputs, target, ffns, samples)
-        with torch.device(experts.w_up.device):
-            layer = MoELayer.from_init(experts, router, config=cfg.moe,
-                                       shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None,
-                                       dtype=self.stream.storage, output_dropout=family.output_dropout(tcfg))
-        names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
-        facts = info.pop("method_facts")
-        entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),
-                           sources={**info, **layer_agreement(layer, ffns, samples, names_of,
-                                                              [e.count for e in cfg.sources.experts]),
-                                    "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0])
-                                               for (i, kind), x in samples.items()}})
-        for src in self.sources:
-            src.reader.close()
-        timings["upcycle"] += time.perf_counter() - t
+                 timings: Timings) -> tuple[MoELayer, LayerEntry]:
+        with timings.phase("upcycle"):
+            cfg, target, family = self.cfg, visit.target, family_of(self.model.config)
+            samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
+            prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
+            ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.stream) for src in self.sources]
+            shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.stream)
+                      if cfg.sources.shared_expert else None)
+            experts, router, info = merged_experts(cfg, self.inputs, target, ffns, samples)
+            with torch.device(experts.w_up.device):
+                layer = MoELayer.from_init(experts, router, config=cfg.moe,
+                                           shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None,
+                                           dtype=self.stream.storage, output_dropout=family.output_dropout(tcfg))
+            names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
+            facts = info.pop("method_facts")
+            entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),
+                               sources={**info, **layer_agreement(layer, ffns, samples, names_of,
+                                                                  [e.count for e in cfg.sources.experts]),
+                                        "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0])
+                                                   for (i, kind), x in samples.items()}})
+            for src in self.sources:
+                src.reader.close()
         return layer, entry

@@ -19,7 +19,6 @@ A fourth source (a model on another machine, a format read some other way) is on
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -109,26 +108,20 @@ def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, prog
     timings = Timings(load=0.0)
     model, promised, calibration = source.model, inputs.promised, inputs.calibration
     targets = plan_targets(model, cfg.placement)
-    t = time.perf_counter()
-    before = count_parameters(model)
-    probe = make_probe(model, inputs.tokenizer, inputs.texts, cfg.check, cfg.seed, inputs.text_source)
-    dense = source.dense_output(probe)
-    timings.dense_probe = time.perf_counter() - t
-    t = time.perf_counter()
-    noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
-    timings.rounding_noise = time.perf_counter() - t
+    with timings.phase("dense_probe"):
+        before = count_parameters(model)
+        probe = make_probe(model, inputs.tokenizer, inputs.texts, cfg.check, cfg.seed, inputs.text_source)
+        dense = source.dense_output(probe)
+    with timings.phase("rounding_noise"):
+        noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
     phase("dense outputs recorded")
-    result = convert_blocks(source, targets, source.replay_groups(probe), progress=progress)
-    t = time.perf_counter()
-    upcycled = source.finish(probe)
-    timings.write = time.perf_counter() - t
-    for step in ("calibration", "upcycle", "check"):
-        setattr(timings, step, result.timings[step])
+    result = convert_blocks(source, targets, source.replay_groups(probe), timings, progress=progress)
+    with timings.phase("write"):
+        upcycled = source.finish(probe)
     phase(f"{len(targets)} layers upcycled")
-    t = time.perf_counter()
-    out = source.upcycled_output(probe) if dense is not None else None
-    measured = compare(dense, out) if out is not None else None
-    timings.check += time.perf_counter() - t
+    with timings.phase("check"):
+        out = source.upcycled_output(probe) if dense is not None else None
+        measured = compare(dense, out) if out is not None else None
     phase("preservation checked")
     return Converted(
         model_class=type(upcycled).__name__, model_type=upcycled.config.model_type,

@@ -88,7 +88,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     inputs = ConversionInputs(method, args, promises_dense_function(method, args, cfg), tokenizer=tokenizer,
                               texts=texts, calibration=calibration, calibration_source="batches")
     done = convert_in_memory(model, cfg, inputs, progress=progress)
-    mark_upcycled(model)        # its save_pretrained now writes the upcycle format (upcycle.save too)
+    mark_upcycled(model)        # from here on its save_pretrained writes the upcycle format (upcycle.save too)
     return _checked_report(cfg, method, args, done)
 
 
@@ -172,10 +172,9 @@ def _one_model(cfg, method, args, claim: Claim | None, progress: bool, phases: P
     report = _checked_report(cfg, method, args, done)
     if claim is None:
         return Conversion(model, inputs.tokenizer, report)
-    t = time.perf_counter()
     with claim.directory() as tmp:
-        export = write_model(model, tmp, cfg, chosen, inputs.tokenizer, done.probe.inputs)
-        report.timings.write += time.perf_counter() - t
+        with report.timings.phase("write"):
+            export = write_model(model, tmp, cfg, chosen, inputs.tokenizer, done.probe.inputs)
         _finish(tmp, cfg, report, export, phases, claim)
     return Conversion(model, inputs.tokenizer, report)
 

@@ -14,6 +14,9 @@ conversion measured (`Converted`). `to_dict()` gives the JSON (derived keys such
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,6 +174,15 @@ class Timings:
     check: float = 0.0
     load: float | None = None
     write: float | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the seconds the block takes to phase `name` (one phase may run in many pieces: every block's)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, name, (getattr(self, name) or 0.0) + time.perf_counter() - start)
 
     def to_dict(self) -> dict:
         out = {} if self.load is None else {"load": self.load}
