@@ -11,11 +11,14 @@ and writes, per job, the SHA-256 of every file it wrote. JSON files are hashed a
 path is written as <work>.
 
     .venv/bin/python benchmarks/identical_outputs.py OUT/fingerprints.json [--work out/identical]
-    .venv/bin/python benchmarks/identical_outputs.py OUT/after.json --compare OUT/before.json
+    .venv/bin/python benchmarks/identical_outputs.py OUT/after.json \
+        --compare benchmarks/results/identical_outputs/reference.json
 
 With --compare it exits 1 and names every file whose fingerprint differs (or that one side lacks); with
---before-work (the work folder BEFORE came from) it writes benchmarks/results/identical_outputs.json: how many
-files are identical, and for each JSON file that differs, the keys and both values.
+--before-work (the work folder BEFORE came from) it writes --summary: how many files are identical, and for each
+JSON file that differs, the keys and both values. benchmarks/results/identical_outputs/ holds the reference (the
+fingerprints of the current code, on a 2-core x86-64 CPU: float rounding differs between CPUs) and the summaries
+of the comparisons made against earlier references.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ def main() -> None:
     parser.add_argument("--before-work", type=Path, help="with --compare: the work folder of BEFORE, to name the "
                                                            "keys of the JSON files that differ")
     parser.add_argument("--commits", nargs=2, metavar=("BEFORE", "AFTER"), help="the commits the two ran at")
-    parser.add_argument("--summary", type=Path, default=ROOT / "benchmarks" / "results" / "identical_outputs.json")
+    parser.add_argument("--summary", type=Path,
+                        default=ROOT / "benchmarks" / "results" / "identical_outputs" / "summary.json")
     args = parser.parse_args()
     from upcycle.data.assets import default_model_path  # the embedded model's plain folder (from its wheel)
 
