@@ -60,15 +60,20 @@ CASES = {
                                                            "types": ("f16",)},
     "llama (mixtral, cluster)": {"method": "cluster", "export_class": "mixtral", "types": ("f16",)},
     "qwen2moe (copy, raw top-k)": {"method": "copy", "export_class": "qwen2_moe", "normalize_topk": False,
-                                   "types": ("f32", "f16")},
+                                   "types": ("f32", "f16", "bf16", "q8_0", "q4_0")},
     "qwen2moe (spri, shared expert)": {"method": "spri", "export_class": "qwen2_moe", "normalize_topk": False,
                                        "types": ("f16",)},
     # Qwen3-MoE takes Qwen3 sources only (their q/k norms): a seeded random Qwen3 with SmolLM2's tokenizer
     "qwen3moe (copy, random Qwen3)": {"method": "copy", "export_class": "qwen3_moe", "source": "qwen3",
-                                      "types": ("f32", "f16")},
+                                      "types": ("f32", "f16", "bf16", "q8_0", "q4_0")},
 }
+# Built for x86-64 with AVX2 (every machine here has it), not for the build machine's own CPU: a native build on
+# an AMD EPYC stops on an Intel Xeon with 'invalid opcode', and one on a Xeon whose flags list AMX stops there too
+# (q8_0 and q4_0 take ggml's AMX kernels, whose tile state this virtual machine's kernel does not grant).
 BUILD_FLAGS = ("-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
-               "-DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON")
+               "-DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON "
+               "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+               "-DGGML_AMX_BF16=OFF")
 
 
 def sha256(path: Path) -> str:
@@ -76,13 +81,15 @@ def sha256(path: Path) -> str:
 
 
 def llama_cpp_env(cache: Path) -> tuple[Path, Path]:
-    """(python of the cached llama-cpp-python environment, its source distribution), built on first use."""
+    """(python of the cached llama-cpp-python environment, its source distribution), built on first use and again
+    when the build flags change."""
     home = cache / "runtimes"
     venv = home / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
     sdist = home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     stamp = venv / "upcycle-built.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("sdist_sha256") == (sha256(sdist) if sdist.is_file()
-                                                                                   else None):
+    built = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    if built.get("sdist_sha256") == (sha256(sdist) if sdist.is_file() else None) and \
+            built.get("build_flags") == BUILD_FLAGS:
         return venv / "bin" / "python", sdist
     home.mkdir(parents=True, exist_ok=True)
     if not sdist.is_file():
@@ -95,7 +102,8 @@ def llama_cpp_env(cache: Path) -> tuple[Path, Path]:
           flush=True)
     env = {**os.environ, "CMAKE_ARGS": BUILD_FLAGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(sdist)], check=True, env=env)
-    stamp.write_text(json.dumps({"version": LLAMA_CPP_PYTHON, "sdist_sha256": sha256(sdist)}))
+    stamp.write_text(json.dumps({"version": LLAMA_CPP_PYTHON, "sdist_sha256": sha256(sdist),
+                                 "build_flags": BUILD_FLAGS}))
     return venv / "bin" / "python", sdist
 
 
