@@ -15,7 +15,7 @@ model, find no tensors for its MLPs, initialise them at random and carry on. Wit
 refuses the folder (the type is unknown to it) or, once `import upcycle` has registered the type
 (`checkpoint/auto_classes.py`), loads it through `load`. Folders of format version 1 (config.json the base config
 itself) still load here.
-Callers write into a temporary folder from `upcycle.files.atomic_directory` (principle 4), so an interrupted
+Callers write into a staging folder from `upcycle.outputs.staging` (principle 4), so an interrupted
 or failed run leaves no partial output.
 """
 

@@ -3,7 +3,7 @@
 Every conversion runs these steps, each in one place:
 
     validate (the method, its arguments, the device, the sources; once)
-    -> claim OUT (`checkpoint.folders`: never an input, replaced only when upcycle wrote it)
+    -> claim OUT (`outputs.claims`: never an input, replaced only when upcycle wrote it)
     -> read the probe's text and the calibration data (`model_data.py`), before any weight
     -> the conversion, by `orchestrator.run_conversion` over one of three block sources:
          in memory   the dense model loaded whole, converted in place (`in_memory.InMemorySource`)
