@@ -1,7 +1,7 @@
 """The checkpoint manager of a run: writes a checkpoint of the whole state (`upcycle.training.run_state`'s files)
 into a staging folder (`upcycle.outputs.staging.Staging`, shared by every process) put in place when complete,
-keeps the newest `keep_checkpoints`, resumes from one, and writes the final model. Under FSDP every process helps gather the whole
-tensors and the main process writes them, so a checkpoint reads the same whatever wrote it."""
+keeps the newest `keep_checkpoints`, resumes from one, and writes the final model. Under FSDP every process helps
+gather the whole tensors and the main process writes them, so a checkpoint reads the same whatever wrote it."""
 
 from __future__ import annotations
 
