@@ -23,7 +23,7 @@ without running: `needs_compute` is False for them and `before_block` is not cal
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -91,11 +91,6 @@ class BlockVisit:
     needs_compute: bool
 
 
-@dataclass
-class BlockwiseResult:
-    layers: list[LayerEntry] = field(default_factory=list)
-
-
 # (the visit, the dense block, what its replay gathered, the timings to add to) -> the layer and its entry
 LayerBuilder = Callable[[BlockVisit, nn.Module, Replayed, Timings], tuple[MoELayer, LayerEntry]]
 
@@ -139,13 +134,14 @@ def _masks(joined: list[JoinedBatch], tower) -> list[torch.Tensor | None]:
 
 @torch.no_grad()
 def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGroup], timings: Timings, *,
-                   progress: bool = True) -> BlockwiseResult:
-    """Run the conversion's per-block work (module docstring) over `source`'s model. `source.first_inputs(towers,
+                   progress: bool = True) -> list[LayerEntry]:
+    """Run the conversion's per-block work (module docstring) over `source`'s model; each target's report
+    entry, in block order. `source.first_inputs(towers,
     [batches, ...])` records the inputs of each tower's first block for each group's batches (None: the model's
     forward, stopped there)."""
     model, family, build_layer = source.model, source.family, source.layer_builder()
     before_block, after_block, first_inputs = source.before_block, source.after_block, source.first_inputs
-    result = BlockwiseResult()
+    layers: list[LayerEntry] = []
     groups = [g for g in groups if g.batches]
     plan = visits(model, family, targets, replay=bool(groups))
     first_inputs = first_inputs or (lambda towers, lists: [first_block_inputs(model, towers, b) for b in lists])
@@ -168,10 +164,10 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
                                           timings, output_needed=visit.path != last[visit.tower])
                 if visit.target is not None:
                     built, entry = build_layer(visit, block, replayed, timings)
-                    result.layers.append(entry)
+                    layers.append(entry)
             after_block(visit, block, built)
         bar.close()
-    return result
+    return layers
 
 
 def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],

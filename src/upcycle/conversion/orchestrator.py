@@ -115,7 +115,7 @@ def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, prog
     with timings.phase("rounding_noise"):
         noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
     phase("dense outputs recorded")
-    result = convert_blocks(source, targets, source.replay_groups(probe), timings, progress=progress)
+    layers = convert_blocks(source, targets, source.replay_groups(probe), timings, progress=progress)
     with timings.phase("write"):
         upcycled = source.finish(probe)
     phase(f"{len(targets)} layers upcycled")
@@ -125,9 +125,9 @@ def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, prog
     phase("preservation checked")
     return Converted(
         model_class=type(upcycled).__name__, model_type=upcycled.config.model_type,
-        moe_layers=[t.name for t in targets], before=before, after=count_parameters(upcycled), layers=result.layers,
+        moe_layers=[t.name for t in targets], before=before, after=count_parameters(upcycled), layers=layers,
         promised=promised, measured=measured, noise=noise, compute_dtype=source.compute_dtype,
         probe=probe if source.records_probe else None, timings=timings, dtype=cfg.dtype, streamed=source.streamed,
         calibration=None if not calibration else CalibrationSummary(
             inputs.calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
-        **source.record(result.layers))
+        **source.record(layers))

@@ -64,7 +64,7 @@ class Staging:
                 self.path.mkdir(parents=True)
             return
         where = self.out if into else self.out.parent
-        clean_stale_temporaries(where / self.out.name if into else self.out)
+        clean_stale_temporaries(where / self.out.name)       # the temporaries of `out` in `where`
         self.path = Path(tempfile.mkdtemp(prefix=temporary_prefix(self.out), dir=where))
 
     def replace(self) -> None:
@@ -75,9 +75,11 @@ class Staging:
     def move_into(self, names: Iterable[str]) -> None:
         """Rename the staged files `names` into the folder `out`, in the order given, each replacing what `out`
         holds under its name (a reader sees each file old or new, never half written); then drop the staging."""
-        for name in names:
-            os.replace(self.path / name, self.out / name)
-        self.discard()
+        try:
+            for name in names:
+                os.replace(self.path / name, self.out / name)
+        finally:
+            self.discard()
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -96,7 +98,7 @@ def staged_directory(out: str | os.PathLike, *, into: bool = False, last: tuple[
         staging.discard()
         raise
     if into:
-        names = sorted(p.name for p in staging.path.iterdir())
+        names = (p.name for p in staging.path.iterdir())
         staging.move_into(sorted(names, key=lambda n: (last.index(n) if n in last else -1, n)))
     else:
         staging.replace()
