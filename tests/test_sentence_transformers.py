@@ -78,6 +78,34 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
     assert np.abs(theirs - encode(moe)).max() > 1e-4                         # it is the trained model
 
 
+def test_a_trained_runs_modules_are_upcycles_own(minilm_moe, tmp_path):
+    """A finished run with sentence-transformers' files in its model/ is still upcycle's run: `upcycle train` may
+    continue it and `compare` may continue the study holding it (both refused it when the module files were
+    nobody's). A run written before model/ carried its own marker is judged by the module names; a file of the
+    user's beside them still makes the run not upcycle's."""
+    from upcycle.checkpoint.sentence_modules import ROOT_FILES
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
+    from upcycle.outputs.ownership import MARKER, MODEL_FILES, own_output
+    from upcycle.training.trainer import train
+
+    assert set(ROOT_FILES) <= set(MODEL_FILES)
+    _, moe = minilm_moe
+    write_pairs(tmp_path / "pairs.jsonl", toy_pairs(64))
+    cfg = build(TrainConfig, {"model": str(moe), "data": str(tmp_path / "pairs.jsonl"), "steps": 1, "batch_size": 8,
+                              "sequence_length": 32, "eval_pairs": 8})
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    assert (run / "model" / "1_Pooling" / "config.json").is_file()
+    assert own_output(run) == "train"
+    train(cfg, run, resume=True, progress=False)            # finished: resuming it is allowed (and a no-op)
+    train(cfg, run, overwrite=True, progress=False)         # and so is replacing it
+    (run / "model" / MARKER).unlink()                       # as a run of the previous version left it
+    assert own_output(run) == "train"
+    (run / "model" / "1_Pooling" / "notes.md").write_text("mine")
+    assert own_output(run) is None
+
+
 def test_a_folder_saved_by_this_sentence_transformers_keeps_its_normalize(tmp_path):
     """A folder written by the installed sentence-transformers' own `save` (6.2 names its transformer module
     `sentence_transformers.base.modules.transformer.Transformer`): its modules are carried, so the converted

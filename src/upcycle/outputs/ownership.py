@@ -36,7 +36,12 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "mo
                "upcycle_config.json", "upcycle_report.json", "run_config.yaml", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
                "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
-               "preprocessor_config.json", "processor_config.json")
+               "preprocessor_config.json", "processor_config.json",
+               # sentence-transformers' files beside the transformer (checkpoint/sentence_modules.py carries them)
+               "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+# sentence-transformers' module subfolders as it names them (`{index}_{class}`: 1_Pooling, 2_Dense), with the
+# suffixes upcycle carries: how a run's model/ written before it carried its own marker is judged
+MODULE_FOLDER_FILES = tuple(f"[0-9]*_*/*.{suffix}" for suffix in ("json", "txt", "safetensors"))
 # What grows inside each kind's folder, as paths relative to it (fnmatch: `*` also crosses `/`). A model
 # folder's files are MODEL_FILES (a run's model/ written before it carried a marker).
 GROWN = {
@@ -47,7 +52,8 @@ GROWN = {
               "checkpoints/step-*/*.bin", "checkpoints/step-*/*.pkl",     # Accelerate's format, before upcycle 0.2
               f"checkpoints/{shared_name('step-*')}/*", "tensorboard/*/events.out.tfevents.*",
               "tensorboard/events.out.tfevents.*",
-              "wandb/*", "model/model-*-of-*.safetensors", *(f"model/{name}" for name in MODEL_FILES)),
+              "wandb/*", "model/model-*-of-*.safetensors",
+              *(f"model/{name}" for name in (*MODEL_FILES, *MODULE_FOLDER_FILES))),
     "compare": ("study.json", "comparison.json", "comparison.md", "metric_over_steps.png", "init_diagnostics.png",
                 "invocations/*.json", "calibration/*.safetensors", "conversions/*/conversion.json",
                 "cells/*/plan.json", "cells/*/cell.json"),

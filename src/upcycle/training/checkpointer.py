@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
+from ..outputs.ownership import write_marker
 from ..outputs.staging import Staging, atomic_directory, replace_directory, shared_name
 from . import run_state, sharding
 from .accelerator import Prepared
@@ -81,6 +82,9 @@ class Checkpointer:
                 model.save_pretrained(tmp)
                 if tokenizer is not None:
                     save_tokenizer(tokenizer, tmp)
+            # its own marker lists every file (sentence-transformers' module folders have any name): the run's
+            # folder, which grows by patterns, judges model/ by it
+            write_marker(tmp, "model")
 
     def _whole_state(self) -> tuple[dict | None, dict | None, dict | None]:
         """(model, optimizer, teacher) state for the main process to write: the optimizer's and teacher's own
