@@ -5,22 +5,25 @@
 #   bash benchmarks/gpu_check.sh OUT [--quick]
 #
 # It installs nothing from the network: wheels the image lacks (gguf: `make gpu-wheels` fetches it here into .whl/)
-# are installed from .whl/ when that folder is there, and the project runs from src/ on PYTHONPATH. Then, into OUT:
+# are installed from .whl/ when that folder is there, and the project runs from src/ on PYTHONPATH. Then, into OUT,
+# speed first (a call stopped at its limit still brings the layer rows and the training step back), then the suite,
+# then the rest, each later part only while GPU_CHECK_SECONDS (default 510) leaves it room (else it says so):
 #   environment.json                   the machine, torch, CUDA, transformers
-#   junit.xml, pytest.log              the non-slow suite (a test needing an embedded asset skips itself)
-#   tests.jsonl                        each test's outcome as it finished (tests/live_report.py): what a suite
-#                                      stopped at its time limit (GPU_CHECK_SUITE_SECONDS, 330) still tells
-#   assert_hunt.log                    only if a device-side assert appeared: the suspect files rerun one at a time
-#                                      with CUDA_LAUNCH_BLOCKING=1, to name the kernel launch that asserts
 #   moe_layer_cuda_bfloat16.json       the MoE layer at the six (shape, tokens) rows, bf16, fwd and fwd+bwd
 #   train_step_cuda.json               whole-model training step: dense, upcycle, stock Mixtral / Qwen3-MoE
-#   moe_layer_cuda_float32.json        the layer in float32 and TF32 at one size each (what float32 takes)
 #   profile_MODEL.json                 two steps of dense, upcycle every-block and Mixtral under torch.profiler:
 #                                      the GPU's idle share and the top kernels
+#   junit.xml, pytest.log              the non-slow suite (a test needing an embedded asset skips itself), in the
+#                                      time left less 20 s (GPU_CHECK_SUITE_SECONDS overrides)
+#   tests.jsonl                        each test's outcome as it finished (tests/live_report.py): what a suite
+#                                      stopped at its time limit still tells
+#   assert_hunt.log                    only if a device-side assert appeared: the suspect files rerun one at a time
+#                                      with CUDA_LAUNCH_BLOCKING=1, to name the kernel launch that asserts
+#   moe_layer_cuda_float32.json        the layer in float32 and TF32 at one size each (what float32 takes)
 #   train_step_cuda_compile.json       the training step under torch.compile, dense and upcycle's every-block MoE
 #   summary.json                       all of the above in one file (benchmarks/gpu_summary.py)
 # On a machine without a GPU it runs the suite on the CPU and skips the benchmarks, saying so. --quick: fewer
-# repetitions and tokens (a smoke run of the script itself). Budget: under 8 minutes on one H100 or H200.
+# repetitions and tokens (a smoke run of the script itself).
 # GPU_CHECK_WORKERS: the suite's pytest-xdist processes (default: the cores, at most 14).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT [--quick]}
@@ -48,13 +51,32 @@ EOF
 cat "$OUT/environment.json"
 HAS_GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 
+# Speed first (the scarcest result: a call stopped at its limit still brings the layer rows and the training
+# step back), then the suite, then the rest, each part only while GPU_CHECK_SECONDS (default 510) has room for it.
+BUDGET=${GPU_CHECK_SECONDS:-510}
+left() { echo $(( BUDGET - ($(date +%s) - started) )); }
+# a part of at most $1 seconds: run it only if it fits in what is left, else say it was skipped and why
+fits() { if [ "$(left)" -ge "$1" ]; then return 0; fi; echo "skipped ($2): $(left) s left, it needs up to $1 s"; return 1; }
+if [ "$HAS_GPU" = 1 ]; then
+    REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
+    [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }
+    timeout 150 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 mixtral olmoe --tokens $TOK \
+        --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json" --profile "$OUT"
+    timeout 120 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json" \
+        --profile "$OUT"
+else
+    echo "no CUDA GPU here: the benchmarks were skipped"
+fi
+
 WORKERS=1
 if $PY -c "import xdist" 2>/dev/null; then WORKERS=${GPU_CHECK_WORKERS:-$(( $(nproc) > 14 ? 14 : $(nproc) ))}; fi
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS"
 # each worker computes on its share of the cores (tests/conftest.py does the same where OMP_NUM_THREADS is unset)
 THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))
 TIMEOUT=""; $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout 240"
-OMP_NUM_THREADS=$THREADS UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "${GPU_CHECK_SUITE_SECONDS:-330}" $PY -m pytest tests -m "not slow" -q \
+SUITE=${GPU_CHECK_SUITE_SECONDS:-$(( $(left) - 20 ))}      # what is left, less the summary's time
+[ "$HAS_GPU" = 1 ] || SUITE=${GPU_CHECK_SUITE_SECONDS:-3600}  # without a GPU the suite is all there is to run
+OMP_NUM_THREADS=$THREADS UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "$SUITE" $PY -m pytest tests -m "not slow" -q \
     -p no:cacheprovider -p live_report $XDIST $TIMEOUT -rs --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - started )) s"
 tail -5 "$OUT/pytest.log"
@@ -62,24 +84,17 @@ tail -5 "$OUT/pytest.log"
 if grep -q "device-side assert" "$OUT/pytest.log"; then
     : > "$OUT/assert_hunt.log"
     for f in tests/test_cluster.py tests/test_export.py tests/test_compare.py; do
+        fits 60 "assert hunt in $f" || break
         CUDA_LAUNCH_BLOCKING=1 timeout 60 $PY -m pytest "$f" -x -q -p no:cacheprovider >> "$OUT/assert_hunt.log" 2>&1
     done
 fi
 
 if [ "$HAS_GPU" = 1 ]; then
-    REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
-    [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }
-    timeout 150 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 mixtral olmoe --tokens $TOK \
-        --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json" --profile "$OUT"
-    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json" \
-        --profile "$OUT"
-    timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype float32 $REPS \
-        --out "$OUT/moe_layer_cuda_float32.json"
-    timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 --tokens 8192 --dtype tf32 $REPS \
-        --out "$OUT/moe_layer_cuda_tf32.json"
-    timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS --models dense upcycle_every_1 --compile \
-        --out "$OUT/train_step_cuda_compile.json"
-else
-    echo "no CUDA GPU here: the benchmarks were skipped"
+    fits 60 "float32 layer row" && timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 \
+        --tokens 8192 --dtype float32 $REPS --out "$OUT/moe_layer_cuda_float32.json"
+    fits 60 "TF32 layer row" && timeout 60 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 \
+        --tokens 8192 --dtype tf32 $REPS --out "$OUT/moe_layer_cuda_tf32.json"
+    fits 150 "compiled training step" && timeout 150 $PY benchmarks/train_step.py --device cuda $STEPS \
+        --models dense upcycle_every_1 --compile --out "$OUT/train_step_cuda_compile.json"
 fi
 $PY benchmarks/gpu_summary.py "$OUT" "$(( $(date +%s) - started ))"

@@ -41,7 +41,8 @@ pack() {
 PACKER=$!
 
 echo "[session] check: $(date -u +%T), $(left) s left"
-timeout $(( $(left) - STUDY_SECONDS )) bash benchmarks/gpu_check.sh "$CHECK"
+GPU_CHECK_SECONDS=$(( $(left) - STUDY_SECONDS - 10 )) timeout $(( $(left) - STUDY_SECONDS )) \
+    bash benchmarks/gpu_check.sh "$CHECK"
 [ -f "$CHECK/summary.json" ] || $PY benchmarks/gpu_summary.py "$CHECK"      # the check stopped at its time limit
 echo "[session] study: $(date -u +%T), $(left) s left"
 if [ "$(left)" -gt 40 ]; then

@@ -156,17 +156,20 @@ def measure(shape: str, n_tokens: int, reps: int, min_seconds: float, s: Setting
         for name, fn in impls.items():
             timed(fn, x, backward, s)                                  # first call: caches, workspaces
             warm[name], peaks[name] = timed(fn, x, backward, s)
-        # short calls are noisier: repeat them until each implementation has run about `min_seconds`
-        n_reps = max(reps, math.ceil(min_seconds / min(warm.values())))
+        # short calls are noisier: each implementation repeats until it has run about `min_seconds`, at least
+        # `reps` times; a slow one (transformers' eager loop over olmoe's 64 experts) stops at `reps`, instead of
+        # running as often as the fastest needs (that row did not finish in 85 s on an H200)
+        n_reps = {name: max(reps, math.ceil(min_seconds / t)) for name, t in warm.items()}
         names = list(impls)
-        for rep in range(n_reps):       # round-robin, rotated each repetition so no one always runs first
+        for rep in range(max(n_reps.values())):  # round-robin, rotated each repetition so none always runs first
             for name in names[rep % len(names):] + names[: rep % len(names)]:
-                times[name].append(timed(impls[name], x, backward, s)[0])
+                if len(times[name]) < n_reps[name]:
+                    times[name].append(timed(impls[name], x, backward, s)[0])
         med = {name: statistics.median(t) for name, t in times.items()}
         baseline = K * med["dense"]
         best_hf = min((med[n] for n in hf if n in med), default=None)
         result[mode] = {
-            "reps": n_reps,
+            "reps": n_reps,                 # per implementation
             "median_s": {"dense_x_k": baseline, **{n: v for n, v in med.items() if n != "dense"}},
             "ratio_to_dense_x_k": {n: v / baseline for n, v in med.items() if n != "dense"},
             "upcycle_vs_best_hf": med["upcycle"] / best_hf if best_hf else None,

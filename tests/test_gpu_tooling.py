@@ -85,3 +85,46 @@ def test_the_docs_table_of_gpu_runs_is_the_one_the_results_give(summary_module, 
             # each summary.json is what gpu_summary.py makes of its folder's files
             recorded = json.loads((folder / "summary.json").read_text())
             assert summary_module.summarize(folder, recorded["seconds"]) == recorded
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for the GPU machine's python3: logs each call; a GPU is there when FAKE_GPU is 1
+echo "$*" >> "$FAKE_LOG"
+case "$*" in
+  *torch.cuda.is_available*) echo "$FAKE_GPU" ;;
+  "import xdist"*|*"import xdist"*|*pytest_timeout*) exit 1 ;;
+  -) cat > /dev/null; echo '{}' ;;
+esac
+exit 0
+"""
+
+
+def run_check(tmp_path: Path, gpu: str, seconds: int) -> tuple[list[str], str]:
+    tmp_path = tmp_path / f"gpu-{gpu}"
+    tmp_path.mkdir()
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = os.environ | {"PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_GPU": gpu,
+                        "GPU_CHECK_SECONDS": str(seconds)}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = [line for line in log.read_text().splitlines() if "benchmarks/" in line or "pytest tests" in line]
+    return calls, done.stdout
+
+
+def test_the_gpu_check_measures_speed_before_the_suite_and_skips_what_its_time_cannot_hold(tmp_path):
+    """Speed first (a call stopped at its limit still brings the layer rows and the training step back), then the
+    suite, then the rest while the budget has room: at 100 s the 60-s layer rows run and the 150-s compiled step
+    is skipped with its reason."""
+    calls, stdout = run_check(tmp_path, "1", 100)
+    kinds = [c.split()[0].removeprefix("benchmarks/") if c.startswith("benchmarks/") else "suite" for c in calls]
+    assert kinds == ["moe_layer.py", "train_step.py", "suite", "moe_layer.py", "moe_layer.py", "gpu_summary.py"]
+    assert "bfloat16" in calls[0] and "olmoe" in calls[0] and "float32" in calls[3] and "tf32" in calls[4]
+    assert not any("--compile" in c for c in calls)
+    assert "skipped (compiled training step)" in stdout
+    calls, stdout = run_check(tmp_path, "0", 100)              # no GPU: the suite alone
+    assert [c.split()[0] for c in calls] == ["-m", "benchmarks/gpu_summary.py"] and "pytest tests" in calls[0]
+    assert "no CUDA GPU here" in stdout
