@@ -74,7 +74,8 @@ XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS"
 # each worker computes on its share of the cores (tests/conftest.py does the same where OMP_NUM_THREADS is unset)
 THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))
 TIMEOUT=""; $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout 240"
-SUITE=${GPU_CHECK_SUITE_SECONDS:-$(( $(left) - 20 ))}      # what is left, less the summary's time
+SUITE=${GPU_CHECK_SUITE_SECONDS:-$(( $(left) > 21 ? $(left) - 20 : 1 ))}  # what is left, less the summary's
+                                                         # time, never 0 (timeout 0 would mean no limit)
 [ "$HAS_GPU" = 1 ] || SUITE=${GPU_CHECK_SUITE_SECONDS:-3600}  # without a GPU the suite is all there is to run
 OMP_NUM_THREADS=$THREADS UPCYCLE_TEST_REPORT=$OUT/tests.jsonl timeout "$SUITE" $PY -m pytest tests -m "not slow" -q \
     -p no:cacheprovider -p live_report $XDIST $TIMEOUT -rs --junitxml "$OUT/junit.xml" > "$OUT/pytest.log" 2>&1

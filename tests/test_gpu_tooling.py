@@ -92,7 +92,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_LOG"
 case "$*" in
   *torch.cuda.is_available*) echo "$FAKE_GPU" ;;
-  "import xdist"*|*"import xdist"*|*pytest_timeout*) exit 1 ;;
+  *"import xdist"*|*pytest_timeout*) exit 1 ;;
   -) cat > /dev/null; echo '{}' ;;
 esac
 exit 0

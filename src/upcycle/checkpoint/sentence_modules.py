@@ -22,8 +22,10 @@ import stat
 import warnings
 from pathlib import Path
 
-MODULES_FILE = "modules.json"
-ROOT_FILES = (MODULES_FILE, "sentence_bert_config.json", "config_sentence_transformers.json")
+from ..outputs.ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES, SENTENCE_ROOT_FILES
+
+ROOT_FILES = SENTENCE_ROOT_FILES        # named where ownership counts them as a model folder's files
+MODULES_FILE = ROOT_FILES[0]            # modules.json
 CARRIED_SUFFIXES = (".json", ".txt", ".safetensors")
 OWN_CLASSES = "sentence_transformers."
 # the transformer module as each sentence-transformers version names it (6.2 saves
@@ -90,8 +92,6 @@ def _read_bounded(path: Path, room: int) -> bytes:
 
 def _written_names() -> set[str]:
     """The names upcycle gives the files and folders of its outputs (ownership's lists), and the GGUF file."""
-    from ..outputs.ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES
-
     return {*MODEL_FILES, MARKER, *LEGACY_SIGNATURES, *(name for names in GROWING.values() for name in names),
             "model.gguf"}
 

@@ -31,14 +31,14 @@ LEGACY_SIGNATURES = {"upcycle_config.json": "convert", "upcycle_report.json": "e
 GROWING = {"train": ("run_config.yaml", "log.jsonl", "checkpoints", "model", "inputs.json", "tensorboard", "wandb"),
            "compare": ("study.json", "invocations", "calibration", "conversions", "cells", "comparison.json",
                        "comparison.md", "metric_over_steps.png", "init_diagnostics.png")}
+# sentence-transformers' files beside the transformer (checkpoint/sentence_modules.py reads and carries them)
+SENTENCE_ROOT_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 # The files of a model folder (transformers' save_pretrained, its tokenizer's files, upcycle's own records).
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                "upcycle_config.json", "upcycle_report.json", "run_config.yaml", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
                "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
-               "preprocessor_config.json", "processor_config.json",
-               # sentence-transformers' files beside the transformer (checkpoint/sentence_modules.py carries them)
-               "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+               "preprocessor_config.json", "processor_config.json", *SENTENCE_ROOT_FILES)
 # sentence-transformers' module subfolders as it names them (`{index}_{class}`: 1_Pooling, 2_Dense), with the
 # suffixes upcycle carries: how a run's model/ written before it carried its own marker is judged
 MODULE_FOLDER_FILES = tuple(f"[0-9]*_*/*.{suffix}" for suffix in ("json", "txt", "safetensors"))
