@@ -16,6 +16,7 @@ from upcycle.cli import main, parser
 from upcycle.commands import convert, train
 from upcycle.commands.flags import ConfigFlag, add_config_flags, comma_list, config_field, flag_choices, whole_number
 from upcycle.config import (
+    CHECKPOINTING,
     EXPORTS,
     MIXED_PRECISIONS,
     NON_FFN,
@@ -40,7 +41,8 @@ RUN_FLAGS = {"convert": convert.RUN_FLAGS, "train": train.RUN_FLAGS}
 # and refuse others, checked below)
 ALLOWED = {"export": EXPORTS, "export_class": ("auto", *STOCK_CLASSES), "schedule": SCHEDULES,
            "mixed_precision": MIXED_PRECISIONS, "task": TASKS, "sources.router": ROUTER_INITS,
-           "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES), "report_to": REPORT_TO}
+           "sources.non_ffn": NON_FFN, "dtype": ("auto", *STORAGE_DTYPES), "report_to": REPORT_TO,
+           "activation_checkpointing": CHECKPOINTING}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer, padding_mask
+from upcycle.core.moe import MoELayer
+from upcycle.core.routing_context import padding_mask
 
 dynamo = pytest.importorskip("torch._dynamo")
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer, padding_mask
+from upcycle.core.moe import MoELayer
 from upcycle.core.router import capacity_keep
+from upcycle.core.routing_context import padding_mask
 
 
 def random_layer(*, E=4, K=2, D=8, F=12, gated=True, bias=False, shared=0, seed=0, **options) -> MoELayer:

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from upcycle.config import MoEConfig, RegularizerConfig
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
-from upcycle.core.moe import MoELayer, padding_mask, real_tokens
+from upcycle.core.moe import MoELayer
+from upcycle.core.routing_context import padding_mask, real_tokens
 from upcycle.training.objective import Objective
 
 aten = torch.ops.aten

@@ -157,3 +157,25 @@ def test_fsdp_refusals(monkeypatch):
     sharding.check_dtypes(model, "bf16")
     model[1].requires_grad_(False)                         # frozen weights are not reduced: any dtype
     sharding.check_dtypes(model, "no")
+
+
+@pytest.mark.parametrize("launch, mode", [("fsdp2", "full"), ("ddp", "moe")])
+def test_activation_checkpointing_under_two_processes(tied_moe, tiny_lm, tmp_path, launch, mode):
+    """2 processes (FSDP2 with every block recomputed; DDP with the MoE layers recomputed) compute what 1 process
+    without checkpointing computes: losses (EESD and the z-loss among them), gradient norms, the final model, to
+    ATOL. A recomputation counted twice would move the aux-free bias or EESD's teacher apart."""
+    _, _, train_txt, held = tiny_lm
+    data = [str(tied_moe), "--data", str(train_txt), "--eval-data", str(held), *ARGS]
+    _alone(["train", data[0], str(tmp_path / "one"), *data[1:], "--grad-accum", "2"])
+    args = ["train", data[0], str(tmp_path / "two"), *data[1:], "--activation-checkpointing", mode]
+    if launch == "fsdp2":
+        _launch(args)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        done = subprocess.run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                               "-m", "upcycle.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _same_steps(_steps(one), _steps(two))
+    _close(load_file(str(one / "model" / "model.safetensors")), load_file(str(two / "model" / "model.safetensors")))

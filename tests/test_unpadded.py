@@ -21,7 +21,8 @@ from upcycle.config import RegularizerConfig
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import SegmentBias, forced_kernel_path
-from upcycle.core.moe import MoELayer, moe_layers, padding_mask, real_positions, real_tokens
+from upcycle.core.moe import MoELayer, moe_layers
+from upcycle.core.routing_context import padding_mask, real_positions, real_tokens
 from upcycle.data.length_buckets import bucket_plan, positions_computed
 from upcycle.errors import UpcycleError
 from upcycle.tasks.contrastive import PairBatches, info_nce, lay_out_pairs, pair_loss

@@ -24,6 +24,7 @@ ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
 NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")     # ConvertConfig.dtype (besides auto)
 TASKS = ("causal_lm", "clip", "contrastive")           # TrainConfig.task
+CHECKPOINTING = ("none", "full", "moe")                # TrainConfig.activation_checkpointing (training.recompute)
 REPORT_TO = ("tensorboard", "wandb")                  # TrainConfig.report_to
 # Held-out tokens of one causal-LM evaluation: training's (TrainConfig.eval_tokens) and `upcycle eval`'s
 # default alike, so the same model reads the same perplexity in both (docs/training.md, "Watching a run").
@@ -367,6 +368,11 @@ class TrainConfig:
     clip_grad: float | None = ranged(1.0, 0, math.inf, low_open=True, high_open=True)  # None = no clipping
     mixed_precision: str = choice("auto", MIXED_PRECISIONS)   # auto: bf16 where the GPU has it, else no
     compile: bool = False           # torch.compile the model (docs/gpu.md: what compiles into one graph)
+    # recompute activations in the backward pass: none, every block (full), or upcycle's MoE layers (moe)
+    activation_checkpointing: str = choice("none", CHECKPOINTING)
+    # the memory each process may take, checked by the memory plan before the weights load (`--plan` prints it):
+    # auto = the device's memory (a GPU's; the machine's RAM shared by its processes), or a size such as 70GB
+    memory_budget: str = "auto"
     train: tuple[str, ...] = ("all",)   # what trains at all: groups or globs (all, moe, routed, router, ...)
     freeze: tuple[FreezeRule, ...] = ()  # frozen for the first fraction of steps, e.g. SPRI's two stages
     regularizers: RegularizerConfig = field(default_factory=RegularizerConfig)

@@ -50,7 +50,8 @@ def allowed(f: dataclasses.Field) -> str:
 # keys whose values a registry or the machine decides (checked when the run starts, `conversion/validate.py`)
 CHECKED_LATER = {"method": "a method of `upcycle methods`", "export_class": "auto, or a class of `export/registry.py`",
                  "device": "auto, cpu, cuda, cuda:N", "shard_size": "a size such as 5GB or 500MB",
-                 "model": "default, a folder, or a Hugging Face id"}
+                 "model": "default, a folder, or a Hugging Face id",
+                 "memory_budget": "auto, or a size such as 70GB (the memory plan checks it)"}
 
 
 def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -14,7 +14,7 @@ from torch import nn
 from ..core.architectures import family_of
 
 
-def _no_init():
+def no_init():
     """transformers' switch that skips weight initialisation: drawing random values into meta tensors goes
     through torch's reference implementations and took 10 ms a block (a 1,000-block plan: 50 s)."""
     try:
@@ -41,7 +41,7 @@ def empty_model(config, dtype: torch.dtype) -> nn.Module:
     """The dense model with parameters on the meta device and real buffers, in eval mode."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False), _no_init():
+    with init_empty_weights(include_buffers=False), no_init():
         model = architecture_class(config)._from_config(config, dtype=dtype)
     model.tie_weights()          # tied tensors become one object, so they are read and written once
     return model.eval()

@@ -194,11 +194,8 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked), in the dtype
-    its weights were saved in unless `dtype` asks for another. A folder that does not rebuild exactly (a spec
-    or config that does not build, weights missing, extra, mis-shaped, unreadable or non-finite) is an
-    UpcycleError naming what is wrong."""
+def read_spec(path: str | os.PathLike) -> tuple[dict, object]:
+    """(the MoE spec, the base config) of an upcycle folder, checked; no weight is read."""
     path = Path(path)
     spec_file = path / MOE_CONFIG
     if not spec_file.exists():
@@ -215,16 +212,18 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     if not isinstance(spec.get("model_class"), str) or not isinstance(layers, list) or \
             not all(isinstance(entry, dict) and isinstance(entry.get("block"), str) for entry in layers):
         raise UpcycleError(f"{spec_file}: model_class must name a class and layers must list blocks with their specs")
-    config = base_config(path)
+    return spec, base_config(path)
+
+
+def build(path: str | os.PathLike, spec: dict, config, dtype: torch.dtype) -> nn.Module:
+    """The model an upcycle folder describes, with fresh weights (where tensors are made: `load` fills them, the
+    memory plan builds it of fake tensors)."""
     cls = getattr(transformers, spec["model_class"], None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UpcycleError(f"{path}: transformers has no model class {spec['model_class']}")
-    reader = CheckpointReader(path)          # a damaged or escaping weights file is named before any building
     try:
-        # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no
-        # weight is rounded twice; routers stay float32 in any dtype (MoELayer)
-        model = cls._from_config(config, dtype=dtype or _saved_dtype(reader))
-        for layer_spec in layers:
+        model = cls._from_config(config, dtype=dtype)
+        for layer_spec in spec["layers"]:
             layer_spec = dict(layer_spec)
             block = layer_spec.pop("block")
             install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
@@ -233,6 +232,25 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Mod
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    return model
+
+
+def saved_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype an upcycle folder's weights load in (`load`'s default): most of its saved parameters'."""
+    return _saved_dtype(CheckpointReader(Path(path)))
+
+
+def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild an upcycled model written by `upcycle convert` (eval mode, padding masks tracked), in the dtype
+    its weights were saved in unless `dtype` asks for another. A folder that does not rebuild exactly (a spec
+    or config that does not build, weights missing, extra, mis-shaped, unreadable or non-finite) is an
+    UpcycleError naming what is wrong."""
+    path = Path(path)
+    spec, config = read_spec(path)
+    reader = CheckpointReader(path)          # a damaged or escaping weights file is named before any building
+    # built in the dtype it was saved in (or the one asked for), so a bf16 checkpoint stays bf16 and no weight is
+    # rounded twice; routers stay float32 in any dtype (MoELayer)
+    model = build(path, spec, config, dtype or _saved_dtype(reader))
     check_checkpoint(model, reader, str(path))     # before loading: loading two tied names into one tensor keeps one
     missing, unexpected, mismatched = _load_weights(model, reader)
     if missing or unexpected or mismatched:

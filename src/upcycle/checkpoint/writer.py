@@ -33,8 +33,9 @@ from .reader import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, element_size, is_finit
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9       # transformers 5's save_pretrained default, "50GB"
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a transformers-style size string ("5GB", "500MB", "2GiB")."""
+def parse_size(size: int | str, what: str = "shard size") -> int:
+    """Bytes from an int or a transformers-style size string ("5GB", "500MB", "2GiB"); `what` names it in the
+    error."""
     if isinstance(size, int):
         return size
     text = str(size).strip().upper()
@@ -47,7 +48,7 @@ def parse_size(size: int | str) -> int:
                 break
             if value > 0:
                 return int(value * factor)
-    raise UpcycleError(f"shard size {size!r}: expected bytes or a size such as 5GB, 500MB, 2GiB")
+    raise UpcycleError(f"{what} {size!r}: expected bytes or a size such as 5GB, 500MB, 2GiB")
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,14 @@ CONFIG_FLAGS = (
     ConfigFlag("--report-to", "report_to", "also send every log line to TensorBoard (OUT/tensorboard/) or "
                "Weights & Biases (OUT/wandb/; WANDB_MODE=offline needs no network)"),
     ConfigFlag("--mixed-precision", "mixed_precision", "auto: bf16 where the GPU has it, else no"),
+    ConfigFlag("--activation-checkpointing", "activation_checkpointing", "recompute activations in the backward "
+               "pass: none, full (every block) or moe (upcycle's MoE layers)"),
+    ConfigFlag("--memory-budget", "memory_budget", "bytes each process may take (e.g. 70GB; auto: the device's "
+               "memory), checked by the memory plan before the weights load"),
     ConfigFlag("--seed", "seed", "seed of the run"),
 )
 # Flags (by dest) that are about the run, not a config key; `model` is the positional that sets the key `model`.
-RUN_FLAGS = {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet"}
+RUN_FLAGS = {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet", "plan"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace an existing OUT that upcycle wrote, once the new run holds its first "
                              "checkpoint (never an input, a folder holding one, or the current directory)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the run's memory plan per device (parameters, gradients, optimizer, activations "
+                             "with and without checkpointing) from the model's config, and exit; writes nothing")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -72,6 +79,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..training.trainer import train
 
     cfg = train_config(args)
+    if args.plan:
+        import os
+
+        from ..training.memory_plan import describe, plan_memory
+
+        plan = plan_memory(cfg)
+        if os.environ.get("RANK", "0") == "0":     # under `accelerate launch`, one process says it
+            print(describe(plan, cfg.model))
+        return 0
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
                     progress=not args.quiet,
                     recipe=None if args.config is None else str(recipe_path(args.config, "train")))

@@ -69,7 +69,7 @@ def _hidden(act, pre_nI: torch.Tensor, gated: bool, grad_h: torch.Tensor | None 
         h = act(a)
         if gated:   # in place into act's fresh output, except where autograd may need that output (sigmoid,
             #          tanh) or act returned its input ("linear")
-            h = h * up if h.requires_grad or h.data_ptr() == a.data_ptr() else h.mul_(up)
+            h = h * up if h.requires_grad or h is a else h.mul_(up)
         return h, None
     with torch.enable_grad():
         leaf = a.detach().requires_grad_(True)

@@ -29,59 +29,7 @@ from ..config import MoEConfig
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import compute_dtype, grouped_ffn, tokens_per_call
 from .router import Router, RoutingRecord, count_ids
-
-
-class _CurrentMask:
-    """The current batch's padding mask ([B, S], 1 = real token), set around a model's forward by
-    `track_padding_mask`, so layers record it without any model's forward being rewritten (docs/design.md principle 3).
-    A plain attribute rather than a ContextVar: torch.compile traces an attribute read, and breaks the graph at
-    ContextVar.get."""
-
-    mask: torch.Tensor | None = None
-
-
-_PADDING_MASK = _CurrentMask()
-
-
-class _KnownRealTokens:
-    """The flat positions of the real tokens of one padding mask, computed on the host before the batch moved
-    (`real_tokens`): a layer that sees that very mask runs its router and experts on those positions alone, with
-    no data-dependent size read back from the device. A plain attribute, as `_CurrentMask`."""
-
-    mask: torch.Tensor | None = None
-    positions_R: torch.Tensor | None = None
-
-
-_KNOWN_REAL = _KnownRealTokens()
-
-
-@contextlib.contextmanager
-def real_tokens(mask_BS: torch.Tensor, positions_R: torch.Tensor):
-    """Inside this block, an MoE layer whose padding mask is `mask_BS` (the same tensor object: the attention
-    mask the model is called with) routes and runs only the tokens at `positions_R` (flat indices into the
-    [B*S] tokens, on the mask's device) and gives padding positions a zero output. Padding never reaches a real
-    token of an encoder (its attention masks padding keys), so the real tokens' outputs are those of the padded
-    computation; the routing record then holds the real tokens alone (`RoutingRecord.positions_T`)."""
-    before = (_KNOWN_REAL.mask, _KNOWN_REAL.positions_R)
-    _KNOWN_REAL.mask, _KNOWN_REAL.positions_R = mask_BS, positions_R
-    try:
-        yield
-    finally:
-        _KNOWN_REAL.mask, _KNOWN_REAL.positions_R = before
-
-
-def real_positions(mask_BS: torch.Tensor) -> torch.Tensor:
-    """The flat positions of a [B, S] mask's ones, on the host (the index `real_tokens` takes)."""
-    return mask_BS.reshape(-1).nonzero().squeeze(1)
-
-
-class _JoinedRecords:
-    """Collects every routing record each MoE layer makes inside `joined_records`."""
-
-    active: dict | None = None
-
-
-_JOINED = _JoinedRecords()
+from .routing_context import ROUTING, recompute_contexts
 
 
 @contextlib.contextmanager
@@ -90,42 +38,17 @@ def joined_records(model: nn.Module):
     the block each layer's `last_record` is the concatenation of the records its forwards made inside, in
     order, so the router losses, the statistics and the balancer read the whole batch as if it had been one
     forward. Nested use joins into the outermost block."""
-    if _JOINED.active is not None:
+    if ROUTING.joined is not None:
         yield
         return
     layers = moe_layers(model)
-    _JOINED.active = {id(layer): [] for layer in layers.values()}
-    try:
+    collected = {id(layer): [] for layer in layers.values()}
+    with ROUTING.using(joined=collected):
         yield
-    finally:
-        collected, _JOINED.active = _JOINED.active, None
-        for layer in layers.values():
-            records = collected[id(layer)]
-            if len(records) > 1:
-                layer.last_record = RoutingRecord.cat(records)
-
-
-def set_padding_mask(mask_BS: torch.Tensor | None) -> tuple[torch.Tensor | None]:
-    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) until `reset_padding_mask`
-    (what the model-root hooks of `surgery.track_padding_masks` do around a forward); returns the token that
-    restores the mask before it (forwards nest: a teacher's inside a student's)."""
-    token = (_PADDING_MASK.mask,)
-    _PADDING_MASK.mask = mask_BS
-    return token
-
-
-def reset_padding_mask(token: tuple[torch.Tensor | None]) -> None:
-    _PADDING_MASK.mask = token[0]
-
-
-@contextlib.contextmanager
-def padding_mask(mask_BS: torch.Tensor | None):
-    """Make `mask_BS` the padding mask MoE layers record (and exclude from capacity) inside this block."""
-    token = set_padding_mask(mask_BS)
-    try:
-        yield
-    finally:
-        reset_padding_mask(token)
+    for layer in layers.values():
+        records = collected[id(layer)]
+        if len(records) > 1:
+            layer.last_record = RoutingRecord.cat(records)
 
 
 class Experts(nn.Module):
@@ -254,6 +177,7 @@ class MoELayer(nn.Module):
         self.register_buffer("selection_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.dropout = nn.Dropout(output_dropout)
         self.record_routing = True
+        self.recompute = False          # activation checkpointing of this layer alone (`training.recompute`)
         self.last_record: RoutingRecord | None = None
 
     def spec(self) -> dict:
@@ -296,13 +220,22 @@ class MoELayer(nn.Module):
         return self.router.route(x_TD, self.selection_bias, mask_T, capacity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # activation checkpointing of this layer alone (`activation_checkpointing: moe`): its inputs are kept,
+            # its routing and experts run again in the backward pass, counted once (`recompute_contexts`)
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=recompute_contexts)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         T = x_TD.shape[0]
-        mask = _PADDING_MASK.mask
-        if mask is not None and mask is _KNOWN_REAL.mask and mask.numel() == T:
+        mask = ROUTING.mask
+        if mask is not None and mask is ROUTING.known_mask and mask.numel() == T:
             # the real tokens' positions are known (`real_tokens`): padding is neither routed nor computed
-            positions_R = _KNOWN_REAL.positions_R
+            positions_R = ROUTING.known_positions
             y_RD = self._forward_tokens(x_TD.index_select(0, positions_R), None, positions_R)
             y_TD = x_TD.new_zeros(T, y_RD.shape[-1]).index_copy(0, positions_R, y_RD)
             return y_TD.view(shape)
@@ -323,10 +256,10 @@ class MoELayer(nn.Module):
             else self._experts(x_TD, record, 0, T)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts.forward_dense(x_TD)
-        if self.record_routing:
+        if self.record_routing and not ROUTING.recomputing:     # a recomputation repeats a forward already recorded
             self.last_record = record
-            if _JOINED.active is not None and id(self) in _JOINED.active:
-                _JOINED.active[id(self)].append(record)
+            if ROUTING.joined is not None and id(self) in ROUTING.joined:
+                ROUTING.joined[id(self)].append(record)
         return self.dropout(y_TD)
 
     def _experts(self, x_TD: torch.Tensor, record: RoutingRecord, start: int, end: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .moe import MoELayer
 from .router import RoutingRecord
+from .routing_context import ROUTING
 
 
 def is_stock_moe(model_or_config) -> bool:
@@ -48,6 +49,8 @@ class StockRouting:
 
     def _record(self, name: str):
         def hook(module, args, output) -> None:
+            if ROUTING.recomputing:          # activation checkpointing repeats a forward already recorded
+                return
             logits_TE, weights_TK, ids_TK = output
             mask = self._mask if self._mask is not None and self._mask.numel() == logits_TE.shape[0] else None
             self.records[name] = RoutingRecord(logits_TE=logits_TE.float(), topk_ids_TK=ids_TK,

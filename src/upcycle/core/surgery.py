@@ -14,7 +14,8 @@ from torch import nn
 from ..config import PlacementConfig
 from ..errors import UpcycleError
 from .architectures import Family, family_of, find_tower_layers, mask_root, tower_config
-from .moe import MoELayer, reset_padding_mask, set_padding_mask
+from .moe import MoELayer
+from .routing_context import ROUTING
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,13 @@ def _mask_pre_hook(module, args, kwargs):
         mask = bound.arguments.get("attention_mask")
     except TypeError:
         mask = kwargs.get("attention_mask")
-    module._upcycle_mask_token = set_padding_mask(mask if mask is not None and mask.dim() == 2 else None)
+    module._upcycle_mask_token = ROUTING.set(mask=mask if mask is not None and mask.dim() == 2 else None)
 
 
 def _mask_post_hook(module, args, kwargs, output):
     token = getattr(module, "_upcycle_mask_token", None)
     if token is not None:
-        reset_padding_mask(token)
+        ROUTING.set(**token)
         module._upcycle_mask_token = None
 
 

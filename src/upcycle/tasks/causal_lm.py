@@ -14,16 +14,25 @@ from ..config import TrainConfig
 from ..data.packing import PackedBatches, pack_documents
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
+from . import head_loss
 from .evaluate import held_out_rows, perplexity
 
 
 def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored."""
+    """Next-token cross-entropy, padding (attention_mask 0) and -100 labels ignored; through the output head a
+    chunk of tokens at a time (`head_loss`), so the full logits never exist, where the head allows it."""
     labels, mask = batch.get("labels"), batch.get("attention_mask")
     if labels is None:      # a batch without a mask is all real tokens
         labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return model(**inputs, labels=labels).loss
+    if not head_loss.install(head_loss.unwrapped(model)):
+        return model(**inputs, labels=labels, use_cache=False).loss
+    with head_loss.labels_for(labels) as computed:
+        model(**inputs, use_cache=False)
+        loss = computed.loss
+    if loss is None:
+        raise RuntimeError(f"{type(head_loss.unwrapped(model)).__name__}'s forward did not call its output head")
+    return loss
 
 
 class CausalLMTask:

@@ -31,7 +31,8 @@ from torch import nn
 from ..checkpoint.loading import check_sequence_length
 from ..config import TrainConfig
 from ..core.devices import pin_tensors, to_device
-from ..core.moe import joined_records, real_positions, real_tokens
+from ..core.moe import joined_records
+from ..core.routing_context import real_positions, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
 from ..data.text_pairs import TextPairs, load_text_pairs

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.modes import eval_mode
-from ..core.moe import real_positions, real_tokens
+from ..core.routing_context import real_positions, real_tokens
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 
@@ -28,7 +28,9 @@ def mean_pool(hidden_BLD: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
 def last_hidden(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor) -> torch.Tensor:
     """The encoder's last hidden states [B, L, D]. The model is called as it is (a DDP or FSDP wrapper keeps its
     gradient hooks); a bare encoder returns `last_hidden_state`, a model with a head its `hidden_states`."""
-    out = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, output_hidden_states=True)
+    # use_cache=False: an encoder caches nothing, and a BERT config's use_cache would make transformers warn under
+    # activation checkpointing
+    out = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, output_hidden_states=True, use_cache=False)
     hidden = getattr(out, "last_hidden_state", None)
     if hidden is None:
         states = getattr(out, "hidden_states", None)

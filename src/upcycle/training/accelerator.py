@@ -18,6 +18,7 @@ from . import sharding
 from .freezing import Freezer
 from .objective import Objective
 from .optimizer import make_optimizer
+from .recompute import apply_activation_checkpointing
 from .schedule import make_scheduler
 
 
@@ -34,7 +35,7 @@ def make_accelerator(cfg: TrainConfig):
         GradientState._reset_state()
     # cpu=True on a machine with no accelerator: it is what makes `accelerate launch` start gloo CPU processes
     # (without it each process would run alone); find_unused_parameters: an expert may get no token in a batch.
-    accelerator = Accelerator(mixed_precision=_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
+    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), cpu=not _has_accelerator(),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
     if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
@@ -121,6 +122,7 @@ class Prepared:
 def prepare(model: nn.Module, cfg: TrainConfig, accelerator, freezer: Freezer) -> Prepared:
     """Optimizer and schedule; model and optimizer through Accelerate (sharded first under FSDP)."""
     sharded_by = sharding_of(accelerator)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}   # the final model's, under FSDP
     # without FSDP the objective is built on the CPU before `prepare` moves the model, then moved along
     objective = Objective(model, cfg.regularizers) if sharded_by is None else None
@@ -150,7 +152,7 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or bool(mps is not None and mps.is_available())
 
 
-def _mixed_precision(choice: str) -> str:
+def resolve_mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"

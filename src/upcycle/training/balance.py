@@ -17,6 +17,7 @@ from torch import nn
 
 from ..core.moe import MoELayer, moe_layers
 from ..core.router import expert_counts
+from ..core.routing_context import ROUTING
 
 
 class AuxFreeBalancer:
@@ -36,7 +37,7 @@ class AuxFreeBalancer:
     def _count_hook(self, name: str):
         def count(layer: MoELayer, args, output):
             record = layer.last_record
-            if not layer.training or record is None:
+            if not layer.training or record is None or ROUTING.recomputing:     # a recomputation counts no load
                 return
             self.counts[name] += expert_counts(record.topk_ids_TK, layer.num_experts, record.mask_T).to(
                 self.counts[name])

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..core.moe import MoELayer, moe_layers
 from ..core.router import token_entropy
+from ..core.routing_context import ROUTING
 from .losses import eesd
 from .sharding import is_dtensor, local, shard_of, whole
 
@@ -40,8 +41,8 @@ def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
 
 
 class EMATeacher:
-    """EMA copies of a model's MoE layers; while `enabled`, each student MoE layer's training forward leaves its
-    EESD loss in `self.losses`, which `loss()` averages and clears."""
+    """EMA copies of a model's MoE layers; while `enabled`, each student MoE layer's training forward leaves the
+    teacher's target in `self.pending`, from which `loss()` computes the EESD losses, averages and clears them."""
 
     def __init__(self, model: nn.Module, beta: float = 0.999, *, uncertain_fraction: float = 1.0) -> None:
         if not 0 <= beta < 1:
@@ -59,7 +60,8 @@ class EMATeacher:
             if self.sharded:
                 teacher = _sharded_copy(layer, self.specs[name])
             else:
-                teacher = MoELayer(**self.specs[name], dtype=torch.float32).to(layer.router.weight.device)
+                with torch.device(layer.router.weight.device):     # made there (a .to() would copy it again)
+                    teacher = MoELayer(**self.specs[name], dtype=torch.float32)
                 teacher.load_state_dict(layer.state_dict())
             teacher.requires_grad_(False).eval()
             teacher.record_routing = False
@@ -67,7 +69,9 @@ class EMATeacher:
         self._student_params = [p for layer in self.students.values() for p in layer.parameters()]
         self._teacher_params = [p for layer in self.teachers.values() for p in layer.parameters()]
         self.enabled = True
-        self.losses: dict[str, list[tuple[torch.Tensor, torch.Tensor | int]]] = {}
+        # per layer, what each training forward left for its loss: (student output, its real positions, the rows
+        # distilled, the padding mask, the teacher's target, the token weight)
+        self.pending: dict[str, list[tuple]] = {}
         self.tokens_distilled = 0
         self._handles = [layer.register_forward_hook(self._hook(name)) for name, layer in self.students.items()]
 
@@ -107,43 +111,53 @@ class EMATeacher:
 
     def _hook(self, name: str):
         def distill(layer: MoELayer, args, output):
-            if not self.enabled or not layer.training:
+            # a recomputation (activation checkpointing) repeats a forward whose teacher pass was already taken
+            if not self.enabled or not layer.training or ROUTING.recomputing:
                 return
-            x_TD = args[0].reshape(-1, args[0].shape[-1])
-            y_TD = output.reshape(-1, output.shape[-1])
             record = layer.last_record
-            if record is not None and record.positions_T is not None:     # the layer ran the real tokens alone
-                x_TD, y_TD = x_TD.index_select(0, record.positions_T), y_TD.index_select(0, record.positions_T)
-            rows = self._select(layer, x_TD.shape[0])
+            positions_T = record.positions_T if record is not None else None
             mask_T = record.mask_T if record is not None else None
-            if rows is not None:
-                x_TD, y_TD, mask_T = x_TD[rows], y_TD[rows], None
             with torch.no_grad():
-                target_TD = ensemble_output(self._whole(name), x_TD.detach())
-            # (loss, its token weight): the forwards of one batch (length-bucketed chunks) average over all of
-            # its real tokens, as one forward of the whole batch would
+                x_TD = args[0].reshape(-1, args[0].shape[-1])
+                if positions_T is not None:          # the layer ran the real tokens alone
+                    x_TD = x_TD.index_select(0, positions_T)
+                rows = self._select(layer, x_TD.shape[0])
+                if rows is not None:
+                    x_TD, mask_T = x_TD[rows], None
+                target_TD = ensemble_output(self._whole(name), x_TD)
+            # the student's side of the loss is computed in `loss()`, after the forward: inside a checkpointed
+            # block, an op recorded here would have to be recomputed too
             weight = x_TD.shape[0] if mask_T is None else mask_T.sum()
-            self.losses.setdefault(name, []).append((eesd(y_TD, target_TD, mask_T=mask_T), weight))
+            self.pending.setdefault(name, []).append((output, positions_T, rows, mask_T, target_TD, weight))
             self.tokens_distilled += x_TD.shape[0]
         return distill
+
+    @staticmethod
+    def _student_loss(output, positions_T, rows, mask_T, target_TD) -> torch.Tensor:
+        y_TD = output.reshape(-1, output.shape[-1])
+        if positions_T is not None:
+            y_TD = y_TD.index_select(0, positions_T)
+        if rows is not None:
+            y_TD = y_TD[rows]
+        return eesd(y_TD, target_TD, mask_T=mask_T)
 
     def loss(self) -> torch.Tensor:
         """Mean over MoE layers of the EESD losses of the forwards since the last call (then cleared); a layer's
         loss over several forwards is their token-weighted mean."""
-        if not self.losses:
+        if not self.pending:
             return torch.zeros((), device=self._teacher_params[0].device)
         per_layer = []
-        for parts in self.losses.values():
+        for parts in self.pending.values():
+            losses = [self._student_loss(*part[:5]) for part in parts]
             if len(parts) == 1:
-                per_layer.append(parts[0][0])
+                per_layer.append(losses[0])
                 continue
             # an int weight becomes a filled tensor, not a copy from the host (which would wait for the device)
             weights = torch.stack([w.float() if torch.is_tensor(w) else torch.full((), float(w), device=loss.device)
-                                   for loss, w in parts])
-            losses = torch.stack([loss for loss, _ in parts])
-            per_layer.append((losses * weights).sum() / weights.sum().clamp_min(1))
+                                   for loss, (*_, w) in zip(losses, parts, strict=True)])
+            per_layer.append((torch.stack(losses) * weights).sum() / weights.sum().clamp_min(1))
         total = torch.stack(per_layer).mean()
-        self.losses = {}
+        self.pending = {}
         return total
 
     def to(self, device: torch.device) -> EMATeacher:

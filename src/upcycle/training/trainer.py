@@ -30,6 +30,7 @@ from .accelerator import make_accelerator, own_forward, prepare
 from .batches_ahead import BatchesAhead
 from .checkpointer import Checkpointer, finite_parameters
 from .freezing import Freezer
+from .memory_plan import check_fits
 from .run_folder import LOG, RunFolder, check_request, checkpoints, finished_run, resume_point, train_inputs
 from .run_log import RunLog
 from .step import StepResult, any_process, micro_batches, train_step
@@ -46,6 +47,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     out = Path(out).expanduser()
     overwrite = check_request(cfg, out, resume=resume, overwrite=overwrite, stop_after=stop_after)
     check_available(cfg.report_to)
+    check_fits(cfg)              # the memory plan, from the config alone: refused before any weight is read
     accelerator = make_accelerator(cfg)
     with claim_output(out, kind="train", given=train_inputs(cfg, recipe), overwrite=overwrite,
                       existing="continue" if resume else "refuse", lock=accelerator.is_main_process):
