@@ -56,7 +56,9 @@ runtimes: $(STAMP)
 # `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf), and packs
 # the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu_assets.py; benchmarks/gpu_session.sh,
 # benchmarks/gpu_contrastive.sh), and datasets for sentence-transformers' trainer beside ours (contrastive_step.py).
-GPU_WHEELS := gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+# torchtitan and what its model code imports that the GPU image lacks (benchmarks/train_mfu.py's torchtitan row)
+GPU_WHEELS := gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchtitan==0.3.0 tyro==1.0.17 \
+	docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torch-checkpointing==0.1.1
 gpu-check:
 	bash benchmarks/gpu_check.sh out/gpu-check
 

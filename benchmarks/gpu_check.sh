@@ -9,6 +9,9 @@
 # speed first (a call stopped at its limit still brings the layer rows and the training step back), then the suite,
 # then the rest, each later part only while GPU_CHECK_SECONDS (default 510) leaves it room (else it says so):
 #   environment.json                   the machine, torch, CUDA, transformers
+#   train_mfu.json                     real size first: SmolLM2-1.7B's shapes (Llama-3.2-1B's on a card under
+#                                      100 GB), dense, upcycled every other block, transformers' Qwen3-MoE and
+#                                      Mixtral, torchtitan's Qwen3-MoE: MFU, tokens/s, peak memory beside the plan
 #   moe_layer_cuda_bfloat16.json       the MoE layer at the six (shape, tokens) rows, bf16, fwd and fwd+bwd
 #   train_step_cuda.json               whole-model training step: dense, upcycle, stock Mixtral / Qwen3-MoE
 #   profile_MODEL.json                 two steps of dense, upcycle every-block and Mixtral under torch.profiler:
@@ -60,6 +63,10 @@ fits() { if [ "$(left)" -ge "$1" ]; then return 0; fi; echo "skipped ($2): $(lef
 if [ "$HAS_GPU" = 1 ]; then
     REPS="--reps 5 --min-seconds 1"; TOK="8192 32768"; STEPS="--steps 8 --warmup 3"
     [ "$QUICK" = "--quick" ] && { REPS="--reps 2 --min-seconds 0.2"; TOK="8192"; STEPS="--steps 3 --warmup 2"; }
+    PRESET=$($PY -c "import torch; print('smollm2-1.7b' if torch.cuda.get_device_properties(0).total_memory > 100e9 else 'llama3.2-1b')")
+    MFU_STEPS="--steps 6 --warmup 3"; [ "$QUICK" = "--quick" ] && MFU_STEPS="--steps 2 --warmup 1"
+    timeout ${GPU_CHECK_MFU_SECONDS:-240} $PY benchmarks/train_mfu.py --device cuda --preset "$PRESET" $MFU_STEPS \
+        --out "$OUT/train_mfu.json" --profile "$OUT/mfu_profiles"
     timeout 150 $PY benchmarks/moe_layer.py --device cuda --shapes smollm2 mixtral olmoe --tokens $TOK \
         --dtype bfloat16 $REPS --out "$OUT/moe_layer_cuda_bfloat16.json" --profile "$OUT"
     timeout 120 $PY benchmarks/train_step.py --device cuda $STEPS --out "$OUT/train_step_cuda.json" \

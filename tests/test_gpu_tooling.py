@@ -92,6 +92,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_LOG"
 case "$*" in
   *torch.cuda.is_available*) echo "$FAKE_GPU" ;;
+  *total_memory*) echo smollm2-1.7b ;;
   *"import xdist"*|*pytest_timeout*) exit 1 ;;
   -) cat > /dev/null; echo '{}' ;;
 esac
@@ -116,12 +117,15 @@ def run_check(tmp_path: Path, gpu: str, seconds: int) -> tuple[list[str], str]:
 
 
 def test_the_gpu_check_measures_speed_before_the_suite_and_skips_what_its_time_cannot_hold(tmp_path):
-    """Speed first (a call stopped at its limit still brings the layer rows and the training step back), then the
-    suite, then the rest while the budget has room: at 100 s the 60-s layer rows run and the 150-s compiled step
-    is skipped with its reason."""
+    """Speed first, the real-size training benchmark before all (a call stopped at its limit still brings it, the
+    layer rows and the training step back), then the suite, then the rest while the budget has room: at 100 s the
+    60-s layer rows run and the 150-s compiled step is skipped with its reason."""
     calls, stdout = run_check(tmp_path, "1", 100)
     kinds = [c.split()[0].removeprefix("benchmarks/") if c.startswith("benchmarks/") else "suite" for c in calls]
-    assert kinds == ["moe_layer.py", "train_step.py", "suite", "moe_layer.py", "moe_layer.py", "gpu_summary.py"]
+    assert kinds == ["train_mfu.py", "moe_layer.py", "train_step.py", "suite", "moe_layer.py", "moe_layer.py",
+                     "gpu_summary.py"]
+    assert "--preset smollm2-1.7b" in calls[0] and "train_mfu.json" in calls[0]
+    calls = calls[1:]
     assert "bfloat16" in calls[0] and "olmoe" in calls[0] and "float32" in calls[3] and "tf32" in calls[4]
     assert not any("--compile" in c for c in calls)
     assert "skipped (compiled training step)" in stdout

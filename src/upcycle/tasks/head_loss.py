@@ -78,7 +78,8 @@ class HeadCrossEntropy(torch.autograd.Function):
                 grad_h[start:end] = torch.mm(grad, w).to(grad_h.dtype)
             if need_w:      # summed over chunks in float32 (a float32 chunk product is added in place)
                 if dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), h)
+                    # addmm_ computes the same; torch's flop counter counts addmm and not it
+                    torch.addmm(grad_w, grad.t(), h, out=grad_w)
                 else:
                     grad_w.add_(torch.mm(grad.t(), h))
         ctx.count = count

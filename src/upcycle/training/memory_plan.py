@@ -28,6 +28,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,19 +112,22 @@ def budget(cfg: TrainConfig, layout: Layout) -> int:
     return parse_size(cfg.memory_budget, "memory_budget")
 
 
-def plan_memory(cfg: TrainConfig, layout: Layout | None = None, *, detail: bool = True) -> MemoryPlan:
+def plan_memory(cfg: TrainConfig, layout: Layout | None = None, *, detail: bool = True,
+                build: Callable[[torch.dtype | None], nn.Module] | None = None) -> MemoryPlan:
     """The plan of `cfg`'s run on `layout` (default: `local_layout(cfg)`), from the model's config alone;
-    `detail=False` leaves out the activations under each checkpointing mode (one traced forward less)."""
+    `detail=False` leaves out the activations under each checkpointing mode (one traced forward less). `build`:
+    instead of the model `cfg.model` names, one a benchmark makes (called inside the plan's fake mode with the
+    dtype FSDP2 computes in, or None for the dtype it trains in)."""
     layout = layout or local_layout(cfg)
     budget(cfg, layout)                     # a bad memory_budget is refused before the model is built
     micro = cfg.batch_size // (layout.processes * cfg.grad_accum)
     if micro < 1 or cfg.batch_size % (layout.processes * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{layout.processes} x {cfg.grad_accum}")
-    return _plan(cfg, layout, micro, detail)
+    return _plan(cfg, layout, micro, detail, build)
 
 
-def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool) -> MemoryPlan:
+def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> MemoryPlan:
     from .freezing import select
     from .objective import Objective
     from .recompute import apply_activation_checkpointing
@@ -132,7 +136,15 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool) -> MemoryP
     # FSDP2 computes with the weights gathered in the autocast dtype and keeps float32 master shards (Accelerate's
     # preparation and `sharding.shard_on_cpu`); otherwise the weights train as they load
     mode = fake_mode()
-    model, task = fake_model(cfg, mode, autocast if fsdp and autocast is not None else None)
+    dtype = autocast if fsdp and autocast is not None else None
+    if build is None:
+        model = fake_model(cfg, mode, dtype)
+    else:
+        from ..checkpoint.skeleton import no_init
+
+        with mode, no_init():
+            model = build(dtype)
+    model, task = _prepared(model, cfg)
     master = torch.float32 if fsdp and autocast is not None else None
     trained = set(select(model, cfg.train))
     for name, p in model.named_parameters():
@@ -191,22 +203,35 @@ def _optimizer_kind(layout: Layout) -> dict:
     return {"fused": True} if layout.sharding != "fsdp2" else {"foreach": True}
 
 
-def fake_model(cfg: TrainConfig, mode, dtype: torch.dtype | None = None) -> tuple[nn.Module, str]:
-    """(the model of `cfg.model` built of `mode`'s fake tensors in the dtype it loads in, or `dtype`, and its
-    task). No weight is read."""
-    from ..checkpoint import upcycle_format
-    from ..checkpoint.loading import MOE_CONFIG, auto_config, dense_config, resolve_dtype
-    from ..checkpoint.skeleton import architecture_class, no_init
+def _prepared(model: nn.Module, cfg: TrainConfig) -> tuple[nn.Module, str]:
+    """The model with padding masks tracked as `load_model` leaves it (a stock MoE class keeps its own), and its
+    task."""
     from ..core.architectures import find_family
-    from ..core.stock_moe import is_stock_moe
     from ..core.surgery import track_padding_masks
     from ..tasks.kind import model_task
+
+    if find_family(model.config) is not None:
+        track_padding_masks(model)
+    return model, model_task(model, cfg.task)
+
+
+def fake_model(cfg: TrainConfig, mode, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of `cfg.model` built of `mode`'s fake tensors in the dtype it loads in, or `dtype`; no weight is
+    read (an upcycle folder of configs alone, before its weights are written, plans in the dtype its config
+    states)."""
+    from ..checkpoint import upcycle_format
+    from ..checkpoint.loading import MOE_CONFIG, auto_config, dense_config, resolve_dtype
+    from ..checkpoint.reader import INDEX_FILE, SINGLE_FILE
+    from ..checkpoint.skeleton import architecture_class, no_init
+    from ..core.stock_moe import is_stock_moe
 
     folder = Path(cfg.model)
     with mode, no_init():
         if folder.is_dir() and (folder / MOE_CONFIG).exists():
             spec, config = upcycle_format.read_spec(folder)
-            model = upcycle_format.build(folder, spec, config, dtype or upcycle_format.saved_dtype(folder))
+            weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
+            stored = upcycle_format.saved_dtype(folder) if weights else getattr(torch, resolve_dtype("auto", config))
+            model = upcycle_format.build(folder, spec, config, dtype or stored)
         elif folder.is_dir() and (folder / "config.json").is_file() and is_stock_moe(auto_config(cfg.model)):
             import transformers
 
@@ -216,9 +241,7 @@ def fake_model(cfg: TrainConfig, mode, dtype: torch.dtype | None = None) -> tupl
         else:
             _, config = dense_config(cfg.model, build=False)
             model = architecture_class(config)._from_config(config, dtype=dtype or torch.float32)
-    if find_family(model.config) is not None:      # as `load_model` does (a stock MoE class keeps its own)
-        track_padding_masks(model)
-    return model, model_task(model, cfg.task)
+    return model
 
 
 def task_loss(task: str, cfg: TrainConfig, micro: int):

@@ -9,8 +9,9 @@ update reads its loads, [experts] numbers, and is left out). The
 second step starts with AdamW's state in place, as every step after the first does. The model's code runs as on
 the CPU (`memory_trace` says what that means for autocast, attention and the MoE layers).
 
-Kinds: `grads` (a parameter's .grad), `optimizer` (AdamW's moments), `teacher` (EESD's EMA copy), `other` (the
-activations, the weight copies autocast makes, every temporary). The parameters themselves exist before and are
+Kinds: `grads` (a parameter's .grad), `optimizer` (what the optimizer step makes: AdamW's moments and its
+temporaries), `teacher` (EESD's EMA copy), `other` (the activations, the weight copies autocast makes, every other
+temporary). The parameters themselves exist before and are
 not counted here. `MemoryPlan` scales the first three by a layout's sharding and adds what several processes add.
 """
 
@@ -48,17 +49,15 @@ def simulate_steps(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], 
                 simulation.phase = "backward"
                 total.backward()
                 del total
-                simulation.phase = "optimizer step"
+                # what the step makes (AdamW's state, its temporaries) is as sharded as the parameters it updates
+                simulation.phase, simulation.kind = "optimizer step", "optimizer"
                 if clip_grad is not None:
                     torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip_grad)
                 optimizer.step()
-                for state in optimizer.state.values():
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor):
-                            tracker.move(value, "optimizer")
                 optimizer.zero_grad(set_to_none=True)
                 if objective.teacher is not None:     # the aux-free bias's update reads its loads: [E] numbers
                     objective.teacher.update()
+                simulation.kind = "other"
         finally:
             for handle in handles:
                 handle.remove()

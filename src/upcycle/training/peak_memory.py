@@ -35,6 +35,7 @@ class Timeline:
 
     samples: list[tuple[int, int, int, int, str]] = field(default_factory=list)
     phase: str = "set-up"
+    kind: str = "other"           # what a new storage counts as (the optimizer step's temporaries: "optimizer")
 
     def peak(self, scale: dict[str, float] | None = None) -> tuple[int, dict[str, int], str]:
         """The most bytes live at once with each kind multiplied by `scale` (one process's share of a sharded
@@ -90,7 +91,8 @@ class LiveTensors(TorchDispatchMode):
         in-place update of one returns it, and it must not count as new."""
         self.fixed |= {id(t.untyped_storage()) for t in tensors}
 
-    def add(self, t: torch.Tensor, kind: str = "other") -> None:
+    def add(self, t: torch.Tensor, kind: str | None = None) -> None:
+        kind = kind or self.timeline.kind
         storage = t.untyped_storage()
         key = id(storage)
         if key in self.entries or key in self.fixed:
@@ -140,6 +142,7 @@ def _aliases(func) -> bool:
 class Measured:
     result: Any
     peak_bytes: int             # the most bytes live at once during the work, beyond what existed before
+    start_bytes: int | None = None   # what existed before, where the device counts it (CUDA); None on the CPU
 
 
 def measure_peak(work: Callable[[], Any], device: torch.device | str = "cpu") -> Measured:
@@ -151,7 +154,7 @@ def measure_peak(work: Callable[[], Any], device: torch.device | str = "cpu") ->
         torch.cuda.reset_peak_memory_stats(device)
         result = work()
         torch.cuda.synchronize(device)
-        return Measured(result, torch.cuda.max_memory_allocated(device) - start)
+        return Measured(result, torch.cuda.max_memory_allocated(device) - start, start)
     if device.type != "cpu":
         raise ValueError(f"peak memory is measured on the CPU and CUDA, not {device.type}")
     timeline = Timeline()
