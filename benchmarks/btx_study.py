@@ -39,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "src"))
+from work_folder import note  # noqa: E402  (after src/ is on the path: it reads upcycle's output records)
+
 PY = sys.executable
 SOURCES = ("wikipedia", "python", "arithmetic")
 PROMPTS = {   # mergekit-moe's positive_prompts, the same for both tools
@@ -119,6 +121,7 @@ def write_data(folder: Path) -> dict[str, tuple[Path, Path]]:
     mixed = [t for name in SOURCES for t in docs[name][0]]
     random.Random(0).shuffle(mixed)
     (folder / "mixed_train.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in mixed))
+    note(folder)
     return files
 
 
@@ -136,6 +139,7 @@ def fine_tune(model: str, out: Path, data: Path, steps: int, lr: float) -> dict:
                  "--quiet"])
     if row["exit_code"] == 0:
         (out / "timing.json").write_text(json.dumps(row))
+        note(out if not (out / ".upcycle-output.json").is_file() else out / "timing.json")
     return row
 
 
@@ -144,6 +148,7 @@ def recipe(path: Path, fts: dict[str, Path], files, router: str, sources=SOURCES
                 "prompts": PROMPTS[s]} for s in sources]
     path.write_text(json.dumps({"sources": {"router": router, "experts": experts},
                                 "calibration": {"tokens": 1024, "sequence_length": SEQ}}))   # JSON is YAML
+    note(path)
     return path
 
 
@@ -154,6 +159,7 @@ def merge_ours(out: Path, config: Path, *extra) -> dict:
                  "--quiet", "--overwrite", *extra])
     if row["exit_code"] == 0:
         (out / "timing.json").write_text(json.dumps(row))
+        note(out if not (out / ".upcycle-output.json").is_file() else out / "timing.json")
     return row
 
 
@@ -168,12 +174,14 @@ def merge_mergekit(out: Path, fts: dict[str, Path]) -> dict:
                       for s in SOURCES)
     config.write_text(f"base_model: {default_model_path()}\ngate_mode: hidden\ndtype: float32\n"
                       f"experts_per_token: 2\nexperts:\n{experts}")
+    note(config)
     row = timed([venv / "bin" / "mergekit-moe", config, out, "--device", "cpu"])
     row["version"] = subprocess.run([str(venv / "bin" / "python"), "-c",
                                      "import importlib.metadata as m; print(m.version('mergekit'))"],
                                     capture_output=True, text=True).stdout.strip()
     if row["exit_code"] == 0:
         (out / "timing.json").write_text(json.dumps(row))
+        note(out if not (out / ".upcycle-output.json").is_file() else out / "timing.json")
     return row
 
 

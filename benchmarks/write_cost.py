@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from upcycle.checkpoint.writer import ShardedWriter  # noqa: E402  (the source tree)
 from upcycle.machine import machine  # noqa: E402
-from work_folder import claim_work, clear  # noqa: E402  (benchmarks/)
+from work_folder import claim_work, clear, note  # noqa: E402  (benchmarks/)
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS, BLOCK_BYTES = 32, 35 * 2**20
@@ -43,6 +43,7 @@ def write_once(folder: Path) -> dict:
         writer.write(name, block)
     writer.close()
     after = resource.getrusage(resource.RUSAGE_SELF)
+    note(folder)
     return {"wall_s": round(time.perf_counter() - t, 2), "system_s": round(after.ru_stime - before.ru_stime, 2)}
 
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from work_folder import MARKER, claim_work, clear  # noqa: E402
+from work_folder import MARKER, claim_work, clear, note  # noqa: E402
 
 
 def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -39,6 +39,7 @@ def test_a_work_folder_is_claimed_only_when_new_empty_or_a_benchmarks(tmp_path):
     work = claim_work(tmp_path / "a" / "work")
     assert (work / MARKER).is_file()
     (work / "x").mkdir()
+    note(work / "x")                                         # what the benchmark wrote, recorded
     assert claim_work(work) == work                          # a benchmark's own folder, taken again
     clear(work / "x", work)
     assert not (work / "x").exists()
@@ -76,3 +77,30 @@ def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(tmp_
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_an_empty_folder_given_as_work_is_kept_and_only_what_was_written_goes(tmp_path):
+    """A user's empty folder given as --work stays when the benchmark clears it; a folder marked by an older
+    benchmark (its marker file, no record) that a user put files into, and a record that is a link, are refused
+    before any work, and nothing of the user's is touched."""
+    given = tmp_path / "given"
+    given.mkdir()
+    work = claim_work(given)
+    (work / "scratch.txt").write_text("benchmark's")
+    note(work / "scratch.txt")
+    clear(work, work)
+    assert given.is_dir() and list(given.iterdir()) == []
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".upcycle-benchmark-work").touch()           # what an interrupted run of the older benchmark left
+    (old / "mine.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="did not make"):
+        claim_work(old)
+    assert (old / "mine.txt").read_text() == "mine"
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "thesis.txt").write_text("years of work")
+    (linked / MARKER).symlink_to(tmp_path / "thesis.txt")
+    with pytest.raises(SystemExit, match="did not make"):
+        claim_work(linked)
+    assert (tmp_path / "thesis.txt").read_text() == "years of work" and (linked / MARKER).is_symlink()

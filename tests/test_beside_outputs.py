@@ -179,17 +179,18 @@ def test_save_pretrained_refuses_a_path_it_cannot_fill_before_writing(tiny_lm, t
 def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_command(tiny_lm, tmp_path, capsys):
     """What a run killed at once (SIGKILL: no clean-up) leaves: its marker, config, inputs and an empty log. The
     same command starts it again; --resume says there is nothing to resume and what to do."""
-    from upcycle.outputs.ownership import GROWING, write_marker
+    from upcycle.outputs.ownership import record, write_marker
 
     _, moe, train, _ = tiny_lm
     out, finished = tmp_path / "run", tmp_path / "finished"
     command = ["train", str(moe), str(out), "--data", str(train), *TRAIN]
     assert main(["train", str(moe), str(finished), "--data", str(train), *TRAIN]) == 0     # the same run, whole
     out.mkdir()
-    write_marker(out, "train", GROWING["train"])
+    write_marker(out, "train", files=())
     for name in ("run_config.yaml", "inputs.json"):
         shutil.copy(finished / name, out / name)
     (out / "log.jsonl").write_text("")
+    record(out, ["run_config.yaml", "inputs.json"], appended=["log.jsonl"])
     capsys.readouterr()
     fails(capsys, [*command[:-1], "--resume", "--quiet"], "without --resume starts it again")
     assert main(command) == 0
@@ -198,7 +199,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_c
     # a user's file beside such a run still makes it the user's: refused as before
     shutil.rmtree(out)
     out.mkdir()
-    write_marker(out, "train", GROWING["train"])
+    write_marker(out, "train", files=())
     (out / "notes.txt").write_text("mine")
     fails(capsys, command, "already exists")
     assert (out / "notes.txt").read_text() == "mine"

@@ -313,3 +313,25 @@ def test_a_compressed_pair_file_is_bounded_by_what_it_decompresses_to(tmp_path, 
         read_text_pairs(bomb)
     (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(b'{"query": "a", "document": "b"}\n'))
     assert read_text_pairs(tmp_path / "ok.jsonl.gz") == TextPairs(["a"], ["b"], ["pairs"], ["b"])
+
+
+def test_a_sequence_length_that_cannot_hold_a_text_is_refused(encoder_pair, tmp_path):
+    """The tokenizer cannot cut a text below its special tokens: at sequence length 1 it left every text whole, so a
+    run trained on full-length texts while its config said 1. Training and evaluation refuse such a length (one
+    line, before anything is written); the least that holds one token of text trains."""
+    from upcycle.checkpoint.loading import load_model
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
+    from upcycle.tasks.contrastive import evaluate_encoder
+    from upcycle.training.trainer import train
+
+    _, moe, data = encoder_pair
+    base = {"model": str(moe), "data": str(data), "steps": 1, "batch_size": 4, "eval_pairs": 4}
+    for length in (1, 2):
+        with pytest.raises(UpcycleError, match=f"sequence_length {length} cannot hold a text"):
+            train(build(TrainConfig, base | {"sequence_length": length}), tmp_path / "run", progress=False)
+        assert not (tmp_path / "run").exists()
+    model, tok = load_model(str(moe))
+    with pytest.raises(UpcycleError, match="cannot hold a text"):
+        evaluate_encoder(model, tok, str(data), sequence_length=1, pairs=4)
+    train(build(TrainConfig, base | {"sequence_length": 3}), tmp_path / "run", progress=False)

@@ -78,7 +78,8 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 
 
 # The layering (docs/design.md): a module imports only its own sub-package and the layers below it. The leaves
-# (config, files, outputs) know only the error type and the version; core, data and figures (drawn from dicts)
+# (config, files) know only the error type and the version; outputs (what a command may write and delete, proven by
+# records it reads with files' bounded reader) is above them; core, data and figures (drawn from dicts)
 # are independent of each other; methods, metrics and checkpoint I/O read core; the probe runs models, whole or a
 # block at a time from a checkpoint, and compares their outputs; export (the stock classes) reads checkpoints and
 # checks with the probe; conversion uses those; tasks (what a model trains and is evaluated on) read checkpoints
@@ -86,19 +87,20 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 # compare runs conversion, training and the metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
     "upcycle.errors": 0, "upcycle.version": 0,
-    "upcycle.config": 1, "upcycle.files": 1, "upcycle.outputs": 1,
-    "upcycle.core": 2, "upcycle.data": 2, "upcycle.machine": 2, "upcycle.config_table": 2, "upcycle.figures": 2,
-    "upcycle.config_reader": 2,
-    "upcycle.methods": 3, "upcycle.metrics": 3, "upcycle.checkpoint": 3,
-    "upcycle.probe": 4,
-    "upcycle.export": 5,
-    "upcycle.conversion": 6,
-    "upcycle.tasks": 7,
-    "upcycle.training": 8,
-    "upcycle.analyze": 9,
-    "upcycle.compare": 10,
-    "upcycle.commands": 11,
-    "upcycle.cli": 12, "upcycle": 12,
+    "upcycle.config": 1, "upcycle.files": 1,
+    "upcycle.outputs": 2,
+    "upcycle.core": 3, "upcycle.data": 3, "upcycle.machine": 3, "upcycle.config_table": 3, "upcycle.figures": 3,
+    "upcycle.config_reader": 3,
+    "upcycle.methods": 4, "upcycle.metrics": 4, "upcycle.checkpoint": 4,
+    "upcycle.probe": 5,
+    "upcycle.export": 6,
+    "upcycle.conversion": 7,
+    "upcycle.tasks": 8,
+    "upcycle.training": 9,
+    "upcycle.analyze": 10,
+    "upcycle.compare": 11,
+    "upcycle.commands": 12,
+    "upcycle.cli": 13, "upcycle": 13,
 }
 
 

@@ -106,12 +106,12 @@ def test_every_temporary_is_named_by_the_staging_module():
 
 
 def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
-    from upcycle.outputs.staging import is_temporary, staged_directory
+    from upcycle.outputs.staging import staged_directory, temporary_owner
 
     out = tmp_path / "out"
     with staged_directory(out) as staging:
         (staging / "a.txt").write_text("a")
-        assert not out.exists() and staging.parent == tmp_path and is_temporary(staging.name)
+        assert not out.exists() and staging.parent == tmp_path and temporary_owner(staging.name) == "mine"
         assert f"{socket.gethostname()}-{os.getpid()}-" in staging.name         # its owner, for a later cleanup
     assert (out / "a.txt").read_text() == "a" and sorted(os.listdir(tmp_path)) == ["out"]
     with pytest.raises(RuntimeError), staged_directory(out) as staging:

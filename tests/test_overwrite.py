@@ -210,28 +210,38 @@ def test_eval_out_overwrite_replaces_an_earlier_eval_result_and_no_other_upcycle
 def test_train_overwrite_refuses_a_run_with_a_users_file_at_any_depth(tiny_lm, finished_run, capsys, place):
     _, moe, train, _ = tiny_lm
     planted = finished_run / place
+    made = [p for p in reversed(planted.parents) if not p.exists()]       # a folder of the user's is theirs too
     planted.parent.mkdir(parents=True, exist_ok=True)
     planted.write_text("mine\n")
     before = digest(finished_run)
-    fails(capsys, ["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN],
-          f"holds files upcycle did not write ({place})")
+    line = fails(capsys, ["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN],
+                 "holds what upcycle did not write")
+    assert place in line
     assert digest(finished_run) == before
-    planted.unlink()                     # the run as upcycle wrote it is replaced
+    planted.unlink()
+    if made:                             # an empty folder the user made is theirs: still refused
+        fails(capsys, ["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN],
+              f"{made[-1].relative_to(finished_run)}/")
+        for folder in reversed(made):
+            folder.rmdir()
+    # the run as upcycle wrote it is replaced
     assert main(["train", str(moe), str(finished_run), "--data", str(train), "--overwrite", *TRAIN]) == 0
 
 
-def test_an_older_upcycle_folder_is_replaced_only_with_the_shards_its_index_names(tiny_lm, tmp_path, capsys):
-    """A folder written before the marker is recognised by upcycle_config.json; a weight shard its index does not
-    name is not upcycle's, so --overwrite refuses the folder."""
+def test_an_older_upcycle_folder_is_never_replaced(tiny_lm, tmp_path, capsys):
+    """A folder written before records carried fingerprints (no record, or a marker without them) cannot be proven
+    upcycle's: --overwrite refuses it, says why, and touches nothing."""
     dense, moe, _, _ = tiny_lm
     old = tmp_path / "old"
     shutil.copytree(moe, old)
     (old / ".upcycle-output.json").unlink()
-    (old / "model-00001-of-00009.safetensors").write_bytes(b"someone else's weights")
-    fails(capsys, ["convert", str(dense), str(old), "--overwrite", *CONVERT], "model-00001-of-00009.safetensors")
-    assert (old / "model-00001-of-00009.safetensors").read_bytes() == b"someone else's weights"
-    (old / "model-00001-of-00009.safetensors").unlink()
-    assert main(["convert", str(dense), str(old), "--overwrite", *CONVERT]) == 0
+    before = digest(old)
+    line = fails(capsys, ["convert", str(dense), str(old), "--overwrite", *CONVERT], "does not prove")
+    assert "before upcycle recorded" in line and digest(old) == before
+    (old / ".upcycle-output.json").write_text(json.dumps({"format": "upcycle-output", "kind": "convert",
+                                                          "files": sorted(p.name for p in old.iterdir())}))
+    fails(capsys, ["convert", str(dense), str(old), "--overwrite", *CONVERT], "does not prove")
+    assert (old / "model.safetensors").is_file()
 
 
 def test_the_output_claim_refuses_before_anything_exists(tmp_path):

@@ -81,8 +81,8 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
 def test_a_trained_runs_modules_are_upcycles_own(minilm_moe, tmp_path):
     """A finished run with sentence-transformers' files in its model/ is still upcycle's run: `upcycle train` may
     continue it and `compare` may continue the study holding it (both refused it when the module files were
-    nobody's). A run written before model/ carried its own marker is judged by the module names; a file of the
-    user's beside them still makes the run not upcycle's."""
+    nobody's). A file of the user's beside the modules makes the run not upcycle's, and so does a model/ whose
+    record is gone (nothing then proves its files upcycle's)."""
     from upcycle.checkpoint.sentence_modules import ROOT_FILES
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
@@ -100,9 +100,11 @@ def test_a_trained_runs_modules_are_upcycles_own(minilm_moe, tmp_path):
     assert own_output(run) == "train"
     train(cfg, run, resume=True, progress=False)            # finished: resuming it is allowed (and a no-op)
     train(cfg, run, overwrite=True, progress=False)         # and so is replacing it
-    (run / "model" / MARKER).unlink()                       # as a run of the previous version left it
-    assert own_output(run) == "train"
     (run / "model" / "1_Pooling" / "notes.md").write_text("mine")
+    assert own_output(run) is None
+    (run / "model" / "1_Pooling" / "notes.md").unlink()
+    assert own_output(run) == "train"
+    (run / "model" / MARKER).unlink()
     assert own_output(run) is None
 
 

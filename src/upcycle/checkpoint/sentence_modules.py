@@ -22,7 +22,7 @@ import stat
 import warnings
 from pathlib import Path
 
-from ..outputs.ownership import GROWING, LEGACY_SIGNATURES, MARKER, MODEL_FILES, SENTENCE_ROOT_FILES
+from ..outputs.ownership import LEGACY_SIGNATURES, MARKER, MODEL_FILES, OUTPUT_ENTRIES, SENTENCE_ROOT_FILES
 
 ROOT_FILES = SENTENCE_ROOT_FILES        # named where ownership counts them as a model folder's files
 MODULES_FILE = ROOT_FILES[0]            # modules.json
@@ -92,7 +92,7 @@ def _read_bounded(path: Path, room: int) -> bytes:
 
 def _written_names() -> set[str]:
     """The names upcycle gives the files and folders of its outputs (ownership's lists), and the GGUF file."""
-    return {*MODEL_FILES, MARKER, *LEGACY_SIGNATURES, *(name for names in GROWING.values() for name in names),
+    return {*MODEL_FILES, MARKER, *LEGACY_SIGNATURES, *OUTPUT_ENTRIES,
             "model.gguf"}
 
 

@@ -14,7 +14,6 @@ one computes (the trainer's guarantee), so a resumed cell ends with the same num
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
 from ..files import json_text
+from ..outputs.ownership import record, remove_owned
 from ..outputs.staging import atomic_write_text
 from ..tasks.make import make_task
 from ..training.run_folder import LOG, checkpoints, read_log
@@ -52,6 +52,7 @@ def run_cell(plan: Plan, cell: Cell, *, progress: bool = True, stop_after: int |
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "plan.json").is_file():
         write_json(folder / "plan.json", cell.describe())
+        _written(plan, folder / "plan.json")
     started = time.perf_counter()
     conversion = _convert(plan, cell, progress, say)
     run = folder / "run"
@@ -68,8 +69,14 @@ def run_cell(plan: Plan, cell: Cell, *, progress: bool = True, stop_after: int |
               "conversion": conversion, **_training(run), **_diagnostics(plan, cell, run)}
     result["seconds_this_session"] = round(time.perf_counter() - started, 2)
     write_json(folder / RESULT, result)
+    _written(plan, folder / RESULT)
     prune(plan, cell)
     return result
+
+
+def _written(plan: Plan, path: Path) -> None:
+    """Record in the study's record a file this cell wrote."""
+    record(plan.out, [path.relative_to(plan.out).as_posix()])
 
 
 def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
@@ -77,9 +84,9 @@ def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
     if cell.convert is None:
         return None
     folder = plan.conversion(cell)
-    record = folder / "conversion.json"
-    if record.is_file() and (folder / "moe").is_dir():     # (--keep results removes moe/ when its cells are done)
-        return json.loads(record.read_text())
+    record_file = folder / "conversion.json"
+    if record_file.is_file() and (folder / "moe").is_dir():   # (--keep results removes moe/ when its cells are done)
+        return json.loads(record_file.read_text())
     say(f"converting with {cell.method}")
     started = time.perf_counter()
     # overwrite: a moe/ without conversion.json is from a process stopped between the two writes
@@ -88,7 +95,8 @@ def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
                "max_abs_logit_diff": report["max_abs_logit_diff"], "kl_to_dense": report["kl_to_dense"],
                "preservation_passed": report["preservation"]["passed"], "calibration": report.get("calibration"),
                "timings_s": report["timings_s"], "num_moe_layers": report["num_moe_layers"]}
-    write_json(record, summary)
+    write_json(record_file, summary)
+    _written(plan, record_file)
     return summary
 
 
@@ -122,9 +130,18 @@ def prune(plan: Plan, cell: Cell) -> None:
     if plan.keep == "all":
         return
     run = plan.folder(cell) / "run"
-    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    # only what the run's and the conversion's records prove upcycle's goes (`ownership.remove_owned`)
+    remove_owned(run, [rel for rel, _ in _below(run, "checkpoints")])
     if plan.keep == "results":
-        shutil.rmtree(run / "model", ignore_errors=True)
+        remove_owned(run / "model")
         if cell.convert is not None and all(finished(plan, c) is not None for c in plan.cells
                                             if c.convert is not None and plan.conversion(c) == plan.conversion(cell)):
-            shutil.rmtree(plan.conversion(cell) / "moe", ignore_errors=True)
+            remove_owned(plan.conversion(cell) / "moe")
+
+
+def _below(folder: Path, top: str) -> list[tuple[str, Path]]:
+    """(relative path, path) of `top` under `folder` and of everything below it."""
+    base = folder / top
+    if not base.exists():
+        return []
+    return [(top, base), *((p.relative_to(folder).as_posix(), p) for p in sorted(base.rglob("*")))]

@@ -26,7 +26,7 @@ from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..machine import machine
 from ..outputs.claims import claim_output
-from ..outputs.ownership import GROWING, MARKER, write_marker
+from ..outputs.ownership import read_record, record, replaceable, write_marker
 from ..outputs.staging import atomic_write, atomic_write_text, staged_directory
 from ..version import __version__
 from .cell import finished, run_cell, write_json
@@ -60,9 +60,13 @@ def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, 
 def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str | None) -> dict:
     started = time.time()
     plan.out.mkdir(parents=True, exist_ok=True)
-    if not (plan.out / MARKER).is_file():
-        write_marker(plan.out, "compare", GROWING["compare"])
-    record = _record_start(plan, command, started)
+    if read_record(plan.out) is None:          # its record: what the study writes, as it writes it
+        write_marker(plan.out, "compare", files=())
+    theirs = [name for name in (STUDY, *SUMMARIES) if not replaceable(plan.out, name)]
+    if theirs:
+        raise UpcycleError(f"{plan.out} holds {', '.join(theirs)}, which upcycle did not write or which changed "
+                           f"since, and the comparison writes files of those names; move them away")
+    invocation = _record_start(plan, command, started)
 
     def say(message: str) -> None:     # the cell lines are printed with or without progress bars
         print(f"[upcycle compare] {message}", file=sys.stderr, flush=True)
@@ -70,7 +74,8 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
     if plan.calibration_pairs is not None:
         _write_pairs(plan, say)
     if plan.calibration_texts is not None:
-        write_text_calibration(plan.calibration_texts, plan.model, say)
+        if write_text_calibration(plan.calibration_texts, plan.model, say):
+            written(plan, plan.calibration_texts.path)
     todo = [c for c in plan.cells if finished(plan, c) is None]
     say(f"{len(plan.cells)} cells ({len(plan.methods)} method(s) + dense, seeds "
         f"{sorted({c.seed for c in plan.cells})}): {len(plan.cells) - len(todo)} finished before (skipped), "
@@ -93,8 +98,8 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
             say(f"cell {cell.name} stopped before its last step; run the same command again to resume it")
             break
         durations.append(time.perf_counter() - cell_started)
-        write_outputs(plan, record, started)
-    outputs = write_outputs(plan, record, started, interrupted=interrupted)
+        write_outputs(plan, invocation, started)
+    outputs = write_outputs(plan, invocation, started, interrupted=interrupted)
     say(f"wrote {plan.out}: {', '.join(['comparison.json', 'comparison.md', *outputs])} "
         f"({_duration(time.time() - started)})")
     return {"cells": len(plan.cells), "skipped": len(plan.cells) - len(todo), "ran": len(durations),
@@ -107,10 +112,21 @@ def _record_start(plan: Plan, command: str | None, started: float) -> Path:
     OUT, on disjoint cells (one per seed, say), do not overwrite each other's record."""
     if not (plan.out / STUDY).is_file():
         write_json(plan.out / STUDY, {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task})
-    record = plan.out / "invocations" / f"{int(started * 1000)}-{os.getpid()}.json"
-    record.parent.mkdir(exist_ok=True)
-    write_json(record, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0})
-    return record
+        written(plan, plan.out / STUDY)
+    invocation = plan.out / "invocations" / f"{int(started * 1000)}-{os.getpid()}.json"
+    invocation.parent.mkdir(exist_ok=True)
+    write_json(invocation, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0})
+    written(plan, invocation)
+    return invocation
+
+
+# The files a comparison writes under fixed names in OUT (each replaced as the study goes on).
+SUMMARIES = ("comparison.json", "comparison.md", "metric_over_steps.png", "init_diagnostics.png")
+
+
+def written(plan: Plan, *paths: Path) -> None:
+    """Record in OUT's record the files the study just wrote (`ownership.record`)."""
+    record(plan.out, [p.relative_to(plan.out).as_posix() for p in paths])
 
 
 def _write_pairs(plan: Plan, say) -> None:
@@ -132,6 +148,7 @@ def _write_pairs(plan: Plan, say) -> None:
                "pixel_values": pixel_values(pairs.images, config.vision_config.image_size)}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
+    written(plan, path)
     say(f"calibration for data-aware methods: the {len(pairs)} training image-caption pairs ({path})")
 
 
@@ -140,7 +157,7 @@ def finished_cells(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/cell.json"))]
 
 
-def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str | None = None) -> list[str]:
+def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: str | None = None) -> list[str]:
     """comparison.json, comparison.md and the figures from every finished cell; the figures' names. Until every
     cell of the plan has finished they say so: `complete` false and the `unfinished` cells in the JSON, a line
     at the top of the table."""
@@ -148,8 +165,8 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     table = rows(cells, plan.task, plan.methods)
     done = {cell.get("name") for cell in cells}
     unfinished = [cell.name for cell in plan.cells if cell.name not in done]
-    mine = json.loads(record.read_text())
-    write_json(record, {**mine, "seconds": round(time.time() - started, 1)})
+    mine = json.loads(invocation.read_text())
+    write_json(invocation, {**mine, "seconds": round(time.time() - started, 1)})
     invocations = sorted((json.loads(p.read_text()) for p in (plan.out / "invocations").glob("*.json")),
                          key=lambda i: i["started"])
     # summed: invocations that ran at the same time each count their own wall time
@@ -163,8 +180,10 @@ def write_outputs(plan: Plan, record: Path, started: float, *, interrupted: str 
     text = f"# upcycle compare: {plan.model}\n\n{partial}" + (markdown(table, plan.task) if table else
                                                              "No finished cell yet.\n")
     atomic_write_text(plan.out / "comparison.md", text)
+    written(plan, invocation, plan.out / "comparison.json", plan.out / "comparison.md")
     if not table:
         return []
     with staged_directory(plan.out, into=True) as figures:      # drawn aside, then moved in
         names = write_figures(cells, table, plan.task, figures)
+    written(plan, *(plan.out / name for name in names))
     return names

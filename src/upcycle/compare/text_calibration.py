@@ -72,8 +72,9 @@ def calibration_texts(texts: list[str], tokenizer, tokens: int, sequence_length:
     return taken
 
 
-def write_text_calibration(spec: TextCalibration, model: str, say=lambda message: None) -> None:
-    """Write spec.path (atomically) unless a file made from the same spec is there; refuse one made otherwise."""
+def write_text_calibration(spec: TextCalibration, model: str, say=lambda message: None) -> bool:
+    """Write spec.path (atomically) unless a file made from the same spec is there; refuse one made otherwise.
+    Whether it wrote it."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -87,7 +88,7 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
         if made != spec.metadata():
             raise UpcycleError(f"{spec.path} was made from other settings ({made}, not {spec.metadata()}): use a new "
                                f"OUT, or move the file away if no finished conversion used it")
-        return
+        return False
     model_path, _ = dense_config(model)
     tokenizer = load_tokenizer(model_path)
     if tokenizer is None:
@@ -100,3 +101,4 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
                                                   metadata=spec.metadata()))
     say(f"calibration for data-aware methods: {len(texts)} texts of the training pairs, "
         f"{int(enc['attention_mask'].sum())} tokens in rows of {enc['input_ids'].shape[1]} ({spec.path})")
+    return True

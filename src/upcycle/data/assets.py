@@ -156,7 +156,7 @@ def plain_from_gguf(folder: Path, gguf_file: str, target: Path) -> Path:
     plain = model_class(type(gguf_model.config).from_dict(config))
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
-    with atomic_directory(target, overwrite=True) as tmp:
+    with atomic_directory(target, overwrite=True, remove=remove_cache) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         record_cache(tmp)
@@ -185,6 +185,25 @@ def record_cache(folder: Path) -> None:
     files = {p.name: {"sha256": _sha256(p), **_fingerprint(p)} for p in sorted(folder.iterdir())
              if p.is_file() and p.name != CACHE_RECORD}
     (folder / CACHE_RECORD).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def remove_cache(folder: Path) -> list[str]:
+    """Delete a cache folder's files that its record lists (`check_cache_replaceable` has refused one holding
+    anything else), the record, and the folder once empty; what is left."""
+    import json
+
+    try:
+        names = json.loads((folder / CACHE_RECORD).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = {}
+    for name in [*names, CACHE_RECORD]:
+        path = folder / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    left = sorted(p.name for p in folder.iterdir())
+    if not left:
+        folder.rmdir()
+    return left
 
 
 def check_cache_replaceable(folder: Path) -> None:

@@ -8,10 +8,12 @@ with `claim_output` before it reads a weight, and holds the claim until it is do
   an input, holds one, lies inside one, or reaches one through symbolic links (both sides are resolved; a model
   folder's linked files count too, as in a Hugging Face cache snapshot) is refused, whatever `--overwrite` says.
 - **own outputs only**: an existing output is replaced only with `--overwrite`, and only when upcycle wrote it:
-  a folder every file of which, at any depth, its marker lists or its kind grows (`upcycle.outputs.ownership`),
-  or a JSON file of this command's own kind (`FILE_FORMATS`). A folder the user made, or one they put their own
-  files into, at any depth, is never deleted. An output that is a symbolic link is refused (replacing it would
-  replace the link or, worse, what it points to).
+  a folder every file and folder of which, at any depth, its record lists with the fingerprint it still has
+  (`upcycle.outputs.ownership`), or a JSON file of this command's own kind (`FILE_FORMATS`). A folder the user
+  made, or one they put their own files into, at any depth, is never deleted; even then only recorded files are
+  removed. An output that is a symbolic link is refused (replacing it would replace the link or, worse, what it
+  points to). A command that adds to its own output (`--resume`, `compare`) needs its record's kind there and
+  leaves a user's files in it alone.
 - **one writer**: the claim holds an exclusive lock (`fcntl.flock`) on `.NAME.lock` beside the output, so a
   second run into the same output is refused at once instead of mixing with the first.
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UpcycleError
-from .ownership import MARKER, foreign_files, own_output, write_marker
+from .ownership import kind_of, own_output, remove_owned, why_not_own, write_marker
 from .staging import atomic_directory, atomic_write_text, check_writable_output
 
 
@@ -120,9 +122,7 @@ def check_replaceable(out: Path, *, overwrite: bool, file: bool = False, kind: s
                            f"a file of the upcycle {owner} output {out.parent}: replacing it would damage that "
                            f"output. Choose another file")
     if found is None:
-        extra = None if file else foreign_files(out)
-        why = (f"it holds files upcycle did not write ({', '.join(extra[:5])})" if extra else
-               "upcycle did not write it" + ("" if file else f" (no {MARKER})"))
+        why = "upcycle did not write it" if file else why_not_own(out)
         raise UpcycleError(f"--overwrite replaces only upcycle's own outputs, and {out} is not one: {why}. Move "
                            f"it away or choose another output")
 
@@ -225,7 +225,7 @@ class Claim:
         finishes; on an exception nothing is left."""
         # an empty folder the user made for the output is replaced without --overwrite: it holds nothing to lose
         empty = self.out.is_dir() and not any(self.out.iterdir())
-        with atomic_directory(self.out, overwrite=self.overwrite or empty) as tmp:
+        with atomic_directory(self.out, overwrite=self.overwrite or empty, remove=remove_owned) as tmp:
             yield tmp
             write_marker(tmp, self.kind)
 
@@ -259,7 +259,7 @@ def claim_output(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = 
     if existing == "continue":
         if out.is_symlink():
             raise UpcycleError(f"output {out} is a symbolic link; give the real location")
-        if out.exists() and own_output(out) not in (kind, "empty folder"):
+        if out.exists() and own_output(out) != "empty folder" and kind_of(out) != kind:
             raise UpcycleError(f"output {out} exists and is not an upcycle {kind} folder; choose a new output")
     else:
         check_replaceable(out, overwrite=overwrite, file=file, kind=kind)

@@ -216,6 +216,7 @@ class ContrastiveTask:
         if tokenizer is None:
             raise UpcycleError("contrastive training needs the encoder's tokenizer (none found next to the model)")
         check_sequence_length(model, cfg.sequence_length)
+        check_room_for_text(tokenizer, cfg.sequence_length)
         self.tokenizer, self.max_length, self.temperature = tokenizer, cfg.sequence_length, cfg.temperature
         train, held = load_text_pairs(cfg.data, cfg.eval_data)
         self.train = PairBatches(tokenizer, train, cfg.batch_size, cfg.seed, cfg.sequence_length)
@@ -267,6 +268,7 @@ def evaluate_encoder(model: nn.Module, tokenizer, data: str | None, *, sequence_
     if pairs is not None and pairs < 1:
         raise UpcycleError(f"--pairs must be >= 1, got {pairs}")
     check_sequence_length(model, sequence_length)
+    check_room_for_text(tokenizer, sequence_length)
     if data is None:
         held = load_text_pairs(None)[1]
     else:
@@ -277,3 +279,14 @@ def evaluate_encoder(model: nn.Module, tokenizer, data: str | None, *, sequence_
         held = held.subset(sorted(random.Random(0).sample(range(len(held)), pairs)))
     return {"data": data or "held-out split of the packaged pairs", "sequence_length": sequence_length,
             **pair_retrieval(model, tokenizer, held, max_length=sequence_length)}
+
+
+def check_room_for_text(tokenizer, sequence_length: int) -> None:
+    """Refuse a sequence length that cannot hold the tokenizer's special tokens and one token of text: the
+    tokenizer would then leave every text uncut (it cannot truncate below its special tokens), so the run would
+    train on full-length texts while its config said otherwise."""
+    special = tokenizer.num_special_tokens_to_add(pair=False) if hasattr(tokenizer, "num_special_tokens_to_add") \
+        else 0
+    if sequence_length < max(2, special + 1):
+        raise UpcycleError(f"sequence_length {sequence_length} cannot hold a text: this tokenizer adds {special} "
+                           f"special tokens to every text, so the least is {max(2, special + 1)}")

@@ -6,15 +6,17 @@ gather the whole tensors and the main process writes them, so a checkpoint reads
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
-from ..outputs.ownership import write_marker
-from ..outputs.staging import Staging, atomic_directory, replace_directory, shared_name
+from ..outputs.ownership import remove_owned, write_marker
+from ..outputs.staging import Staging, atomic_directory, replace_directory, temporary_owner
 from . import run_state, sharding
 from .accelerator import Prepared
 from .run_folder import CHECKPOINTS, RunFolder, checkpoints
@@ -25,6 +27,13 @@ class Checkpointer:
     def __init__(self, folder: RunFolder, accelerator, parts: Prepared, *, keep: int) -> None:
         self.folder, self.acc, self.parts, self.keep = folder, accelerator, parts, keep
         self.is_main, self.rank = accelerator.is_main_process, accelerator.process_index
+        # the main process names the staging folder every process writes a checkpoint into
+        owner = [(socket.gethostname(), os.getpid())]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            owner = broadcast_object_list(owner)
+        self.owner = tuple(owner[0])
 
     def load(self, checkpoint: Path) -> dict:
         """Restore a checkpoint into the prepared parts; the run's counters (step, tokens)."""
@@ -35,15 +44,17 @@ class Checkpointer:
 
     def drop_partial(self) -> None:
         """Remove checkpoint writes a crash cut off (main process, when a run resumes)."""
-        for stale in (self.folder.path / CHECKPOINTS).glob(shared_name("step-*")):
-            shutil.rmtree(stale, ignore_errors=True)
+        folder = self.folder.path / CHECKPOINTS
+        for stale in folder.glob(".step-*") if folder.is_dir() else ():
+            if temporary_owner(stale.name) == "gone" and stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
 
     def save(self, step: int, tokens: int) -> None:
         """Every process's RNG, then the main process's state, into a temporary folder renamed when complete;
         then the oldest checkpoints beyond `keep` go."""
         folder = self.folder.path / CHECKPOINTS
         # every process writes its RNG state into the one staging folder, which the main process makes
-        staging = Staging(folder / f"step-{step:07d}", shared=True, make=self.is_main)
+        staging = Staging(folder / f"step-{step:07d}", shared=self.owner, make=self.is_main)
         tmp = staging.path
         self.acc.wait_for_everyone()
         try:
@@ -62,10 +73,15 @@ class Checkpointer:
                 staging.discard()
             raise
         if self.is_main:
-            replace_directory(tmp, staging.out)
-            for old in checkpoints(self.folder.path)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            replace_directory(tmp, staging.out, remove_owned)
         self.folder.committed()
+        if self.is_main:       # the run's record gets the checkpoint (and the log and trackers so far) ...
+            run = self.folder.path
+            written = sorted(p.relative_to(run).as_posix() for p in (run / CHECKPOINTS / staging.out.name).iterdir())
+            self.folder.remember(written)
+            for old in checkpoints(run)[:-self.keep]:    # ... then only what it records goes with an old one
+                prefix = f"{CHECKPOINTS}/{old.name}"
+                remove_owned(run, [prefix, *(f"{prefix}/{p.name}" for p in old.iterdir())])
 
     def save_model(self, tokenizer, *, moe: bool) -> None:
         """OUT/model (written by the main process; under FSDP every process first helps gather the weights,
@@ -75,7 +91,7 @@ class Checkpointer:
         if not self.is_main:
             return
         with self._whole_model(state, self.parts.dtypes) as model, \
-                atomic_directory(self.folder.path / "model", overwrite=True) as tmp:
+                atomic_directory(self.folder.path / "model", overwrite=True, remove=remove_owned) as tmp:
             if moe:
                 save_folder_files(model, tmp, tokenizer=tokenizer)
             else:

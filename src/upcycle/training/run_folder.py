@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ..config_reader import build
 from ..data.model_names import model_inputs, recorded_location
 from ..errors import UpcycleError
 from ..outputs.claims import Input, inputs
-from ..outputs.ownership import GROWING, write_marker
+from ..outputs.ownership import files_below, own_output, read_record, record, remove_owned, write_marker
 from ..outputs.staging import Staging, clean_stale_temporaries, replace_directory
 from . import run_state
 from .stopping import TrainingStopped
@@ -108,11 +107,35 @@ def train_inputs(cfg: TrainConfig, recipe: str | None = None) -> list[Input]:
 def never_started(out: Path) -> bool:
     """Whether OUT is a run of upcycle's that stopped before its first checkpoint (a process killed at once leaves
     its config, inputs and log): nothing in it to resume or keep."""
-    from ..outputs.ownership import own_output
-
     if not out.is_dir() or out.is_symlink() or (out / "model").exists() or own_output(out) != "train":
         return False
     return not checkpoints(out)
+
+
+# Where the libraries a run reports through write (TensorBoard, W&B): recorded as the run's when it checkpoints
+# and when it ends, as they are then.
+TRACKER_FOLDERS = ("tensorboard", "wandb")
+
+
+def check_resumable(out: Path) -> None:
+    """What `--resume` rewrites must be upcycle's: the log (it drops the lines after the checkpoint; by its
+    record, in a run that has one) and a model/ folder (replaced at the end)."""
+    current = read_record(out)
+    if current is not None and (out / LOG).exists():
+        entry = current["files"].get(LOG)
+        if entry is None or (out / LOG).is_symlink() or not _log_unchanged(out, entry):
+            raise UpcycleError(f"cannot resume: {out / LOG} is not the log upcycle wrote (it was replaced or edited "
+                               f"since); resuming rewrites it. Move it away to resume without it")
+    model = out / "model"
+    if model.exists() and own_output(model) != "model":
+        raise UpcycleError(f"cannot resume: {model} is not a model folder upcycle wrote, and the run would replace "
+                           f"it at its end; move it away")
+
+
+def _log_unchanged(out: Path, entry: dict) -> bool:
+    from ..outputs.ownership import unchanged
+
+    return unchanged(out / LOG, entry)
 
 
 def check_request(cfg: TrainConfig, out: Path, *, resume: bool, overwrite: bool, stop_after: int | None) -> bool:
@@ -166,8 +189,8 @@ class RunFolder:
                       file=sys.stderr)
             elif not resume:
                 out.mkdir(exist_ok=True)
-            if not resume:               # the folder is upcycle's: a later --overwrite may replace it
-                write_marker(Path(name), "train", GROWING["train"])
+            if not resume or read_record(out) is None:     # its record: what this run writes, as it writes it
+                write_marker(Path(name), "train", files=())
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -180,6 +203,16 @@ class RunFolder:
         (self.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         (self.path / INPUTS).write_text(json.dumps({"model": recorded_location(cfg.model), "data": _absolute(cfg.data),
                                                     "eval_data": _absolute(cfg.eval_data)}, indent=1) + "\n")
+        (self.path / LOG).touch()               # appended to from here on; recorded as what it holds so far
+        record(self.path, [RUN_CONFIG, INPUTS], appended=[LOG])
+
+    def remember(self, files: list[str] = ()) -> None:
+        """Add to the run's record what it wrote (`files`), the log as written so far, and what its trackers wrote
+        (main process)."""
+        if not self.accelerator.is_main_process:
+            return
+        trackers = [rel for top in TRACKER_FOLDERS for rel in files_below(self.path, top)]
+        record(self.path, [*files, *trackers], appended=[LOG] if (self.path / LOG).is_file() else [])
 
     def committed(self) -> None:
         """The run holds its first checkpoint: a staged run becomes OUT, and nothing is removed any more."""
@@ -187,19 +220,21 @@ class RunFolder:
             return
         self.accelerator.wait_for_everyone()
         if self.staged and self.accelerator.is_main_process:
-            replace_directory(self.path, self.out)
+            replace_directory(self.path, self.out, remove_owned)
         self.path, self.staged, self.provisional = self.out, False, False
         self.accelerator.wait_for_everyone()
 
     def discard(self) -> None:
         """Undo a run that stops before its first checkpoint."""
-        if not self.provisional or not self.accelerator.is_main_process:
+        if not self.provisional or not self.accelerator.is_main_process or not self.path.is_dir():
             return
-        if self.staged or self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:                                  # OUT was an empty folder the user made: leave it empty
-            for child in self.path.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        self.remember()
+        # what the run wrote goes; a user's file put there meanwhile stays (and with it the folder), and an empty
+        # folder the user made for OUT stays as it was
+        left = remove_owned(self.path, keep_folder=not (self.staged or self.created))
+        if left:
+            print(f"[upcycle] {self.path} keeps what upcycle did not write there ({', '.join(left[:5])})",
+                  file=sys.stderr)
 
     @contextlib.contextmanager
     def undone_on_failure(self):

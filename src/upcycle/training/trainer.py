@@ -31,7 +31,16 @@ from .batches_ahead import BatchesAhead
 from .checkpointer import Checkpointer, finite_parameters
 from .freezing import Freezer
 from .memory_plan import check_fits
-from .run_folder import LOG, RunFolder, check_request, checkpoints, finished_run, resume_point, train_inputs
+from .run_folder import (
+    LOG,
+    RunFolder,
+    check_request,
+    check_resumable,
+    checkpoints,
+    finished_run,
+    resume_point,
+    train_inputs,
+)
 from .run_log import RunLog
 from .step import StepResult, any_process, micro_batches, train_step
 from .stopping import StopFlag, TrainingStopped, check_skip
@@ -58,6 +67,8 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
     from accelerate.utils import set_seed
 
     # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
+    if resume:
+        check_resumable(out)
     resume_from = resume_point(cfg, out, accelerator.num_processes) if resume else None
     if (finished := finished_run(cfg, out, resume_from)) is not None:
         return finished
@@ -114,6 +125,8 @@ class _Training:
             return self.finish(first_eval, interrupted)
         finally:
             self.trackers.close()          # also when the run fails: the event file is closed, wandb finishes
+            if not self.folder.provisional:
+                self.folder.remember()     # what the trackers wrote to the end, and the whole log
 
     def loop(self, end: int) -> bool:
         """Steps up to `end`, with checkpoints and evaluations on their schedules; True if stopped by a signal."""
