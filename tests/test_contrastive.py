@@ -307,9 +307,13 @@ def test_a_compressed_pair_file_is_bounded_by_what_it_decompresses_to(tmp_path, 
     monkeypatch.setattr(text_pairs, "MAX_PAIR_FILE_BYTES", 2**20)
     bomb = tmp_path / "bomb.jsonl.gz"
     with gzip.open(bomb, "wb") as f:
-        f.write(b" " * 10 * 2**20)
+        f.write(b" \n" * 5 * 2**20)
     assert bomb.stat().st_size < 2**20
-    with pytest.raises(UpcycleError, match="decompresses to more than a pair file may hold"):
+    with pytest.raises(UpcycleError, match="more than a pair file may hold .* decompressed"):
+        read_text_pairs(bomb)
+    with gzip.open(bomb, "wb") as f:           # one endless line: refused at the line's bound
+        f.write(b" " * 10 * 2**20)
+    with pytest.raises(UpcycleError, match="bomb.jsonl.gz:1: the line is longer than"):
         read_text_pairs(bomb)
     (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(b'{"query": "a", "document": "b"}\n'))
     assert read_text_pairs(tmp_path / "ok.jsonl.gz") == TextPairs(["a"], ["b"], ["pairs"], ["b"])

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     check_sizes(**sizes)
     with claim_output(args.out, kind="tiny-clip", given=inputs(("caption data", args.data)),
                       overwrite=args.overwrite) as claim:
-        pairs = load_pairs(args.data, split="train")
+        pairs = load_pairs(args.data, split="train", image_size=args.image_size)
         tokenizer = caption_tokenizer(pairs.captions, max_length=args.max_length)
         model = tiny_clip(tokenizer, **sizes)
         with claim.directory() as tmp:

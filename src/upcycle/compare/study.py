@@ -142,7 +142,7 @@ def _write_pairs(plan: Plan, say) -> None:
     tokenizer = load_tokenizer(model_path)
     if tokenizer is None:
         raise UpcycleError(f"{plan.model} has no caption tokenizer to encode the calibration captions with")
-    pairs = load_pairs(source, split="train")
+    pairs = load_pairs(source, split="train", image_size=config.vision_config.image_size)
     tensors = {**encode_captions(tokenizer, pairs.captions, config.text_config.max_position_embeddings,
                                  embedding_rows(config), f"calibration image-caption pairs {source}"),
                "pixel_values": pixel_values(pairs.images, config.vision_config.image_size)}

@@ -79,7 +79,7 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
     from safetensors.torch import save_file
 
     from ..checkpoint.loading import dense_config, load_tokenizer
-    from ..data.text_pairs import load_text_pairs
+    from ..data.text_pairs import load_text_pairs, text_chars
     from ..tasks.embedding import tokenize
 
     if spec.path.is_file():
@@ -93,7 +93,7 @@ def write_text_calibration(spec: TextCalibration, model: str, say=lambda message
     tokenizer = load_tokenizer(model_path)
     if tokenizer is None:
         raise UpcycleError(f"{model} has no tokenizer to encode the calibration texts with")
-    train, _ = load_text_pairs(spec.data, spec.eval_data)
+    train, _ = load_text_pairs(spec.data, spec.eval_data, max_chars=text_chars(spec.sequence_length))
     texts = calibration_texts(train.queries + train.documents, tokenizer, spec.tokens, spec.sequence_length)
     enc = tokenize(tokenizer, texts, spec.sequence_length)
     spec.path.parent.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,7 @@ def text_batches(tokenizer, texts: list[str], budget: CalibrationConfig, *, seed
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
     rows, total = [], 0
     for i in order:
-        ids = document_ids(tokenizer, texts[i])
+        ids = document_ids(tokenizer, texts[i], tokens - total)     # no more text tokenized than the budget takes
         for start in range(0, len(ids), sequence_length):
             rows.append(ids[start:start + sequence_length])
             total += len(rows[-1])

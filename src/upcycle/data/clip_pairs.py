@@ -7,7 +7,9 @@ seven with thin strokes"). Every 5th image is held out. Local data works the sam
 {"image": path, "caption": text[, "label": class name]} (paths relative to the file), or a folder of images each
 with a same-name .txt caption (a sub-folder name is its class label).
 
-Images are made RGB, resized to the model's `image_size` and scaled to [-1, 1]. Captions use a word-level
+Images are made RGB, resized to the model's `image_size` as they are read (a JPEG decoded at the smallest scale
+that still covers it), kept as bytes, and scaled to [-1, 1] when batched: 40 photos of 4000x3000 hold 40 small
+images, never 40 full-size float copies. Captions use a word-level
 tokenizer built from the training captions (`[BOS] words [EOS]`, padded), saved with the model.
 Shape suffixes: N pairs, L caption length, C channels, H and W image height and width.
 """
@@ -39,7 +41,7 @@ HELDOUT_EVERY = 5
 
 @dataclass
 class Pairs:
-    images: list                      # [C, H, W] float tensors in [0, 1] (any size; resized when batched)
+    images: list                      # [C, H, W]: float in [0, 1] or uint8 (any size; resized when batched)
     captions: list[str]
     labels: list[int] | None = None   # class index per pair, for zero-shot classification
     class_names: list[str] | None = None
@@ -75,18 +77,35 @@ def digits_pairs() -> tuple[Pairs, Pairs]:
     return pairs.subset([i for i in range(len(pairs)) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]), pairs.subset(held)
 
 
-def _image(path: Path) -> torch.Tensor:
+def _image(path: Path, image_size: int | None = None) -> torch.Tensor:
+    """[3, H, W] uint8; with `image_size`, resized to it here so that a large photo is never held full-size.
+    PIL's own limit on decoded pixels stands (a decompression bomb is refused in one line)."""
     from PIL import Image
 
     if not path.is_file():          # a pipe or a device would block the read, or never end
         raise UpcycleError(f"image {path}: no such regular file")
     try:
         with Image.open(path) as img:
-            rgb = img.convert("RGB")
-    except (OSError, ValueError) as e:
+            if image_size is not None:
+                img.draft("RGB", (image_size, image_size))    # JPEG: decode at 1/2, 1/4 or 1/8 scale
+                rgb = img.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+            else:
+                rgb = img.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise UpcycleError(f"image {path} is too large to decode safely: {e}") from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise UpcycleError(f"cannot read image {path}: {e}") from None
     data = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
-    return data.view(rgb.height, rgb.width, 3).permute(2, 0, 1).float() / 255.0
+    return data.view(rgb.height, rgb.width, 3).permute(2, 0, 1).contiguous()
+
+
+def _caption(text: str, where: str) -> str:
+    from .text import check_text
+
+    try:
+        return check_text(text, f'{where}: "caption"')
+    except ValueError as e:
+        raise UpcycleError(str(e)) from None
 
 
 def _with_labels(images: list, captions: list[str], names: list[str | None]) -> Pairs:
@@ -98,8 +117,9 @@ def _with_labels(images: list, captions: list[str], names: list[str | None]) -> 
     return Pairs(images, captions, [classes.index(n) for n in names], classes)
 
 
-def read_pairs(source: str | Path) -> Pairs:
-    """Pairs from a JSONL file or an image folder (see the module docstring)."""
+def read_pairs(source: str | Path, image_size: int | None = None) -> Pairs:
+    """Pairs from a JSONL file or an image folder (see the module docstring); `image_size`: resize each image
+    to it as it is read (None keeps each at its own size)."""
     path = Path(source)
     if path.is_file():
         from .text import jsonl_rows
@@ -113,8 +133,8 @@ def read_pairs(source: str | Path) -> Pairs:
             if not isinstance(row, dict) or not isinstance(row.get("image"), str) \
                     or not isinstance(row.get("caption"), str):
                 raise UpcycleError(f'{path}:{lineno}: expected {{"image": path, "caption": text}}')
-            images.append(_image(path.parent / row["image"]))
-            captions.append(row["caption"])
+            images.append(_image(path.parent / row["image"], image_size))
+            captions.append(_caption(row["caption"], f"{path}:{lineno}"))
             names.append(row.get("label"))
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -123,8 +143,11 @@ def read_pairs(source: str | Path) -> Pairs:
             caption = file.with_suffix(".txt")
             if not caption.is_file():
                 raise UpcycleError(f"image {file} has no caption file {caption.name} (a regular file)")
-            images.append(_image(file))
-            captions.append(caption.read_text(encoding="utf-8").strip())
+            images.append(_image(file, image_size))
+            try:
+                captions.append(caption.read_text(encoding="utf-8").strip())
+            except (OSError, UnicodeDecodeError) as e:
+                raise UpcycleError(f"cannot read caption {caption}: {e}") from None
             names.append(file.parent.name if file.parent != path else None)
     elif path.exists():
         raise UpcycleError(f"image-caption data {source!r} is not a regular file or a folder (a pipe or a device)")
@@ -135,18 +158,20 @@ def read_pairs(source: str | Path) -> Pairs:
     return _with_labels(images, captions, names)
 
 
-def load_pairs(source: str | None, *, split: str = "train") -> Pairs:
-    """'digits' (or None) gives the digits split; anything else is read from disk whole."""
+def load_pairs(source: str | None, *, split: str = "train", image_size: int | None = None) -> Pairs:
+    """'digits' (or None) gives the digits split; anything else is read from disk, each image resized to
+    `image_size` as it is read."""
     if source in (None, "digits"):
         train, held = digits_pairs()
         return train if split == "train" else held
-    return read_pairs(source)
+    return read_pairs(source, image_size)
 
 
 def pixel_values(images: list, image_size: int) -> torch.Tensor:
     """[N, 3, image_size, image_size] in [-1, 1] (bilinear resize; 1-channel images repeated)."""
     out = []
     for img in images:
+        img = img.float() / 255.0 if img.dtype == torch.uint8 else img
         img = img.expand(3, -1, -1) if img.shape[0] == 1 else img[:3]
         if img.shape[-2:] != (image_size, image_size):
             img = F.interpolate(img[None], size=(image_size, image_size), mode="bilinear", align_corners=False)[0]

@@ -26,13 +26,16 @@ from ..errors import UpcycleError
 MAX_PIECE_CHARS = 1_000_000
 
 
-def document_ids(tokenizer, text: str) -> list[int]:
-    """The token ids of a whole document, without special tokens, to be cut into rows by the caller (in pieces of
-    at most MAX_PIECE_CHARS characters). A transformers tokenizer is asked not to warn that the text is longer
+def document_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+    """The token ids of a document, without special tokens, to be cut into rows by the caller (in pieces of at
+    most MAX_PIECE_CHARS characters); with `max_tokens`, the pieces stop once that many are made (a 200 MB line
+    read for 64 tokens is one piece's work). A transformers tokenizer is asked not to warn that the text is longer
     than its model_max_length: that warning would be false here (the rows are cut to the sequence length). Other
     tokenizers are called plainly."""
     ids: list[int] = []
     for piece in text_pieces(text, MAX_PIECE_CHARS):
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
         if hasattr(tokenizer, "deprecation_warnings"):      # transformers' PreTrainedTokenizerBase
             ids += tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"]
         else:
@@ -52,8 +55,10 @@ def text_pieces(text: str, limit: int) -> Iterator[str]:
     yield text[start:]
 
 
-def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids_NS, attention_mask_NS): the documents, each ended by EOS, concatenated and cut into rows."""
+def pack_documents(tokenizer, texts: list[str], sequence_length: int, max_tokens: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids_NS, attention_mask_NS): the documents, each ended by EOS, concatenated and cut into rows; with
+    `max_tokens`, the rows that hold the first that many tokens (only as much text is tokenized)."""
     if sequence_length < 2:
         raise UpcycleError(f"sequence_length must be >= 2, got {sequence_length}")
     eos = tokenizer.eos_token_id
@@ -61,7 +66,11 @@ def pack_documents(tokenizer, texts: list[str], sequence_length: int) -> tuple[t
         raise UpcycleError("the tokenizer has no EOS token to separate packed documents")
     stream: list[int] = []
     for text in texts:
-        stream += document_ids(tokenizer, text) + [eos]
+        if max_tokens is not None and len(stream) >= max_tokens:
+            break
+        stream += document_ids(tokenizer, text, None if max_tokens is None else max_tokens - len(stream)) + [eos]
+    if max_tokens is not None:
+        stream = stream[:max(max_tokens, 2)]
     if len(stream) < 2:
         raise UpcycleError("the training text produced fewer than 2 tokens")
     rows = -(-len(stream) // sequence_length)

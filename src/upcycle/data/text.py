@@ -255,6 +255,17 @@ def jsonl_rows(content: str, file: str | os.PathLike) -> Iterator[tuple[int, obj
             raise ValueError(f"{file}:{lineno}: invalid JSON ({' '.join(str(exc).split())[:200]})") from None
 
 
+def check_text(value: str, where: str) -> str:
+    """`value` as text a tokenizer reads: refused (ValueError naming `where`) when it holds a lone surrogate, which
+    JSON can spell (an escaped "\\ud800") but is no character of any text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start:e.end].encode("unicode_escape").decode()
+        raise ValueError(f"{where} holds {bad}, a lone surrogate: not a character of any text") from None
+    return value
+
+
 def read_texts(path: str | os.PathLike) -> list[str]:
     """Read documents from a user text file.
 
@@ -284,6 +295,7 @@ def read_texts(path: str | os.PathLike) -> list[str]:
             text = row.get("text") if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f'{file}:{lineno}: expected a JSON object with a string "text" field')
+            check_text(text, f'{file}:{lineno}: "text"')
             if text.strip():
                 texts.append(text)
     else:

@@ -22,17 +22,24 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
+import json
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UpcycleError
-from .text import jsonl_rows
+from .text import check_text
 
 PAIRS_FOLDER = Path(__file__).resolve().parent / "pairs"
 PACKAGED = PAIRS_FOLDER / "pairs.jsonl.gz"
 DEFAULT_SOURCE = "pairs"
 HELD_OUT = 0.1              # share of document groups held out
-MAX_PAIR_FILE_BYTES = 2**31  # a pair file is text read whole: past this it is a mistake, not data
+MAX_PAIR_FILE_BYTES = 2**30  # a pair file's text (decompressed): past this it is a mistake, not data
+MAX_LINE_BYTES = 2**20       # one pair's line: its texts are cut to the sequence length anyway
+MAX_PAIRS = 2_000_000        # pairs held at once (each a few hundred bytes as Python strings)
+MAX_LINES = 2 * MAX_PAIRS    # lines read, blank ones included (a file of newlines is read a line at a time)
 
 
 @dataclass(frozen=True)
@@ -69,45 +76,65 @@ class TextPairs:
         return out
 
 
-def _text(path: Path) -> str:
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of the file (decompressed for .gz), read one line at a time: a line over
+    MAX_LINE_BYTES, a file past MAX_PAIR_FILE_BYTES (decompressed) or past MAX_LINES, is refused before it is held."""
     if path.exists() and not path.is_file():
         raise UpcycleError(f"text pairs {path}: not a regular file (a folder, a pipe or a device); give a .jsonl or "
                            f".jsonl.gz file")
     if not path.exists():
         raise UpcycleError(f"text pairs {path}: no such file")
-    if path.stat().st_size > MAX_PAIR_FILE_BYTES:
-        raise UpcycleError(f"text pairs {path}: {path.stat().st_size:,} bytes is more than a pair file may hold "
-                           f"({MAX_PAIR_FILE_BYTES:,})")
+    total = 0
     try:
-        if path.suffix == ".gz":
-            # the bound holds for the text, not only the compressed file: a small .gz can expand without end
-            with gzip.open(path, "rb") as f:
-                raw = f.read(MAX_PAIR_FILE_BYTES + 1)
-            if len(raw) > MAX_PAIR_FILE_BYTES:
-                raise UpcycleError(f"text pairs {path}: decompresses to more than a pair file may hold "
-                                   f"({MAX_PAIR_FILE_BYTES:,} bytes)")
-        else:
-            raw = path.read_bytes()
-        return raw.decode("utf-8-sig")
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            for lineno in itertools.count(1):
+                line = f.readline(MAX_LINE_BYTES + 1)
+                if not line:
+                    return
+                if lineno > MAX_LINES:
+                    raise UpcycleError(f"text pairs {path}: more than {MAX_LINES:,} lines; split the file")
+                if len(line) > MAX_LINE_BYTES:
+                    raise UpcycleError(f"text pairs {path}:{lineno}: the line is longer than {MAX_LINE_BYTES:,} "
+                                       f"bytes; a pair's texts are cut to the sequence length anyway, so cut them "
+                                       f"shorter in the file")
+                total += len(line)
+                if total > MAX_PAIR_FILE_BYTES:
+                    raise UpcycleError(f"text pairs {path}: more than a pair file may hold ({MAX_PAIR_FILE_BYTES:,} "
+                                       f"bytes{', decompressed' if path.suffix == '.gz' else ''}); split it")
+                yield lineno, line
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise UpcycleError(f"text pairs {path}: cannot be read ({e})") from None
+
+
+def _row(path: Path, lineno: int, line: bytes) -> object:
+    where = f"{path}:{lineno}"
+    try:
+        text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as e:
-        raise UpcycleError(f"text pairs {path}: not UTF-8 text ({e})") from None
+        raise UpcycleError(f"text pairs {where}: not UTF-8 text ({e})") from None
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UpcycleError(f"text pairs {where}: invalid JSON (nested too deeply to read)") from None
+    except ValueError as e:
+        raise UpcycleError(f"text pairs {where}: invalid JSON ({' '.join(str(e).split())[:200]})") from None
 
 
-def read_text_pairs(path: str | Path) -> TextPairs:
-    """Every pair of a JSONL (or .jsonl.gz) file, checked line by line; a bad line is an error naming it."""
+def read_text_pairs(path: str | Path, max_chars: int | None = None) -> TextPairs:
+    """Every pair of a JSONL (or .jsonl.gz) file, read and checked line by line (a bad line is an error naming
+    it); `max_chars`: each query and document cut to that many characters as it is read (the texts are cut to
+    the sequence length anyway). At most MAX_PAIRS pairs."""
     path = Path(path).expanduser()
     if not path.name.endswith((".jsonl", ".jsonl.gz")):
         raise UpcycleError(f"text pairs {path}: expected a .jsonl or .jsonl.gz file of "
                            f'{{"query": ..., "document": ...}} lines')
-    text = _text(path)
-    try:
-        rows = list(jsonl_rows(text, path))
-    except ValueError as e:
-        raise UpcycleError(f"text pairs {e}") from None
     queries, documents, sources, doc_ids = [], [], [], []
-    for lineno, row in rows:
+    for lineno, line in _lines(path):
+        row = _row(path, lineno, line)
+        if row is None:
+            continue
         where = f"{path}:{lineno}"
         if not isinstance(row, dict):
             raise UpcycleError(f'{where}: expected a JSON object {{"query": ..., "document": ...}}, got '
@@ -121,9 +148,17 @@ def read_text_pairs(path: str | Path) -> TextPairs:
             raise UpcycleError(f'{where}: "source" must be a non-empty string, got {source!r:.60}')
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or not str(doc_id).strip():
             raise UpcycleError(f'{where}: "doc_id" must be a non-empty string or an integer, got {doc_id!r:.60}')
-        queries.append(row["query"])
-        documents.append(row["document"])
-        sources.append(source)
+        try:
+            for key, value in (("query", row["query"]), ("document", row["document"]), ("source", source),
+                               ("doc_id", str(doc_id))):
+                check_text(value, f'{where}: "{key}"')
+        except ValueError as e:
+            raise UpcycleError(f"text pairs {e}") from None
+        if len(queries) == MAX_PAIRS:
+            raise UpcycleError(f"text pairs {path}: more than {MAX_PAIRS:,} pairs; split the file")
+        queries.append(row["query"][:max_chars])
+        documents.append(row["document"][:max_chars])
+        sources.append(sys.intern(source))
         doc_ids.append(str(doc_id))
     if not queries:
         raise UpcycleError(f"text pairs {path}: no pairs in the file")
@@ -133,6 +168,13 @@ def read_text_pairs(path: str | Path) -> TextPairs:
         if first_text.setdefault(doc_id, document) != document:
             raise UpcycleError(f"text pairs {path}: doc_id {doc_id!r:.80} names two different documents")
     return TextPairs(queries, documents, sources, doc_ids)
+
+
+def text_chars(sequence_length: int) -> int:
+    """Characters of a text kept for a row of `sequence_length` tokens: far more than any tokenizer needs for
+    that many (a token spans a few characters; 64 each, and a margin), so that cutting the text changes nothing
+    the tokenizer makes of it, while a text of hundreds of megabytes is not held or tokenized whole."""
+    return 64 * sequence_length + 1024
 
 
 def group_of(doc_id: str) -> str:
@@ -162,12 +204,14 @@ def packaged_pairs() -> TextPairs:
     return read_text_pairs(PACKAGED)
 
 
-def load_text_pairs(data: str | None, eval_data: str | None = None) -> tuple[TextPairs, TextPairs]:
+def load_text_pairs(data: str | None, eval_data: str | None = None, max_chars: int | None = None
+                    ) -> tuple[TextPairs, TextPairs]:
     """(train, held-out) pairs: `data` (None: the packaged pairs) split by document, or, with `eval_data`, all of
-    `data` for training and all of `eval_data` held out. Neither side may be empty."""
-    pairs = packaged_pairs() if data is None else read_text_pairs(data)
+    `data` for training and all of `eval_data` held out. Neither side may be empty. `max_chars`: as
+    `read_text_pairs`."""
+    pairs = packaged_pairs() if data is None else read_text_pairs(data, max_chars)
     if eval_data is not None:
-        train, held = pairs, read_text_pairs(eval_data)
+        train, held = pairs, read_text_pairs(eval_data, max_chars)
     else:
         train, held = split_by_document(pairs)
     where = "the packaged pairs" if data is None else data

@@ -49,9 +49,10 @@ class CausalLMTask:
         self.train = PackedBatches(ids, mask, cfg.batch_size, cfg.seed)
         self.eval_rows = None
         if eval_texts:
-            ids, mask = pack_documents(tokenizer, eval_texts, cfg.sequence_length)
-            check_token_ids(ids, vocabulary, f"evaluation data {cfg.eval_data or '(embedded Wikipedia)'} as tokenized")
             rows = held_out_rows(cfg.eval_tokens, cfg.sequence_length)   # the rows `upcycle eval` reads
+            ids, mask = pack_documents(tokenizer, eval_texts, cfg.sequence_length,
+                                       max_tokens=rows * cfg.sequence_length)
+            check_token_ids(ids, vocabulary, f"evaluation data {cfg.eval_data or '(embedded Wikipedia)'} as tokenized")
             self.eval_rows = (ids[:rows], mask[:rows])
 
     @staticmethod

@@ -27,13 +27,14 @@ class CLIPTask:
         self.max_length = model.config.text_config.max_position_embeddings
         self.image_size = model.config.vision_config.image_size
         self.patches = (self.image_size // model.config.vision_config.patch_size) ** 2 + 1
-        train = load_pairs(cfg.data, split="train")
+        train = load_pairs(cfg.data, split="train", image_size=self.image_size)
         self.rows = embedding_rows(model.config)
         self.train = SeededBatches(self.encode(train, f"image-caption pairs {cfg.data or '(digits)'}"),
                                    cfg.batch_size, cfg.seed)
         self.held = None
         if cfg.eval_data is not None or cfg.data in (None, "digits"):
-            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout")
+            self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout",
+                                   image_size=self.image_size)
 
     def encode(self, pairs, where: str = "captions") -> dict[str, torch.Tensor]:
         return {**encode_captions(self.tokenizer, pairs.captions, self.max_length, self.rows, where),

@@ -35,7 +35,7 @@ from ..core.moe import joined_records
 from ..core.routing_context import real_positions, real_tokens
 from ..data.length_buckets import bucket_plan
 from ..data.packing import SeededBatches
-from ..data.text_pairs import TextPairs, load_text_pairs
+from ..data.text_pairs import TextPairs, load_text_pairs, text_chars
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..data.token_lists import token_lists
 from ..errors import UpcycleError
@@ -218,7 +218,7 @@ class ContrastiveTask:
         check_sequence_length(model, cfg.sequence_length)
         check_room_for_text(tokenizer, cfg.sequence_length)
         self.tokenizer, self.max_length, self.temperature = tokenizer, cfg.sequence_length, cfg.temperature
-        train, held = load_text_pairs(cfg.data, cfg.eval_data)
+        train, held = load_text_pairs(cfg.data, cfg.eval_data, max_chars=text_chars(cfg.sequence_length))
         self.train = PairBatches(tokenizer, train, cfg.batch_size, cfg.seed, cfg.sequence_length)
         check_token_ids(self.train.ids_N2L, embedding_rows(model.config),
                         f"text pairs {cfg.data or '(packaged)'} as tokenized")
@@ -270,11 +270,11 @@ def evaluate_encoder(model: nn.Module, tokenizer, data: str | None, *, sequence_
     check_sequence_length(model, sequence_length)
     check_room_for_text(tokenizer, sequence_length)
     if data is None:
-        held = load_text_pairs(None)[1]
+        held = load_text_pairs(None, max_chars=text_chars(sequence_length))[1]
     else:
         from ..data.text_pairs import read_text_pairs
 
-        held = read_text_pairs(data)
+        held = read_text_pairs(data, max_chars=text_chars(sequence_length))
     if pairs is not None and pairs < len(held):
         held = held.subset(sorted(random.Random(0).sample(range(len(held)), pairs)))
     return {"data": data or "held-out split of the packaged pairs", "sequence_length": sequence_length,

@@ -195,7 +195,8 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
         source = data or "digits"
         result["data"] = "digits test split" if source == "digits" else source
         with progress_bars("eval" if progress else None):
-            result.update(clip_metrics(model, tokenizer, load_pairs(source, split="heldout")))
+            held = load_pairs(source, split="heldout", image_size=model.config.vision_config.image_size)
+            result.update(clip_metrics(model, tokenizer, held))
         return result
     check_sequence_length(model, sequence_length)
     if data is not None and Path(data).is_dir():
@@ -205,9 +206,10 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     except (ValueError, OSError) as e:
         raise UpcycleError(f"held-out text: {e} (give a .txt or .jsonl file with --data)") from None
     result["data"] = data or "held-out Wikipedia (embedded)"
-    ids, mask = pack_documents(tokenizer, held, sequence_length)
-    # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted)
+    # whole rows covering at least `tokens` tokens (the result's "tokens" says how many were predicted): only
+    # as much text is tokenized as those rows hold
     rows = held_out_rows(tokens, sequence_length)
+    ids, mask = pack_documents(tokenizer, held, sequence_length, max_tokens=rows * sequence_length)
     if ids.shape[0] < rows:
         print(f"[upcycle] the held-out data holds {int(mask.sum()):,} tokens, fewer than the {tokens:,} asked for "
               f"(--tokens): all of it is evaluated", file=sys.stderr)

@@ -145,6 +145,10 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> 
         with mode, no_init():
             model = build(dtype)
     model, task = _prepared(model, cfg)
+    if task != "clip":          # rows past a position table: the run's own refusal, not a fake-tensor error
+        from ..checkpoint.loading import check_sequence_length
+
+        check_sequence_length(model, cfg.sequence_length)
     master = torch.float32 if fsdp and autocast is not None else None
     trained = set(select(model, cfg.train))
     for name, p in model.named_parameters():
