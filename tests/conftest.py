@@ -163,6 +163,20 @@ def fine_tune(dense, folder, seed: int, *, attention: bool = False):
     return folder
 
 
+@pytest.fixture(scope="session")
+def stopped_run(tiny_lm, tmp_path_factory):
+    """A run of the tiny MoE stopped after 2 of 4 steps, with its checkpoint at step 2 (copy it before changing
+    it)."""
+    from upcycle.cli import main
+
+    _, moe, train, held = tiny_lm
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    assert main(["train", str(moe), str(run), "--data", str(train), "--eval-data", str(held), "--steps", "4",
+                 "--batch-size", "4", "--sequence-length", "32", "--checkpoint-every", "2", "--stop-after", "2",
+                 "--quiet", "--set", "eval_tokens=64"]) == 0
+    return run
+
+
 @pytest.fixture
 def lm(tiny_lm, tmp_path):
     """Private copies of the tiny dense Llama, its copy-upcycled MoE and its texts: (dense, moe, train, held)."""

@@ -161,7 +161,7 @@ def test_modules_that_could_run_code_are_not_carried(tmp_path, case):
     ("many modules", "lists 2,000,001 modules"),
     ("folder named like an upcycle file", "the name of a file upcycle writes"),
     ("linked text file", "is a symbolic link"),
-    ("nested json", "nests too deeply"),
+    ("nested json", "nested too deeply"),
 ])
 def test_module_files_are_bounded_before_they_are_read(tmp_path, monkeypatch, case, why):
     """Every reader of a source's modules is bounded by what it has read: a module file's size is checked before

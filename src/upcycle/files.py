@@ -1,5 +1,6 @@
-"""Files in detail: whether a path can be read as an input file (`file_problem`), a JSON file read within a size
-bound (`read_json_file`), JSON text that every reader takes (`json_text`), and why a write failed for want of room
+"""Files in detail: whether a path can be read as an input file (`file_problem`), the one JSON reader (`parse_json`
+for text, `read_json_file` for a file within a size bound; nothing else in upcycle calls `json.load(s)`, which a
+test checks), JSON text that every reader takes (`json_text`), and why a write failed for want of room
 (`no_room`). How outputs are written whole is `upcycle.outputs`'."""
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def no_room(error: BaseException) -> str | None:
 MAX_JSON_BYTES = 64 * 2**20
 
 
+def parse_json(text: str | bytes, where: str):
+    """The JSON value of `text` (a line of a JSONL file, a file's content, a library's serialization), or one
+    UpcycleError naming `where`: not JSON (the parser's words, on one line), or nested too deeply for the parser
+    (Python's json recurses per level: 5,000 levels are a RecursionError, not data)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UpcycleError(f"{where}: invalid JSON (nested too deeply to read)") from None
+    except ValueError as e:     # JSONDecodeError, bad UTF-8 in bytes, an integer past Python's digit limit
+        raise UpcycleError(f"{where}: invalid JSON ({' '.join(str(e).split())[:200]})") from None
+
+
+def json_copy(value):
+    """`value` as JSON gives it back (a deep copy with tuples as lists and keys as strings): what a file written of
+    it holds, to compare with one read."""
+    return json.loads(json.dumps(value))
+
+
 def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON_BYTES):
     """The JSON value in `path`, or one UpcycleError naming the file and `what` it is: unreadable, larger than
     `max_bytes` (checked before reading), not UTF-8, not JSON, or nested too deeply for the parser."""
@@ -89,8 +108,7 @@ def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON
         if size > max_bytes:
             raise UpcycleError(f"{path}: the {what} is {size:,} bytes, more than the {max_bytes:,} such a file "
                                f"holds; it was not read")
-        return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise UpcycleError(f"{path}: the {what} nests too deeply to be read") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
         raise UpcycleError(f"{path}: the {what} cannot be read ({type(e).__name__}: {e})") from None
+    return parse_json(text, f"{path}: the {what}")

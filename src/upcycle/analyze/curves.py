@@ -15,11 +15,11 @@ The values are the log's own numbers, unchanged, so a point of the figure is a n
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
+from ..files import parse_json
 from ..training.run_folder import LOG, read_log
 from ..training.trackers import flatten_numbers
 
@@ -43,7 +43,7 @@ def run_curves(run: Path) -> dict | None:
         return None
     records = []
     for line in read_log(path, upto=sys.maxsize):
-        record = json.loads(line)
+        record = parse_json(line, str(path))
         if isinstance(record, dict):
             records.append(record)
     steps = [r for r in records if isinstance(r.get("loss"), dict)]

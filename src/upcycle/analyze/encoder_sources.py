@@ -19,7 +19,6 @@ for queries), and a source left without texts is dropped.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..core.architectures import find_family
 from ..data.source_texts import SourceRows
 from ..data.text_pairs import TextPairs, load_text_pairs, read_text_pairs
 from ..errors import UpcycleError
+from ..files import read_json_file
 from ..tasks.embedding import tokenize
 from ..training.run_folder import INPUTS
 
@@ -69,7 +69,7 @@ def encoder_pairs(pairs_flag: str | None, kind: str, run: Path) -> PairData:
         return PairData(pairs_flag, None, True, f"every pair of {pairs_flag}")
     if kind == "run" and (run / INPUTS).is_file():
         try:
-            recorded = json.loads((run / INPUTS).read_text())
+            recorded = read_json_file(run / INPUTS, "record of the run's inputs")
         except (OSError, ValueError) as e:
             raise UpcycleError(f"{run / INPUTS} cannot be read ({e})") from None
         data, eval_data = recorded.get("data"), recorded.get("eval_data")

@@ -22,7 +22,6 @@ goes on without it (`--dense` names the dense model explicitly).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from ..checkpoint.upcycle_format import MOE_CONFIG
 from ..core.stock_moe import is_stock_moe
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
+from ..files import read_json_file
 from ..training.run_folder import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
 from ..training.run_state import MANIFEST, step_of
 
@@ -83,7 +83,7 @@ def _yaml(path: Path) -> dict:
 
 def _json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = read_json_file(path, "record")
     except (OSError, ValueError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -120,7 +120,7 @@ def recorded_sources(folder: Path, notes: list[str]) -> RecordedSources | None:
     """The sources a merged model's report records, when every one of them has held-out text that is still
     there; otherwise None (with a note saying why, when the folder is a merge)."""
     try:
-        sources = json.loads((folder / REPORT).read_text()).get("sources")
+        sources = read_json_file(folder / REPORT, "conversion report").get("sources")
     except (OSError, ValueError):
         return None
     if not isinstance(sources, dict) or not sources.get("experts"):

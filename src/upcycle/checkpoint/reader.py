@@ -9,7 +9,6 @@ the error, and NaN or infinite weights are refused (`check_finite`).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UpcycleError
+from ..files import read_json_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,7 +57,7 @@ def check_index(folder: Path) -> dict[str, str]:
     try:
         if not index.is_file() or index.stat().st_size > MAX_INDEX_BYTES:
             raise UpcycleError(f"{index} is not a regular file of at most {MAX_INDEX_BYTES // 2**20} MiB")
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_json_file(index, "safetensors index", MAX_INDEX_BYTES)["weight_map"]
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise UpcycleError(f"{index} is not a safetensors index (a JSON object with a weight_map): "
                            f"{type(e).__name__}: {e}") from None

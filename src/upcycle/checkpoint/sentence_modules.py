@@ -16,12 +16,12 @@ part. A source whose modules cannot be carried is converted all the same, with a
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import warnings
 from pathlib import Path
 
+from ..files import parse_json
 from ..outputs.ownership import LEGACY_SIGNATURES, MARKER, MODEL_FILES, OUTPUT_ENTRIES, SENTENCE_ROOT_FILES
 
 ROOT_FILES = SENTENCE_ROOT_FILES        # named where ownership counts them as a model folder's files
@@ -111,7 +111,7 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
                 if os.lstat(folder / name).st_size > MAX_ROOT_FILE_BYTES:
                     raise NotCarried(f"{name} holds more than {MAX_ROOT_FILE_BYTES >> 20} MiB")
                 files[name] = (folder / name).read_bytes()
-                parsed[name] = json.loads(files[name])      # each is JSON; a malformed one is not carried
+                parsed[name] = parse_json(files[name], name)   # each is JSON; a malformed one is not carried
         modules = parsed[MODULES_FILE]
         if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
             raise NotCarried(f"{MODULES_FILE} is not a list of modules")
@@ -122,11 +122,6 @@ def read_sentence_modules(folder: str | os.PathLike) -> dict[str, bytes] | None:
             files.update(_module_files(folder, module))
         if _held(files) > MAX_BYTES:
             raise NotCarried(f"its module files hold more than {MAX_BYTES >> 20} MiB")
-    except RecursionError:
-        warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes (a "
-                      f"file nests too deeply to read); SentenceTransformer on the output will use mean pooling "
-                      f"alone", stacklevel=2)
-        return None
     except (NotCarried, OSError, ValueError) as e:
         warnings.warn(f"{folder}: its sentence-transformers modules are not carried into what upcycle writes "
                       f"({e}); SentenceTransformer on the output will use mean pooling alone", stacklevel=2)

@@ -34,7 +34,7 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import is_stock_moe
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
-from ..files import read_json_file
+from ..files import parse_json, read_json_file
 from .agreement import check_checkpoint
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
@@ -77,7 +77,7 @@ def save_folder_files(model: nn.Module, directory: str | os.PathLike, *, tokeniz
 
 def folder_config(model: nn.Module) -> dict:
     """config.json of an upcycle folder: model type "upcycle", the base config as `save_pretrained` writes it."""
-    base = json.loads(model.config.to_json_string(use_diff=True))
+    base = parse_json(model.config.to_json_string(use_diff=True), "the model's config")
     return {"model_type": FOLDER_MODEL_TYPE, "upcycle_format_version": FORMAT_VERSION, "base_config": base,
             "architectures": [type(model).__name__], "how_to_load": HOW_TO_LOAD}
 
@@ -143,10 +143,10 @@ def save_tokenizer(tokenizer, directory: str | os.PathLike, model_config: dict |
         return
     if model_config is None:
         config_file = Path(directory) / "config.json"
-        model_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        model_config = read_json_file(config_file, "model's config") if config_file.is_file() else {}
     if model_config.get("model_type") == FOLDER_MODEL_TYPE:        # an upcycle folder's: the base config inside
         model_config = {**model_config.get("base_config", {}), "architectures": model_config.get("architectures")}
-    config = json.loads(path.read_text())
+    config = read_json_file(path, "tokenizer config")
     if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
         config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]
     for key in LOAD_ONLY_KEYS:

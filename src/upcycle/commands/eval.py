@@ -9,10 +9,10 @@ data, so `upcycle eval RUN` reads the number the run's last evaluation logged. F
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..config import EVAL_TOKENS, TASKS
+from ..files import read_json_file
 from .flags import dumps, quiet_transformers, whole_number
 
 SEQUENCE_LENGTH = 256
@@ -54,7 +54,7 @@ def run_defaults(run: Path) -> dict:
     if not isinstance(saved, dict):
         return {}
     try:
-        recorded = json.loads((run / INPUTS).read_text())
+        recorded = read_json_file(run / INPUTS, "record of the run's inputs")
     except (OSError, ValueError, UnicodeDecodeError):
         recorded = {}
     data = recorded.get("eval_data") if isinstance(recorded, dict) and "eval_data" in recorded else \

@@ -13,14 +13,13 @@ one computes (the trainer's guarantee), so a resumed cell ends with the same num
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
 from ..conversion.preservation import count_parameters
-from ..files import json_text
+from ..files import json_text, parse_json, read_json_file
 from ..outputs.ownership import record, remove_owned
 from ..outputs.staging import atomic_write_text
 from ..tasks.make import make_task
@@ -42,7 +41,7 @@ def write_json(path: Path, data: dict) -> None:
 def finished(plan: Plan, cell: Cell) -> dict | None:
     """The cell's recorded results, or None when it has not finished."""
     path = plan.folder(cell) / RESULT
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json_file(path, "cell's results") if path.is_file() else None
 
 
 def run_cell(plan: Plan, cell: Cell, *, progress: bool = True, stop_after: int | None = None,
@@ -86,7 +85,7 @@ def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
     folder = plan.conversion(cell)
     record_file = folder / "conversion.json"
     if record_file.is_file() and (folder / "moe").is_dir():   # (--keep results removes moe/ when its cells are done)
-        return json.loads(record_file.read_text())
+        return read_json_file(record_file, "conversion record")
     say(f"converting with {cell.method}")
     started = time.perf_counter()
     # overwrite: a moe/ without conversion.json is from a process stopped between the two writes
@@ -102,7 +101,7 @@ def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
 
 def _training(run: Path) -> dict:
     """Evaluations over the steps and throughput, from the run's log."""
-    rows = [json.loads(line) for line in read_log(run / LOG, 1 << 62)]
+    rows = [parse_json(line, f"{run / LOG}") for line in read_log(run / LOG, 1 << 62)]
     evals = [{"step": r["step"], **r["eval"]} for r in rows if "eval" in r and r["eval"] is not None]
     steps = [r for r in rows if "loss" in r]
     tokens = sum(r["tokens"] for r in steps)

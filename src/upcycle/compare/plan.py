@@ -25,7 +25,6 @@ the new one is refused, not silently skipped or resumed into another run.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from ..core.architectures import family_of
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..data.model_names import model_inputs
 from ..errors import UpcycleError
+from ..files import json_copy, read_json_file
 from ..methods import get_method
 from ..outputs.claims import Input, inputs
 from .request import DENSE, CompareRequest, eesd_label, parse_grid, read_recipes
@@ -58,10 +58,9 @@ class Cell:
 
     def describe(self) -> dict:
         """The cell's plan as JSON (what plan.json holds and a rerun must match)."""
-        return json.loads(json.dumps({"name": self.name, "method": self.method, "eesd": self.eesd,
-                                      "seed": self.seed,
-                                      "convert": None if self.convert is None else to_dict(self.convert),
-                                      "train": to_dict(self.train)}))
+        return json_copy({"name": self.name, "method": self.method, "eesd": self.eesd, "seed": self.seed,
+                          "convert": None if self.convert is None else to_dict(self.convert),
+                          "train": to_dict(self.train)})
 
 
 @dataclass
@@ -121,7 +120,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
                 train = train_config(method, request.model, seed, value)
                 coefficient = train.regularizers.eesd          # the recipe's own when --eesd is not given
                 name = f"{method}-eesd-{eesd_label(coefficient)}-seed-{seed}"
-                data = json.loads(json.dumps(recipes.convert))
+                data = json_copy(recipes.convert)
                 recipe_method = data.get("method")
                 data["method"], data["model"], data["seed"] = method, request.model, seed
                 # a convert recipe's method_args belong to the method it names; other methods start from none
@@ -188,7 +187,7 @@ def _check_out(plan: Plan, request: CompareRequest) -> None:
                            f"choose a new folder")
     if (plan.out / STUDY).is_file():
         try:
-            model = json.loads((plan.out / STUDY).read_text()).get("model")
+            model = read_json_file(plan.out / STUDY, "study record").get("model")
         except (OSError, ValueError) as e:
             raise UpcycleError(f"{plan.out / STUDY} cannot be read ({e})") from None
         if model != plan.model:
@@ -198,7 +197,7 @@ def _check_out(plan: Plan, request: CompareRequest) -> None:
         if not saved.is_file():
             continue
         try:
-            before = json.loads(saved.read_text())
+            before = read_json_file(saved, "cell plan")
         except (OSError, ValueError) as e:
             raise UpcycleError(f"cell {cell.name}: {saved} cannot be read ({e}); move the cell folder away") from None
         now = cell.describe()

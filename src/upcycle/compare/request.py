@@ -4,12 +4,12 @@ that gave it (`plan.py` then makes the cells)."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 from ..config_reader import coerce, load_recipe, recipe_path, refuse_overwrite_key, set_override
 from ..errors import UpcycleError
+from ..files import json_copy
 from ..methods import get_method
 
 DENSE = "dense"                # the dense-continued baseline's method name
@@ -122,7 +122,7 @@ class Recipes:
 
     def train_data(self, method: str) -> dict:
         """A fresh copy of `method`'s training recipe with --set applied."""
-        data = json.loads(json.dumps(self.per_method.get(method, self.train)))    # a deep copy
+        data = json_copy(self.per_method.get(method, self.train))
         for assignment in self.train_sets:
             refuse_overwrite_key({assignment.split("=", 1)[0].strip(): None}, f"--set {assignment}")
             set_override(data, assignment)

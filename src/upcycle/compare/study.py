@@ -15,7 +15,6 @@ own stop), and the command exits with 130.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
+from ..files import read_json_file
 from ..machine import machine
 from ..outputs.claims import claim_output
 from ..outputs.ownership import read_record, record, replaceable, write_marker
@@ -154,7 +154,7 @@ def _write_pairs(plan: Plan, say) -> None:
 
 def finished_cells(out: Path) -> list[dict]:
     """Every finished cell in OUT (of this invocation's grid or an earlier one)."""
-    return [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/cell.json"))]
+    return [read_json_file(p, "cell's results") for p in sorted((out / "cells").glob("*/cell.json"))]
 
 
 def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: str | None = None) -> list[str]:
@@ -165,9 +165,9 @@ def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: 
     table = rows(cells, plan.task, plan.methods)
     done = {cell.get("name") for cell in cells}
     unfinished = [cell.name for cell in plan.cells if cell.name not in done]
-    mine = json.loads(invocation.read_text())
+    mine = read_json_file(invocation, "invocation record")
     write_json(invocation, {**mine, "seconds": round(time.time() - started, 1)})
-    invocations = sorted((json.loads(p.read_text()) for p in (plan.out / "invocations").glob("*.json")),
+    invocations = sorted((read_json_file(p, "invocation record") for p in (plan.out / "invocations").glob("*.json")),
                          key=lambda i: i["started"])
     # summed: invocations that ran at the same time each count their own wall time
     result = {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task, "machine": machine(),

@@ -103,10 +103,10 @@ def tokenizer_difference(base_path: str, source_path: str) -> str | None:
 def _backend_difference(base, source) -> str | None:
     """The first part of the fast tokenizers' definitions (tokenizer.json) that differs with equal vocabularies:
     the normalizer, the pre-tokenizer, the merges, the templates."""
-    import json
+    from ..files import parse_json
 
     try:
-        a, b = (json.loads(t.backend_tokenizer.to_str()) for t in (base, source))
+        a, b = (parse_json(t.backend_tokenizer.to_str(), "a tokenizer's definition") for t in (base, source))
     except (AttributeError, ValueError):
         return None if type(base) is type(source) else \
             f"the tokenizer classes differ: base {type(base).__name__}, source {type(source).__name__}"

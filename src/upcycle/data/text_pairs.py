@@ -23,13 +23,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import itertools
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UpcycleError
+from ..files import parse_json
 from .text import check_text
 
 PAIRS_FOLDER = Path(__file__).resolve().parent / "pairs"
@@ -114,12 +114,7 @@ def _row(path: Path, lineno: int, line: bytes) -> object:
         raise UpcycleError(f"text pairs {where}: not UTF-8 text ({e})") from None
     if not text.strip():
         return None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise UpcycleError(f"text pairs {where}: invalid JSON (nested too deeply to read)") from None
-    except ValueError as e:
-        raise UpcycleError(f"text pairs {where}: invalid JSON ({' '.join(str(e).split())[:200]})") from None
+    return parse_json(text, f"text pairs {where}")
 
 
 def read_text_pairs(path: str | Path, max_chars: int | None = None) -> TextPairs:

@@ -4,13 +4,12 @@ checked by reading it back). Nothing here converts: the folder's report gains an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..checkpoint.upcycle_format import load
 from ..config import CheckConfig
 from ..errors import UpcycleError
-from ..files import json_text
+from ..files import json_text, read_json_file
 from ..outputs.claims import claim_output, inputs
 from ..probe import make_probe
 from .layout import export_target
@@ -41,10 +40,7 @@ def export_folder(src: str | Path, out: str | Path, *, export_class: str = "auto
             gguf_plan(model, target, tokenizer, gguf_type)
         probe_ids = make_probe(model, None, None, CheckConfig(), seed=0).inputs["input_ids"]
         report_file = src / "upcycle_report.json"
-        try:
-            report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise UpcycleError(f"{report_file} cannot be read ({type(e).__name__}: {e})") from None
+        report = read_json_file(report_file, "conversion report") if report_file.is_file() else {}
         if not isinstance(report, dict):
             raise UpcycleError(f"{report_file} is not a conversion report (a JSON object)")
         with claim.directory() as tmp:

@@ -12,9 +12,8 @@ tokenizer refused here, run it on the stock transformers export (docs/runtimes.m
 
 from __future__ import annotations
 
-import json
-
 from ..errors import UpcycleError
+from ..files import parse_json
 
 # HF pre-tokenizer (as the JSON of tokenizer.json, reduced by `_shape`) -> llama.cpp's `tokenizer.ggml.pre`.
 # "gpt-2": GPT-2's regex alone; "smollm": every digit split off first, then GPT-2's regex (llama.cpp's
@@ -49,7 +48,7 @@ def gguf_vocab(tokenizer, vocab_size: int) -> dict:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise UpcycleError("GGUF export needs a fast (tokenizer.json) tokenizer; this one has none")
-    spec = json.loads(backend.to_str())
+    spec = parse_json(backend.to_str(), "the tokenizer's definition (tokenizer.json)")
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
         raise UpcycleError(f"GGUF export writes byte-level BPE tokenizers only (this one is {model.get('type')}); "

@@ -25,6 +25,7 @@ from ..config import TrainConfig, to_dict
 from ..config_reader import build
 from ..data.model_names import model_inputs, recorded_location
 from ..errors import UpcycleError
+from ..files import parse_json, read_json_file
 from ..outputs.claims import Input, inputs
 from ..outputs.ownership import files_below, own_output, read_record, record, remove_owned, write_marker
 from ..outputs.staging import Staging, clean_stale_temporaries, replace_directory
@@ -117,9 +118,56 @@ def never_started(out: Path) -> bool:
 TRACKER_FOLDERS = ("tensorboard", "wandb")
 
 
+def data_contents(path: str) -> dict:
+    """What identifies a data file's content (its size and SHA-256), or a folder's (its files' names and sizes):
+    recorded when a run starts, compared when it resumes."""
+    import hashlib
+
+    path_ = Path(path).expanduser()
+    if path_.is_dir():
+        files = sorted(p for p in path_.rglob("*") if p.is_file())
+        names = "\n".join(str(p.relative_to(path_)) for p in files).encode()
+        return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+                "names_sha256": hashlib.sha256(names).hexdigest()}
+    digest = hashlib.sha256()
+    with open(path_, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path_.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def check_data_unchanged(out: Path) -> None:
+    """The data a run started with is what it resumes with: a file edited, replaced or removed since would give
+    the resumed steps other batches than the schedule planned, so it is refused (runs recorded before the
+    contents were, have nothing to compare and resume as before)."""
+    if not (out / INPUTS).is_file():
+        return
+    recorded = read_json_file(out / INPUTS, "record of the run's inputs")
+    contents = recorded.get("contents") if isinstance(recorded, dict) else None
+    for key, then in (contents or {}).items():
+        path = recorded.get(key)
+        what = "training data" if key == "data" else "held-out data"
+        if not isinstance(path, str) or not isinstance(then, dict):
+            continue
+        try:
+            now = data_contents(path) if Path(path).exists() else None
+        except OSError as e:
+            raise UpcycleError(f"cannot resume: the {what} {path} cannot be read ({e})") from None
+        if now != then:
+            change = "is gone" if now is None else (
+                f"was {then.get('size', then.get('bytes')):,} bytes, is {now.get('size', now.get('bytes')):,}"
+                if then.get("size", then.get("bytes")) != now.get("size", now.get("bytes")) else
+                "has the same size and other content")
+            raise UpcycleError(f"cannot resume: the {what} {path} changed since the run started ({change}); the "
+                               f"resumed steps would read other batches than the run's schedule. Put the original "
+                               f"back, or start a new run (--overwrite)")
+
+
 def check_resumable(out: Path) -> None:
     """What `--resume` rewrites must be upcycle's: the log (it drops the lines after the checkpoint; by its
-    record, in a run that has one) and a model/ folder (replaced at the end)."""
+    record, in a run that has one) and a model/ folder (replaced at the end); the data is what the run started
+    with (`check_data_unchanged`)."""
+    check_data_unchanged(out)
     current = read_record(out)
     if current is not None and (out / LOG).exists():
         entry = current["files"].get(LOG)
@@ -201,8 +249,10 @@ class RunFolder:
         """A new run's config, and what it read as paths that mean the same from any directory (`upcycle analyze
         RUN`): the model by its recorded location, data files made absolute (names such as 'digits' kept)."""
         (self.path / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        (self.path / INPUTS).write_text(json.dumps({"model": recorded_location(cfg.model), "data": _absolute(cfg.data),
-                                                    "eval_data": _absolute(cfg.eval_data)}, indent=1) + "\n")
+        (self.path / INPUTS).write_text(json.dumps({
+            "model": recorded_location(cfg.model), "data": _absolute(cfg.data), "eval_data": _absolute(cfg.eval_data),
+            "contents": {key: data_contents(path) for key, path in (("data", cfg.data), ("eval_data", cfg.eval_data))
+                         if path is not None and Path(path).expanduser().exists()}}, indent=1) + "\n")
         (self.path / LOG).touch()               # appended to from here on; recorded as what it holds so far
         record(self.path, [RUN_CONFIG, INPUTS], appended=[LOG])
 
@@ -273,7 +323,7 @@ def read_log(path: Path, upto: int) -> list[str]:
         if not line.strip():
             continue
         try:
-            step = json.loads(line)["step"]
+            step = parse_json(line, f"{path}:{number}")["step"]
         except (ValueError, KeyError, TypeError):
             print(f"[upcycle] {path}: dropped unreadable line {number} (a torn write)", file=sys.stderr)
             continue

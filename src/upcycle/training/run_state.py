@@ -35,6 +35,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from ..errors import UpcycleError
+from ..files import read_json_file
 from . import sharding
 
 FORMAT = "upcycle-train-checkpoint"
@@ -65,7 +66,7 @@ def save_rng(folder: Path, rank: int) -> None:
 
 
 def load_rng(folder: Path, rank: int) -> None:
-    states = json.loads((folder / f"rng-{rank}.json").read_text())
+    states = read_json_file(folder / f"rng-{rank}.json", "checkpoint's random state")
     version, state, gauss = states["python"]
     random.setstate((version, tuple(state), gauss))
     kind, keys, pos, has_gauss, cached = states["numpy"]
@@ -137,7 +138,7 @@ def problem(folder: Path, *, processes: int) -> str | None:
             return "it is in Accelerate's pickle format (written by upcycle before 0.2), which is never unpickled"
         return "it has no manifest (it was not finished)"
     try:
-        manifest = json.loads(manifest_file.read_text())
+        manifest = read_json_file(manifest_file, "checkpoint manifest")
         files = manifest["files"]
     except (ValueError, KeyError, TypeError):
         return "its manifest is not readable"
@@ -183,7 +184,7 @@ def load(folder: Path, *, model: nn.Module, optimizer, scheduler, rank: int, dev
     trainer state (step, tokens). `sharded`: the model is FSDP-sharded; each process keeps its part of every
     tensor (it reads the files itself, one tensor at a time for the model). Nothing here can run code from the
     folder."""
-    state = json.loads((folder / "trainer.json").read_text())
+    state = read_json_file(folder / "trainer.json", "checkpoint's trainer state")
     weights = str(folder / "model.safetensors")
     if sharded:
         with safe_open(weights, "pt", device="cpu") as f:
