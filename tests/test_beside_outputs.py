@@ -325,3 +325,49 @@ def test_save_pretrained_replaces_its_own_weights_but_not_another_models(tiny_lm
                                                    r"model.layers.*which this model does not have\)"):
         model.save_pretrained(other)
     assert (other / "model.safetensors").read_bytes() == before and not list(other.glob(".upcycle-save-*"))
+
+
+def test_save_pretrained_never_deletes_weights_it_cannot_read(tiny_lm, tmp_path):
+    """Shards an index names that cannot be read cannot be told to be this model's: the save is refused and they
+    stay (an earlier version replaced them, deleting them without a word)."""
+    import upcycle
+
+    model = upcycle.load(tiny_lm[1])
+    target = tmp_path / "target"
+    model.save_pretrained(target, max_shard_size="40KB")
+    shards = sorted(target.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1
+    shards[0].write_bytes(b"not safetensors: the user's bytes")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(upcycle.UpcycleError, match=r"the weights in .*target cannot be read .* replacing them "
+                                                   r"would delete them"):
+        model.save_pretrained(target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_save_and_save_pretrained_on_a_full_disk_say_so_and_leave_nothing(tiny_lm, tmp_path):
+    """Under a file-size limit (a full disk fails the same write with ENOSPC): one UpcycleError naming the cause,
+    and no folder left behind (save_pretrained made the folder, and removes it again when it is empty)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys, upcycle\n"
+        f"model = upcycle.load({str(tiny_lm[1])!r})\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))\n"
+        "for how in ('save', 'save_pretrained'):\n"
+        "    try:\n"
+        f"        upcycle.save(model, {str(tmp_path / 'a')!r}) if how == 'save' else "
+        f"model.save_pretrained({str(tmp_path / 'b' / 'c')!r})\n"
+        "    except upcycle.UpcycleError as e:\n"
+        "        print(how, 'UpcycleError', e)\n"
+        "    except Exception as e:\n"
+        "        print(how, type(e).__name__, e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, done.stdout + done.stderr[-2000:]
+    assert lines[0].startswith("save UpcycleError save: a file-size limit (ulimit -f) was reached"), lines
+    assert lines[1].startswith("save_pretrained UpcycleError save_pretrained: a file-size limit (ulimit -f) was "
+                               "reached"), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

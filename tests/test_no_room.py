@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 48 * 1024          # bytes: the lock's line and a run's small files fit; a model's weights do not
 
 
-def limited(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def limited(args: list[str], cwd: Path, limit: int = LIMIT) -> subprocess.CompletedProcess:
     def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([*upcycle_command(), *args], cwd=cwd, env=env, capture_output=True, text=True,
@@ -82,6 +82,22 @@ def test_train_under_a_file_size_limit_leaves_no_half_checkpoint(lm, tmp_path):
     assert "file-size limit" in lines[-1] and "Traceback" not in done.stderr
     assert left_behind(tmp_path) == []
     assert not list(out.glob("checkpoints/.step-*"))
+
+
+def test_train_whose_optimizer_state_finds_no_room_says_so(lm, tmp_path):
+    """The model's weights fit under the limit and the optimizer's state (Adam: two float32 moments per weight)
+    does not: torch.save's own writer called that "unexpected pos" in a traceback; through a Python file it is the
+    one-line refusal, and no half-written checkpoint stays."""
+    dense, train_txt, held = lm
+    out = tmp_path / "run"
+    weights = (dense / "model.safetensors").stat().st_size
+    done = limited(["train", str(dense), str(out), "--data", str(train_txt), "--eval-data", str(held),
+                    "--steps", "2", "--batch-size", "2", "--sequence-length", "16", "--quiet"], tmp_path,
+                   limit=weights * 3 // 2)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("upcycle: error: a file-size limit (ulimit -f) was reached"), done.stderr[-3000:]
+    assert left_behind(tmp_path) == [] and not out.exists(), sorted(str(p) for p in out.rglob("*"))
 
 
 def test_no_room_reads_the_error_and_what_wrapped_it():

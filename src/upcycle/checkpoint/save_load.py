@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UpcycleError
+from ..files import no_room
 from ..outputs.claims import claim_output
 from ..outputs.ownership import indexed_shards
 from ..outputs.staging import staged_directory
@@ -46,9 +47,21 @@ def save(model: nn.Module, folder: str | os.PathLike, *, tokenizer=None, overwri
     _check_upcycled(model)
     _check_finite(model.state_dict())
     folder = Path(folder).expanduser()
-    with claim_output(folder, kind=SAVE_KIND, overwrite=overwrite) as claim, claim.directory() as tmp:
-        save_folder_files(model, tmp, tokenizer=tokenizer, max_shard_bytes=parse_size(max_shard_size))
+    try:
+        with claim_output(folder, kind=SAVE_KIND, overwrite=overwrite) as claim, claim.directory() as tmp:
+            save_folder_files(model, tmp, tokenizer=tokenizer, max_shard_bytes=parse_size(max_shard_size))
+    except OSError as e:
+        _refuse_no_room(e, "save", folder)
+        raise
     return folder
+
+
+def _refuse_no_room(error: OSError, who: str, folder: Path) -> None:
+    """A write that found no room (a full disk, a file-size limit, a quota) as one UpcycleError; other errors are
+    left to the caller."""
+    why = no_room(error)
+    if why is not None:
+        raise UpcycleError(f"{who}: {why}; nothing was saved ({folder} is as it was)") from None
 
 
 def _check_upcycled(model: nn.Module) -> None:
@@ -94,11 +107,26 @@ def save_in_place(model: nn.Module, folder: str | os.PathLike, *, state_dict: di
     blocking = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UpcycleError(f"save_pretrained: {folder} cannot be made: {blocking} is a file; nothing was written")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]      # the folders this save makes
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UpcycleError(f"save_pretrained: {folder} cannot be made ({e.strerror or e}); nothing was "
                            f"written") from None
+    try:
+        _save_into(model, folder, state_dict, max_shard_size)
+    except BaseException as e:
+        for path in made:               # a failed save leaves no folder it made (an empty one, innermost first)
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        if isinstance(e, OSError):
+            _refuse_no_room(e, "save_pretrained", folder)
+        raise
+
+
+def _save_into(model: nn.Module, folder: Path, state_dict: dict | None, max_shard_size: int | str) -> None:
     existing, unnamed = _model_files(folder)
     if existing and not (folder / MOE_CONFIG).is_file() or unnamed:
         found = unnamed or existing
@@ -137,9 +165,11 @@ def _other_models_tensors(folder: Path, existing: list[str], new: Path) -> list[
     if not any(name in (SINGLE_FILE, INDEX_FILE) for name in existing):
         return []
     try:
-        old = set(CheckpointReader(folder).names())
-    except UpcycleError:
-        return []               # unreadable weights: nothing to recognise them by (replaced, as transformers does)
+        old = set(CheckpointReader(folder).names())     # every shard's header is read: one unreadable is not ours
+    except (UpcycleError, OSError) as e:
+        raise UpcycleError(f"save_pretrained: the weights in {folder} cannot be read ({str(e)[:200]}), so whose "
+                           f"they are cannot be told; replacing them would delete them: save into a new folder, or "
+                           f"remove them yourself. Nothing was written") from None
     return sorted(old - set(CheckpointReader(new).names()))
 
 

@@ -53,6 +53,9 @@ class Checkpointer:
         """Every process's RNG, then the main process's state, into a temporary folder renamed when complete;
         then the oldest checkpoints beyond `keep` go."""
         folder = self.folder.path / CHECKPOINTS
+        if self.is_main and not folder.exists():       # made and recorded first: a run undone removes it again
+            folder.mkdir()
+            self.folder.remember([CHECKPOINTS])
         # every process writes its RNG state into the one staging folder, which the main process makes
         staging = Staging(folder / f"step-{step:07d}", shared=self.owner, make=self.is_main)
         tmp = staging.path

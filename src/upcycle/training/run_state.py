@@ -114,7 +114,8 @@ def save_main(folder: Path, *, model: nn.Module, optimizer_state: dict, schedule
     """What one process writes for everyone: the model (whole: identical on every process under DDP, gathered
     under FSDP), `optimizer.state_dict()` and the teacher's state dict, whole as well."""
     save_model(model, str(folder / "model.safetensors"))
-    torch.save(optimizer_state, folder / "optimizer.pt")
+    with open(folder / "optimizer.pt", "wb") as f:     # through a Python file: a full disk stays an OSError, which
+        torch.save(optimizer_state, f)                  # torch's own writer would turn into "unexpected pos"
     if teacher_state is not None:
         save_file(_flat_teacher(teacher_state), str(folder / "teacher.safetensors"))
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
