@@ -6,6 +6,7 @@ and that the user's bytes are what they were."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,36 @@ def test_a_cache_of_upcycles_own_with_a_changed_file_is_rebuilt(tmp_path, monkey
     monkeypatch.setattr(assets, "smollm2_gguf_folder", lambda: tmp_path)
     assets.default_model_path()
     assert built == [(tmp_path, assets.SMOLLM2_GGUF, folder)]
+
+
+@pytest.mark.parametrize("case", ["a file on its way", "read-only"])
+def test_a_cache_that_cannot_be_written_is_refused_before_the_work(tmp_path, monkeypatch, capsys, case):
+    """UPCYCLE_CACHE=FILE/sub, or a folder this process may not write: the first conversion of the embedded model
+    would fail at its end, a minute in, writing the cache; it is refused at start-up, nothing built or made."""
+    from upcycle.data import assets
+    from upcycle.errors import UpcycleError
+
+    built = []
+    monkeypatch.setattr(assets, "plain_from_gguf", lambda *args: built.append(args))
+    if case == "a file on its way":
+        (tmp_path / "FILE").write_text("mine\n")
+        monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "FILE" / "sub"))
+        said = f"cannot be made: {tmp_path / 'FILE'} is a file"
+    else:
+        (tmp_path / "cache").mkdir()
+        monkeypatch.setenv("UPCYCLE_CACHE", str(tmp_path / "cache"))
+        # root passes permission bits, so the test stands in the answer a read-only file system (EROFS) or another
+        # user's folder gives to access(2)
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs:
+                            False if Path(path) == tmp_path / "cache" else real(path, mode, *args, **kwargs))
+        said = "is read-only for this process"
+    fails(capsys, ["convert", "default", str(tmp_path / "out"), *CONVERT], said)
+    with pytest.raises(UpcycleError, match=re.escape(said)):
+        assets.default_model_path()
+    assert built == [] and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["FILE"] if case == "a file on its way" else ["cache"])
+    assert (tmp_path / "FILE").is_file() if case == "a file on its way" else list((tmp_path / "cache").iterdir()) == []
 
 
 def test_a_dry_run_of_the_embedded_model_writes_nothing_anywhere(tmp_path, monkeypatch, capsys):

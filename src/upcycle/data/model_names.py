@@ -13,17 +13,21 @@ from .assets import (
     DEFAULT_MODEL_NAMES,
     MINILM_PACKAGE,
     SMOLLM2_PACKAGE,
+    cache_is_intact,
     default_model_cache,
     default_model_path,
     minilm_path,
     package_folder,
 )
+from .text import check_cache_writable
 
 
 def model_inputs(name: str) -> list[tuple[str, Path]]:
     """The local paths a model name reads, without building anything: for the output checks of
     `upcycle.outputs.claims` (the embedded model's cache and wheel, a local folder, a hub id's local cache)."""
     if name in DEFAULT_MODEL_NAMES:
+        if not cache_is_intact(default_model_cache()):
+            check_cache_writable()      # a cache to be built where it cannot be written: said at start-up
         found = [("embedded model's cache", default_model_cache())]
         wheel = package_folder(SMOLLM2_PACKAGE)
         return found + ([("embedded model's wheel", wheel)] if wheel is not None else [])

@@ -79,20 +79,45 @@ def wikipedia_dump_path() -> pathlib.Path:
     )
 
 
+def _cache_location() -> tuple[pathlib.Path, str]:
+    """(the cache folder, how it was named for a message)."""
+    explicit = os.environ.get("UPCYCLE_CACHE")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if explicit:
+        return pathlib.Path(explicit).expanduser(), "UPCYCLE_CACHE"
+    if xdg:
+        return pathlib.Path(xdg).expanduser() / "upcycle", "XDG_CACHE_HOME/upcycle"
+    return pathlib.Path.home() / ".cache" / "upcycle", "~/.cache/upcycle"
+
+
+def check_cache_writable() -> pathlib.Path:
+    """The cache folder, refused in one line (creating nothing) when upcycle could not write there: a file in its
+    place or on its way (UPCYCLE_CACHE=FILE/sub), or a folder this process may not write (a read-only file
+    system, another user's). Asked before work that ends by writing the cache (the embedded model's first
+    conversion, a minute long), not after it."""
+    path, named = _cache_location()
+    if path.exists() and not path.is_dir():
+        raise UpcycleError(f"upcycle's cache folder ({named}) is {path}, which is not a folder; point UPCYCLE_CACHE "
+                           f"at a folder")
+    nearest = path
+    while not nearest.exists() and nearest.parent != nearest:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UpcycleError(f"upcycle's cache folder ({named}) {path} cannot be made: {nearest} is a file; point "
+                           f"UPCYCLE_CACHE at a folder you can write")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise UpcycleError(f"upcycle's cache folder ({named}) {path} cannot be written ({nearest} is read-only "
+                           f"for this process); point UPCYCLE_CACHE at a folder you can write")
+    return path
+
+
 def cache_dir(create: bool = True) -> pathlib.Path:
     """Return (and, with `create`, create) the cache folder.
 
     ``$UPCYCLE_CACHE`` wins, then ``$XDG_CACHE_HOME/upcycle``, then
     ``~/.cache/upcycle``.  Empty variables count as unset, as the XDG spec asks.
     """
-    explicit = os.environ.get("UPCYCLE_CACHE")
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if explicit:
-        path, named = pathlib.Path(explicit).expanduser(), "UPCYCLE_CACHE"
-    elif xdg:
-        path, named = pathlib.Path(xdg).expanduser() / "upcycle", "XDG_CACHE_HOME/upcycle"
-    else:
-        path, named = pathlib.Path.home() / ".cache" / "upcycle", "~/.cache/upcycle"
+    path, named = _cache_location()
     # said at the first use, before any work: a file there would otherwise fail minutes later, at the first write
     if path.exists() and not path.is_dir():
         raise UpcycleError(f"upcycle's cache folder ({named}) is {path}, which is not a folder; point UPCYCLE_CACHE "
