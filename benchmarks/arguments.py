@@ -1,6 +1,7 @@
 """Argument checks the benchmark scripts share, so that a bad argument is one line from argparse (exit 2) before
-any work, as the command line's are: a device torch has here, counts that are whole and positive, an output that
-is a file path (not a folder)."""
+any work, as the command line's are: a device torch has here, counts that are whole and positive, an output file
+or folder that can be written where it is given (`output_file`, `output_folder`: argparse types; every benchmark's
+--out, --work, --json and --results use one, which tests/test_benchmark_arguments.py checks)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,41 @@ def check_positive(parser: argparse.ArgumentParser, **values) -> None:
                 parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
 
-def check_output_file(parser: argparse.ArgumentParser, path: Path) -> None:
-    """An output file path: not a folder or a link (the results are written there, replacing a file)."""
+def _blocked(path: Path) -> str | None:
+    """Why `path` cannot be made: a file, or a link to nothing, on its way (the nearest existing folder above it
+    must be a folder)."""
+    for parent in path.parents:
+        if parent.is_symlink() and not parent.exists():
+            return f"{parent} is a link to nothing"
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is a file, not a folder"
+    return None
+
+
+def output_file(text: str) -> Path:
+    """argparse type of a file a benchmark writes (replacing a file there): not a folder or a link, and with
+    nothing but folders on its way."""
+    path = Path(text).expanduser()
     if path.is_symlink():
-        parser.error(f"--out {path} is a symbolic link; give the real location")
+        raise argparse.ArgumentTypeError(f"{path} is a symbolic link; give the real location")
     if path.is_dir():
-        parser.error(f"--out {path} is a folder; give the JSON file to write (for example {path / 'result.json'})")
+        raise argparse.ArgumentTypeError(f"{path} is a folder; give the JSON file to write (for example "
+                                         f"{path / 'result.json'})")
+    why = _blocked(path)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{path} cannot be written: {why}")
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """argparse type of a folder a benchmark writes into (made when absent): not a file or a link, and with nothing
+    but folders on its way. What may be in it is the benchmark's own rule (`work_folder.claim_work`)."""
+    path = Path(text).expanduser()
+    if path.is_symlink():
+        raise argparse.ArgumentTypeError(f"{path} is a symbolic link; give the real location")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file; give a folder")
+    why = _blocked(path)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{path} cannot be made: {why}")
+    return path

@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "src"))
+from arguments import output_folder  # noqa: E402  (benchmarks/arguments.py)
 from work_folder import note  # noqa: E402  (after src/ is on the path: it reads upcycle's output records)
 
 PY = sys.executable
@@ -278,7 +279,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(ROOT / "out" / "btx"))
+    parser.add_argument("--out", type=output_folder, default=str(ROOT / "out" / "btx"))
     parser.add_argument("--ft-steps", type=int, default=30)
     parser.add_argument("--joint-steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=2e-4)

@@ -32,6 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
+from arguments import output_folder
 from upcycle.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,5 +76,5 @@ def run(work: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-clip-up-study"))
+    parser.add_argument("--work", type=output_folder, default=Path("/tmp/upcycle-clip-up-study"))
     run(parser.parse_args().work)

@@ -37,6 +37,7 @@ import yaml
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score
 
+from arguments import output_file, output_folder
 from upcycle.checkpoint.loading import load_model
 from upcycle.config import ConvertConfig, TrainConfig, to_dict
 from upcycle.config_reader import build, load_recipe, recipe_path
@@ -202,10 +203,10 @@ def main() -> None:
     parser.add_argument("--budgets", default="4096,16384,65536")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--train", default="", help="budgets to train at seed 0 (comma-separated)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-cluster-budget"))
+    parser.add_argument("--work", type=output_folder, default=Path("/tmp/upcycle-cluster-budget"))
     parser.add_argument("--study", type=Path, default=Path("/tmp/upcycle-method-study/study"),
                         help="the method study's folder, whose finished cluster conversions are reused")
-    parser.add_argument("--out", type=Path, default=RESULTS / "cluster_budget.json")
+    parser.add_argument("--out", type=output_file, default=RESULTS / "cluster_budget.json")
     args = parser.parse_args()
     from work_folder import claim_work, clear
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from arguments import output_file
+
 MB = 1024 * 1024
 
 
@@ -106,7 +108,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cluster_convert.json"))
+    parser.add_argument("--out", type=output_file,
+                        default=str(Path(__file__).parent / "results" / "cluster_convert.json"))
     args = parser.parse_args()
     if args.child:
         mode, *rest = args.child

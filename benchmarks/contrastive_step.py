@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from arguments import output_file
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.machine import machine
 from upcycle.training.step import PlainTorch
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--overhead", type=float, default=None, help="chunk overhead in positions (default: the device's)")
-    p.add_argument("--out", type=Path, default=RESULTS / "contrastive_step.json")
+    p.add_argument("--out", type=output_file, default=RESULTS / "contrastive_step.json")
     p.add_argument("--add", action="store_true", help="add these batch sizes to --out's (same device) instead of "
                                                       "replacing the file")
     args = p.parse_args(argv)

@@ -59,6 +59,7 @@ from pathlib import Path
 
 import yaml
 
+from arguments import output_folder
 from upcycle.cli import main
 from upcycle.machine import machine
 from upcycle.training.run_folder import LOG, read_log
@@ -575,7 +576,7 @@ def cli() -> None:
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-contrastive-study"))
+    parser.add_argument("--work", type=output_folder, default=Path("/tmp/upcycle-contrastive-study"))
     parser.add_argument("--methods", default=METHODS, help=f"the MoE rows (default {METHODS}); a part of the "
                         "design, for a short call")
     parser.add_argument("--part", help="pilot, eesd-probe, analyze, seed-S (every part of seed S), or a compare "
@@ -589,7 +590,7 @@ def cli() -> None:
                         help="with --gpu: the long rows (dense, copy, cluster; no EESD) at 10x the GPU budget's pairs "
                              "(results in benchmarks/results/contrastive_study_gpu_long)")
     parser.add_argument("--deadline", type=float, help="--gpu: stop the seeds' processes after this many seconds")
-    parser.add_argument("--results", type=Path, help="where --collect writes (default: benchmarks/results/"
+    parser.add_argument("--results", type=output_folder, help="where --collect writes (default: benchmarks/results/"
                                                       "contrastive_study, or contrastive_study_gpu with --gpu)")
     help_budget = " (default: the CPU or --gpu budget, BUDGETS)"
     parser.add_argument("--steps", type=int, help="training steps of every cell" + help_budget)

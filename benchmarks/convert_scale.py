@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from arguments import output_file
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 GB = 10**9
@@ -230,7 +232,7 @@ def main() -> None:
     parser.add_argument("--cluster-sizes", default="135m,0.5b")
     parser.add_argument("--no-mergekit", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each tool in the mergekit comparison")
-    parser.add_argument("--out", default=str(RESULTS / "convert_scale.json"))
+    parser.add_argument("--out", type=output_file, default=str(RESULTS / "convert_scale.json"))
     a = parser.parse_args()
     work = cache() / "bench-outputs"
     work.mkdir(parents=True, exist_ok=True)

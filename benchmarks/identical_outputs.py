@@ -35,6 +35,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from arguments import output_folder  # noqa: E402  (benchmarks/arguments.py)
 from upcycle.machine import machine as machine_facts  # noqa: E402  (the source tree, as the jobs run it)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def make_sources(base: Path, work: Path) -> list[tuple[Path, Path]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--work", type=Path, default=ROOT / "out" / "identical")
+    parser.add_argument("--work", type=output_folder, default=ROOT / "out" / "identical")
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--rehash", action="store_true", help="hash the work folder's outputs again, run nothing")
     parser.add_argument("--before-work", type=Path, help="with --compare: the work folder of BEFORE, to name the "

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arguments import output_file
 from upcycle.methods.linalg import spherical_assign, spherical_kmeans
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for both (1 by default: stable timings on a shared machine)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kmeans.json"))
+    ap.add_argument("--out", type=output_file, default=str(Path(__file__).parent / "results" / "kmeans.json"))
     args = ap.parse_args()
 
     import faiss  # benchmark-only dependency

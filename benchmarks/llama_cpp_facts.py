@@ -27,6 +27,8 @@ import re
 import tarfile
 from pathlib import Path
 
+from arguments import output_file
+
 ARCHS = ("llama", "qwen2moe", "qwen3moe")           # the archs upcycle writes (src/upcycle/export/gguf.py)
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama_cpp_facts.json"
 
@@ -85,7 +87,7 @@ def shared_gate(qwen2moe_cpp: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sdist", type=Path, help="llama_cpp_python-VERSION.tar.gz")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=output_file, default=OUT)
     args = parser.parse_args()
     digest = hashlib.sha256(args.sdist.read_bytes()).hexdigest()
     with tarfile.open(args.sdist) as archive:

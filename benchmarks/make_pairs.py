@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from arguments import output_folder  # noqa: E402  (benchmarks/arguments.py)
 from upcycle.data.text import wikipedia_dump_path  # noqa: E402
 from upcycle.data.wikimarkup import strip_wiki_markup  # noqa: E402
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wordnet", default="/usr/share/wordnet", help="folder of WordNet 3.0's data.* files")
     parser.add_argument("--license", default=str(WORDNET_LICENSE_SOURCE),
                         help="the wordnet-base package's copyright file (its licence text is copied)")
-    parser.add_argument("--out", default=str(ROOT / "src" / "upcycle" / "data" / "pairs"))
+    parser.add_argument("--out", type=output_folder, default=str(ROOT / "src" / "upcycle" / "data" / "pairs"))
     parser.add_argument("--all-synsets", action="store_true", help="word pairs of every synset (about 7 MB)")
     args = parser.parse_args(argv)
     wordnet, out = Path(args.wordnet), Path(args.out)

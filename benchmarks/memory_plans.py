@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from arguments import output_file
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
@@ -55,11 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--out", type=Path, default=RESULTS / "memory_plans.json")
+    parser.add_argument("--out", type=output_file, default=RESULTS / "memory_plans.json")
     args = parser.parse_args()
-    from arguments import check_output_file
-
-    check_output_file(parser, args.out)
     rows, started = [], time.time()
     for shape in args.shapes:
         total = sum(p.numel() for p in build_meta(shape).parameters())

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from arguments import output_folder  # noqa: E402  (benchmarks/arguments.py)
 from btx_study import SOURCES, machine, merge_mergekit, recipe, timed, write_data  # noqa: E402  (the path first)
 from identical_outputs import perturbed_copy  # noqa: E402
 from work_folder import claim_work, clear  # noqa: E402
@@ -117,7 +118,7 @@ def theirs(out: Path, fts: dict[str, Path]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--work", type=Path, default=ROOT / "out" / "merge-speed")
+    parser.add_argument("--work", type=output_folder, default=ROOT / "out" / "merge-speed")
     parser.add_argument("--forward", type=Path, help=argparse.SUPPRESS)    # the baseline's own process
     args = parser.parse_args()
     if args.forward:

@@ -49,6 +49,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from arguments import output_folder
 from upcycle.cli import main
 from upcycle.training.run_folder import LOG, read_log
 
@@ -104,7 +105,7 @@ def collect(study: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/upcycle-method-study"))
+    parser.add_argument("--work", type=output_folder, default=Path("/tmp/upcycle-method-study"))
     parser.add_argument("--part", choices=list(parts(Path())))
     parser.add_argument("--collect", action="store_true")
     args = parser.parse_args()

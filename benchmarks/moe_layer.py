@@ -37,6 +37,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+from arguments import output_file
 from gpu_profile import profile
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
@@ -193,16 +194,14 @@ def main() -> None:
     parser.add_argument("--autocast", choices=["bf16"], help="run under autocast in this dtype (float32 weights)")
     parser.add_argument("--reps", type=int, default=7, help="at least this many timed repetitions")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="repeat short calls to fill this time")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     parser.add_argument("--profile", type=Path, help="CUDA: also profile each row's fwd+bwd of upcycle and "
                                                      "hf_grouped_mm into this folder (benchmarks/gpu_profile.py)")
     args = parser.parse_args()
-    from arguments import check_device, check_output_file, check_positive
+    from arguments import check_device, check_positive
 
     check_device(parser, args.device)
     check_positive(parser, tokens=args.tokens, reps=args.reps)
-    if args.out is not None:
-        check_output_file(parser, args.out)
     s = Setting(args.device, args.dtype, args.autocast)
     s.profile = args.profile
     default_name = "moe_layer" + ("" if s.device.type == "cpu" else f"_{s.device.type}") + \

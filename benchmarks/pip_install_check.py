@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import output_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TORCH = "torch==2.13.0"           # the CPU build on disk here (the Makefile's pin); pyproject takes any >= 2.6
@@ -126,7 +128,8 @@ def run(work: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, help="folder for the venv and outputs (default: a temporary one, removed)")
+    parser.add_argument("--work", type=output_folder,
+                        help="folder for the venv and outputs (default: a temporary one, removed)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="upcycle-pip-check-"))
     work.mkdir(parents=True, exist_ok=True)

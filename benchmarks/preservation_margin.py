@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arguments import check_output_file  # noqa: E402  (benchmarks/arguments.py)
+from arguments import output_file  # noqa: E402  (benchmarks/arguments.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDING = [(2, "float32"), (1, "float32"), (1, "bfloat16"), (1, "float16")]
@@ -64,9 +64,8 @@ def scaled_block(block: int, scale: float):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "preservation_margin.json")
+    parser.add_argument("--out", type=output_file, default=ROOT / "benchmarks" / "results" / "preservation_margin.json")
     args = parser.parse_args()
-    check_output_file(parser, args.out)
     from upcycle.config import ConvertConfig
     from upcycle.config_reader import build
     from upcycle.machine import machine

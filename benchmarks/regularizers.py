@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from arguments import output_file
+
 ROWS = 256
 
 
@@ -184,7 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "regularizers.json"))
+    parser.add_argument("--out", type=output_file, default=str(Path(__file__).parent / "results" / "regularizers.json"))
     parser.add_argument("--only", choices=["dpsl"], help="rerun only this section, keeping the rest of --out")
     args = parser.parse_args()
     if args.child:

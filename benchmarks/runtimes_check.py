@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arguments import output_file, output_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "runtimes" / "runtimes.json"
 DOCS = ROOT / "docs" / "runtimes.md"
@@ -534,8 +536,8 @@ def write_docs(data: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {list(PARTS)}")
-    parser.add_argument("--work", type=Path, default=ROOT / "out" / "runtimes-check")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=output_folder, default=ROOT / "out" / "runtimes-check")
+    parser.add_argument("--out", type=output_file, default=RESULTS)
     parser.add_argument("--docs", action="store_true", help="only regenerate docs/runtimes.md's table")
     args = parser.parse_args()
     unknown = [part for part in args.only.split(",") if part not in PARTS]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from arguments import output_file
 from upcycle import ConvertConfig, MoEConfig, PlacementConfig, convert
 from upcycle.config import TrainConfig
 from upcycle.config_reader import RECIPES, build, load_recipe
@@ -109,7 +110,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the CI-sized run (not written to results/)")
-    parser.add_argument("--out", type=Path, help="where to write the JSON (default benchmarks/results/)")
+    parser.add_argument("--out", type=output_file, help="where to write the JSON (default benchmarks/results/)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arguments import output_file, output_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHTITAN = "0.3.0"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "In 1984 there were 12,345 apples."]
@@ -48,8 +50,8 @@ def titan_env(cache: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=ROOT / "out" / "runtimes-check" / "torchtitan")
-    parser.add_argument("--json", type=Path, default=None, help="write the result here (default: print it)")
+    parser.add_argument("--work", type=output_folder, default=ROOT / "out" / "runtimes-check" / "torchtitan")
+    parser.add_argument("--json", type=output_file, default=None, help="write the result here (default: print it)")
     args = parser.parse_args()
     import transformers
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from arguments import output_file
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.core.moe import MoELayer, moe_layers
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
@@ -324,16 +325,14 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak bf16 TFLOP/s (default: by GPU name)")
     parser.add_argument("--profile", type=Path, help="also profile two steps of each row into this folder")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
-    from arguments import check_device, check_output_file, check_positive
+    from arguments import check_device, check_positive
 
     check_device(parser, args.device)
     check_positive(parser, steps=args.steps, sequence_length=args.sequence_length,
                    max_micro_batch=args.max_micro_batch, **({"micro_batch": args.micro_batch}
                                                              if args.micro_batch is not None else {}))
-    if args.out is not None:
-        check_output_file(parser, args.out)
     args.dtype = getattr(torch, args.weights)
     device = torch.device(args.device)
     started = time.time()

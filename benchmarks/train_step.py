@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from arguments import output_file
 from gpu_profile import profile
 from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
 from upcycle.conversion.pipeline import upcycle_model
@@ -149,17 +150,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     parser.add_argument("--profile", type=Path, help="also profile two steps of --profile-models into this folder")
     parser.add_argument("--profile-models", nargs="+", default=["dense", "upcycle_every_1", "mixtral_grouped_mm"],
                         choices=MODELS)
     args = parser.parse_args()
-    from arguments import check_device, check_output_file, check_positive
+    from arguments import check_device, check_positive
 
     check_device(parser, args.device)
     check_positive(parser, steps=args.steps, batch_size=args.batch_size, sequence_length=args.sequence_length)
-    if args.out is not None:
-        check_output_file(parser, args.out)
     device = torch.device(args.device)
     started = time.time()
     results = {}

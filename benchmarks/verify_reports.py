@@ -26,6 +26,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import upcycle
+from arguments import output_file
 from upcycle.data.model_names import resolve_model_name
 from upcycle.data.text import wikipedia_split
 
@@ -74,7 +75,7 @@ def verify(folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folders", type=Path, nargs="+")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "verify_reports.json")
+    parser.add_argument("--out", type=output_file, default=Path(__file__).parent / "results" / "verify_reports.json")
     args = parser.parse_args()
     for folder in args.folders:        # each must be an upcycle conversion: it is what the script re-measures
         if not (folder / "upcycle_report.json").is_file() or not (folder / "upcycle_config.json").is_file():

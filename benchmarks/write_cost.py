@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from arguments import output_folder  # noqa: E402  (benchmarks/arguments.py)
 from upcycle.checkpoint.writer import ShardedWriter  # noqa: E402  (the source tree)
 from upcycle.machine import machine  # noqa: E402
 from work_folder import claim_work, clear, note  # noqa: E402  (benchmarks/)
@@ -51,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pause", type=float, default=20.0)
-    parser.add_argument("--work", type=Path, default=ROOT / "out" / "write-cost")
+    parser.add_argument("--work", type=output_folder, default=ROOT / "out" / "write-cost")
     args = parser.parse_args()
     if args.rounds < 1 or not args.pause >= 0:
         parser.error(f"--rounds must be >= 1 and --pause >= 0, got {args.rounds} and {args.pause}")
