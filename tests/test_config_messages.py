@@ -4,6 +4,10 @@ does not parse in `--set` or a recipe, a binary file, a folder or a list given a
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from upcycle.cli import main
 
 
@@ -73,3 +77,27 @@ def test_a_model_config_with_zero_heads_or_nesting_past_the_parser_is_named(tmp_
     assert "config.json: the model's config: invalid JSON (nested too deeply to read)" in err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("vocab_size", 10**12, "base_config.vocab_size is 1000000000000; upcycle takes whole numbers from 1 to"),
+    ("num_hidden_layers", -1, "base_config.num_hidden_layers is -1"),
+    ("num_attention_heads", 0, "base_config.num_attention_heads is 0"),
+    ("rms_norm_eps", -1, "base_config.rms_norm_eps is -1; it must be a finite number above 0"),
+    ("rms_norm_eps", float("nan"), "base_config.rms_norm_eps is nan; it must be a finite number above 0"),
+])
+def test_an_upcycle_folders_base_config_is_range_checked(lm, capsys, key, value, said):
+    """An upcycle folder's base_config is checked as a dense config.json is, before transformers builds from it:
+    a vocabulary of 10^12 was an allocator message, zero heads a modulo by zero, a NaN epsilon a NaN model."""
+    import json
+
+    import upcycle
+    from conftest import fails
+
+    _, moe, _, held = lm
+    config = json.loads((moe / "config.json").read_text())
+    config["base_config"][key] = value
+    (moe / "config.json").write_text(json.dumps(config))          # NaN as JSON's NaN, which Python reads back
+    with pytest.raises(upcycle.UpcycleError, match=re.escape(said)):
+        upcycle.load(moe)
+    fails(capsys, ["eval", str(moe), "--data", str(held), "--tokens", "32", "--quiet"], said)

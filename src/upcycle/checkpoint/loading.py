@@ -32,6 +32,7 @@ from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
 from ..files import read_json_file
 from .agreement import check_dense_checkpoint
+from .config_sizes import check_config_sizes
 from .reader import INDEX_FILE, SINGLE_FILE, check_finite, check_index
 from .sentence_modules import read_sentence_modules
 from .upcycle_format import MOE_CONFIG
@@ -168,31 +169,6 @@ def dense_config(name: str, *, build: bool = True, wanted_by: str = "convert tak
     if build:       # a dry run plans from the config alone
         check_dense_checkpoint(path, config, f"model {name!r}")   # headers, and two tied tensors when both stored
     return path, config
-
-
-# Upper bounds on a config's sizes, far above any real model (Llama 3 405B: 126 blocks, hidden 16,384, FFN 53,248,
-# vocabulary 128,256): a number past them is a typo or a hostile file, refused before a tensor is planned.
-SIZE_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "hidden_size": 2**18, "n_embd": 2**18,
-               "intermediate_size": 2**20, "n_inner": 2**20, "vocab_size": 2**24, "num_attention_heads": 2**14,
-               "n_head": 2**14, "num_key_value_heads": 2**14, "head_dim": 2**16,
-               "max_position_embeddings": 2**26, "n_positions": 2**26, "image_size": 2**16, "patch_size": 2**16,
-               "num_channels": 2**10, "projection_dim": 2**18, "type_vocab_size": 2**16}
-
-
-def check_config_sizes(config, name: str) -> None:
-    """Refuse a config whose sizes no real model has (SIZE_LIMITS), or that are not positive, in any sub-config
-    (CLIP's text and vision configs). `config`: a transformers config, or config.json's mapping as read (checked
-    before transformers builds its config, which divides by some of these: zero heads was a modulo by zero)."""
-    def walk(cfg, where: str) -> None:
-        items = cfg.items() if isinstance(cfg, dict) else vars(cfg).items()
-        for key, value in items:
-            if isinstance(value, dict) or (hasattr(value, "to_dict") and hasattr(value, "model_type")):
-                walk(value, f"{where}{key}.")                                    # a sub-config
-            elif key in SIZE_LIMITS and value is not None:
-                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMITS[key]:
-                    raise UpcycleError(f"model {name!r}: config.json's {where}{key} is {value!r}; upcycle takes "
-                                       f"whole numbers from 1 to {SIZE_LIMITS[key]:,}")
-    walk(config, "")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",

@@ -36,6 +36,7 @@ from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
 from ..files import parse_json, read_json_file
 from .agreement import check_checkpoint
+from .config_sizes import check_config_sizes
 from .folder_type import FOLDER_MODEL_TYPE
 from .reader import CheckpointReader
 from .sentence_modules import write_sentence_modules
@@ -87,6 +88,7 @@ def base_config(path: str | os.PathLike):
     the folder's own: the base type must be one transformers ships."""
     path = Path(path)
     data = _read_json(path / "config.json", "config")
+    check_config_sizes(data, str(path))         # base_config's too: before transformers divides by them
     if data.get("model_type") != FOLDER_MODEL_TYPE:              # format version 1: config.json is the base
         try:
             return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
