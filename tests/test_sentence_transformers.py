@@ -200,3 +200,26 @@ def test_module_files_are_bounded_before_they_are_read(tmp_path, monkeypatch, ca
     with pytest.warns(UserWarning, match=why):
         assert read_sentence_modules(src) is None
     assert time.perf_counter() - started < 30 and "vocab.txt" not in read
+
+
+def test_a_warning_at_the_command_line_is_one_line_without_python_source(tmp_path):
+    """Python's default warning shows `FILE.py:LINE: UserWarning: ...` and then the source line that warned, the
+    last thing a user saw; the command prints the message alone, on one line."""
+    import os
+    import re
+    import subprocess
+
+    from conftest import make_tiny, upcycle_command
+    from test_contrastive import tokenizer
+
+    src = tmp_path / "dense"
+    make_tiny("bert").save_pretrained(src)
+    tokenizer().save_pretrained(src)
+    (src / "modules.json").write_text("[" * 5000 + "]" * 5000)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*upcycle_command(), "convert", str(src), str(tmp_path / "out"), "--num-experts", "2",
+                           "--quiet"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "sentence-transformers modules are not carried" in line]
+    assert len(warned) == 1 and warned[0].startswith("[upcycle] warning: "), done.stderr
+    assert not re.search(r"\.py:\d+: \w*Warning", done.stderr) and "warnings.warn(" not in done.stderr, done.stderr

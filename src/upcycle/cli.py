@@ -12,6 +12,7 @@ import gc
 import importlib
 import signal
 import sys
+import warnings
 from types import ModuleType
 
 from .commands import COMMANDS
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     """The `upcycle` command; returns the exit status."""
     # SIGTERM becomes SystemExit so the atomic writer removes its temporary folder on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    formatted, warnings.formatwarning = warnings.formatwarning, warning_line
     try:
         args = parser(argv).parse_args(argv)
         return command_module(args.command).run(args, argv)
@@ -76,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
               f"finished checkpoint: --resume continues from it); free space or raise the limit and run it again",
               file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = formatted
+
+
+def warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line for the person at the command line: its message (and its kind, when it is not a plain
+    UserWarning), without Python's file name, line number and source line."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"[upcycle] warning{kind}: {' '.join(str(message).split())}\n"
 
 
 def leaving(status: int) -> int:
