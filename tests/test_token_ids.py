@@ -126,3 +126,40 @@ def test_clip_captions_tokenized_past_the_text_embedding_are_refused_at_start_up
                                            r"\[\d+, \d+\] is outside the model's embedding of 8 rows"):
         CLIPTask(cfg, model, tok)
     assert called == []
+
+
+def test_eval_refusals_of_token_ids_name_the_file(tmp_path, capsys):
+    """`upcycle eval` on every task: an id past the embedding is refused naming the data file it came from (the
+    contrastive refusal said "texts to embed", and the causal LM's was not made at all)."""
+    import json
+
+    from conftest import fails
+    from test_contrastive import tokenizer, toy_pairs, write_pairs
+    from upcycle.data.clip_pairs import caption_tokenizer, load_pairs
+
+    llama = make_tiny("llama")
+    llama.save_pretrained(tmp_path / "llama")
+    tok, text = big_vocabulary_tokenizer()
+    tok.save_pretrained(tmp_path / "llama")
+    (tmp_path / "held.txt").write_text(text + "\n")
+    fails(capsys, ["eval", str(tmp_path / "llama"), "--data", str(tmp_path / "held.txt"), "--tokens", "32",
+                   "--sequence-length", "16", "--quiet", "--device", "cpu"],
+          f"held-out text {tmp_path / 'held.txt'} as tokenized: token id")
+
+    bert = make_tiny("bert")
+    bert.resize_token_embeddings(5)
+    bert.save_pretrained(tmp_path / "bert")
+    tokenizer().save_pretrained(tmp_path / "bert")
+    write_pairs(tmp_path / "pairs.jsonl", toy_pairs(16))
+    fails(capsys, ["eval", str(tmp_path / "bert"), "--task", "contrastive", "--data", str(tmp_path / "pairs.jsonl"),
+                   "--sequence-length", "32", "--quiet", "--device", "cpu"],
+          f"the queries of held-out text pairs {tmp_path / 'pairs.jsonl'} as tokenized: token id")
+
+    clip = make_tiny("clip")
+    clip.save_pretrained(tmp_path / "clip")
+    captions = caption_tokenizer(load_pairs("digits").captions + [f"word{i}" for i in range(200)], max_length=16)
+    captions.save_pretrained(tmp_path / "clip")
+    config = json.loads((tmp_path / "clip" / "config.json").read_text())
+    assert captions.vocab_size > config["text_config"]["vocab_size"]
+    fails(capsys, ["eval", str(tmp_path / "clip"), "--quiet", "--device", "cpu"],
+          "held-out captions of digits test split as tokenized: token id")

@@ -35,6 +35,7 @@ class CLIPTask:
         if cfg.eval_data is not None or cfg.data in (None, "digits"):
             self.held = load_pairs(cfg.eval_data if cfg.eval_data is not None else cfg.data, split="heldout",
                                    image_size=self.image_size)
+        self.held_where = f"held-out captions of {cfg.eval_data or cfg.data or 'digits'}"
 
     def encode(self, pairs, where: str = "captions") -> dict[str, torch.Tensor]:
         return {**encode_captions(self.tokenizer, pairs.captions, self.max_length, self.rows, where),
@@ -50,4 +51,4 @@ class CLIPTask:
     def evaluate(self, model: nn.Module) -> dict | None:
         if self.held is None:
             return None
-        return clip_metrics(model, self.tokenizer, self.held, batch_size=256)
+        return clip_metrics(model, self.tokenizer, self.held, batch_size=256, where=self.held_where)

@@ -225,6 +225,7 @@ class ContrastiveTask:
         # the same held-out pairs whatever the run's seed, so that runs and seeds are scored on one set
         keep = sorted(random.Random(0).sample(range(len(held)), min(len(held), cfg.eval_pairs)))
         self.held = held.subset(keep)
+        self.held_where = f"held-out text pairs {cfg.eval_data or cfg.data or '(packaged)'}"
         texts = [t for pair in zip(self.held.queries, self.held.documents, strict=True) for t in pair]
         enc = tokenize(tokenizer, texts[:DIAGNOSTIC_TEXTS], cfg.sequence_length)
         self.eval_rows = (enc["input_ids"], enc["attention_mask"])
@@ -256,7 +257,7 @@ class ContrastiveTask:
         return batch["real_tokens"] if "real_tokens" in batch else int(batch["attention_mask"].sum())
 
     def evaluate(self, model: nn.Module) -> dict | None:
-        return pair_retrieval(model, self.tokenizer, self.held, max_length=self.max_length)
+        return pair_retrieval(model, self.tokenizer, self.held, max_length=self.max_length, where=self.held_where)
 
 
 def evaluate_encoder(model: nn.Module, tokenizer, data: str | None, *, sequence_length: int,
@@ -278,7 +279,8 @@ def evaluate_encoder(model: nn.Module, tokenizer, data: str | None, *, sequence_
     if pairs is not None and pairs < len(held):
         held = held.subset(sorted(random.Random(0).sample(range(len(held)), pairs)))
     return {"data": data or "held-out split of the packaged pairs", "sequence_length": sequence_length,
-            **pair_retrieval(model, tokenizer, held, max_length=sequence_length)}
+            **pair_retrieval(model, tokenizer, held, max_length=sequence_length,
+                             where=f"held-out text pairs {data or '(packaged)'}")}
 
 
 def check_room_for_text(tokenizer, sequence_length: int) -> None:

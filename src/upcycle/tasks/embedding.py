@@ -67,9 +67,10 @@ def tokenize(tokenizer, texts: list[str], max_length: int) -> dict[str, torch.Te
 
 @torch.no_grad()
 def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: int, batch_size: int = 64,
-                ) -> torch.Tensor:
+                where: str = "texts to embed") -> torch.Tensor:
     """Unit-norm sentence embeddings [N, D] (float32, on the CPU), in eval mode. Texts are sorted by length
-    before batching (less padding); the result is in the order given."""
+    before batching (less padding); the result is in the order given. `where`: what the texts are (their file),
+    for the message refusing an id past the embedding."""
     device = next(model.parameters()).device
     rows = embedding_rows(getattr(model, "config", None))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -78,7 +79,7 @@ def embed_texts(model: nn.Module, tokenizer, texts: list[str], *, max_length: in
         for start in range(0, len(texts), batch_size):
             picked = order[start:start + batch_size]
             enc = tokenize(tokenizer, [texts[i] for i in picked], max_length)
-            check_token_ids(enc["input_ids"], rows, "texts to embed, as tokenized")
+            check_token_ids(enc["input_ids"], rows, f"{where} as tokenized")
             # the real tokens' positions read on the host: MoE layers route and compute those alone
             positions = real_positions(enc["attention_mask"]).to(device)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)

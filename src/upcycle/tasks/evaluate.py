@@ -77,8 +77,10 @@ def perplexity(model: nn.Module, input_ids_NS: torch.Tensor, attention_mask_NS: 
 
 
 @torch.no_grad()
-def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256) -> torch.Tensor:
-    """Unit-norm projected caption embeddings [N, P]."""
+def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: int = 256,
+                  where: str = "held-out captions") -> torch.Tensor:
+    """Unit-norm projected caption embeddings [N, P]; `where`: the captions' file, named by a refusal of their
+    tokens."""
     from ..data.clip_pairs import encode_captions
     from ..data.token_ids import embedding_rows
 
@@ -88,8 +90,7 @@ def text_features(model: nn.Module, tokenizer, captions: list[str], batch_size: 
     out = []
     with _bar(len(captions), "caption") as bar:
         for start in range(0, len(captions), batch_size):
-            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length, rows,
-                                  "held-out captions")
+            enc = encode_captions(tokenizer, captions[start:start + batch_size], max_length, rows, where)
             features = model.get_text_features(**{k: v.to(device) for k, v in enc.items()})
             out.append(getattr(features, "pooler_output", features).float())
             bar.update(len(out[-1]))
@@ -123,7 +124,7 @@ def recall_at(scores_QC: torch.Tensor, relevant_QC: torch.Tensor, ks: tuple[int,
 
 @torch.no_grad()
 def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
-                 templates: tuple[str, ...] | None = None) -> dict:
+                 templates: tuple[str, ...] | None = None, where: str = "held-out captions") -> dict:
     """Zero-shot classification (when the pairs have labels) and image<->text retrieval Recall@1/5.
 
     Zero-shot: each class is the mean unit embedding of its prompts (CLIP's prompt ensembling), an image takes
@@ -134,7 +135,7 @@ def clip_metrics(model: nn.Module, tokenizer, pairs, *, batch_size: int = 256,
     """
     with eval_mode(model):
         distinct = sorted(set(pairs.captions))
-        text_CP = text_features(model, tokenizer, distinct, batch_size)
+        text_CP = text_features(model, tokenizer, distinct, batch_size, where)
         image_NP = image_features(model, pairs.images, batch_size)
         index = {caption: i for i, caption in enumerate(distinct)}
         caption_of = torch.tensor([index[c] for c in pairs.captions])
@@ -169,6 +170,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     from ..data.clip_pairs import load_pairs
     from ..data.packing import pack_documents
     from ..data.text import read_texts, wikipedia_split
+    from ..data.token_ids import check_token_ids, embedding_rows
     from ..errors import UpcycleError
 
     if tokens < 1:
@@ -196,7 +198,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
         result["data"] = "digits test split" if source == "digits" else source
         with progress_bars("eval" if progress else None):
             held = load_pairs(source, split="heldout", image_size=model.config.vision_config.image_size)
-            result.update(clip_metrics(model, tokenizer, held))
+            result.update(clip_metrics(model, tokenizer, held, where=f"held-out captions of {result['data']}"))
         return result
     check_sequence_length(model, sequence_length)
     if data is not None and Path(data).is_dir():
@@ -210,6 +212,7 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
     # as much text is tokenized as those rows hold
     rows = held_out_rows(tokens, sequence_length)
     ids, mask = pack_documents(tokenizer, held, sequence_length, max_tokens=rows * sequence_length)
+    check_token_ids(ids, embedding_rows(model.config), f"held-out text {result['data']} as tokenized")
     if ids.shape[0] < rows:
         print(f"[upcycle] the held-out data holds {int(mask.sum()):,} tokens, fewer than the {tokens:,} asked for "
               f"(--tokens): all of it is evaluated", file=sys.stderr)

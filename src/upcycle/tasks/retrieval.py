@@ -62,12 +62,16 @@ def relevance(pairs: TextPairs) -> tuple[list[str], list[str], list[str], torch.
 
 
 @torch.no_grad()
-def pair_retrieval(model: nn.Module, tokenizer, pairs: TextPairs, *, max_length: int, batch_size: int = 64) -> dict:
+def pair_retrieval(model: nn.Module, tokenizer, pairs: TextPairs, *, max_length: int, batch_size: int = 64,
+                   where: str = "text pairs") -> dict:
     """Query->document and document->query Recall@1/5/10 and MRR of the encoder on `pairs`, and the
-    query->document metrics per source (every source's queries against all the documents)."""
+    query->document metrics per source (every source's queries against all the documents). `where`: the pairs'
+    file, named by a refusal of their tokens."""
     queries, documents, sources, relevant_QD = relevance(pairs)
-    query_QE = embed_texts(model, tokenizer, queries, max_length=max_length, batch_size=batch_size)
-    doc_DE = embed_texts(model, tokenizer, documents, max_length=max_length, batch_size=batch_size)
+    query_QE = embed_texts(model, tokenizer, queries, max_length=max_length, batch_size=batch_size,
+                           where=f"the queries of {where}")
+    doc_DE = embed_texts(model, tokenizer, documents, max_length=max_length, batch_size=batch_size,
+                         where=f"the documents of {where}")
     scores_QD = query_QE @ doc_DE.t()
     rank_Q = ranks(scores_QD, relevant_QD)
     per_source = {}
