@@ -176,3 +176,38 @@ def test_plan_shares_everything_but_the_method_and_its_own_keys(setup, tmp_path)
     assert spri.train.train == ("routed",) and copy.train.train == drop.train.train == ("all",)
     assert base.convert is None and base.train.model == str(dense) and base.train.regularizers.eesd == 0.0
     assert not (tmp_path / "study").exists()          # planning writes nothing
+
+
+def test_a_second_invocation_on_cells_a_running_one_holds_is_refused_at_its_start(setup, tmp_path):
+    """Invocations into one OUT on disjoint cells run side by side (one per seed); one whose cells or conversions a
+    running invocation holds is refused when it starts, under a lock on OUT itself, not when it reaches the first
+    conversion the other holds. A record left by a process that is gone holds nothing."""
+    import os
+    import socket
+    import subprocess
+
+    _, dense, recipe = setup
+    out = tmp_path / "study"
+    request = _request(dense, recipe, methods=("copy",), seeds=(0,))
+    compare(request, out, progress=False, stop_after=1)
+    held = subprocess.Popen(["sleep", "60"])           # a running process standing in for another invocation
+    try:
+        record = {"command": "upcycle compare ...", "started": 0.0, "upcycle": "x", "seconds": 0.0,
+                  "process": {"pid": held.pid, "host": socket.gethostname()},
+                  "cells": ["copy-eesd-none-seed-0"], "conversions": ["copy-seed-0"], "ended": None}
+        (out / "invocations" / "1-1.json").write_text(json.dumps(record))
+        cell = out / "cells" / "copy-eesd-none-seed-0" / "run" / "log.jsonl"
+        before = cell.read_text()
+        with pytest.raises(UpcycleError, match=rf"another `upcycle compare` \(process {held.pid} on .*\) is running "
+                                               r"cell copy-eesd-none-seed-0, conversion copy-seed-0 of this one"):
+            compare(request, out, progress=False)
+        assert cell.read_text() == before and len(list((out / "invocations").glob("*.json"))) == 2
+        # another seed's cells are not held: that invocation runs beside it
+        other = compare(_request(dense, recipe, methods=("copy",), seeds=(1,)), out, progress=False, stop_after=1)
+        assert other["interrupted"] is not None
+    finally:
+        held.kill()
+        held.wait()
+    mine = [json.loads(p.read_text()) for p in (out / "invocations").glob("*.json") if p.name != "1-1.json"]
+    assert all(r["process"]["pid"] == os.getpid() and r["ended"] is not None for r in mine)
+    assert compare(request, out, progress=False)["ran"] >= 1          # the holder is gone: its record holds nothing

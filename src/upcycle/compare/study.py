@@ -26,12 +26,12 @@ from ..errors import UpcycleError
 from ..files import read_json_file
 from ..machine import machine
 from ..outputs.claims import claim_output
-from ..outputs.ownership import read_record, record, replaceable, write_marker
-from ..outputs.staging import atomic_write, atomic_write_text, staged_directory
+from ..outputs.ownership import folder_lock, read_record, record, replaceable, write_marker
+from ..outputs.staging import atomic_write, atomic_write_text, process_state, staged_directory
 from ..version import __version__
 from .cell import finished, run_cell, write_json
 from .plan import FORMAT, STUDY, Plan, compare_inputs, make_plan
-from .request import CompareRequest
+from .request import DENSE, CompareRequest
 from .study_figures import write_figures
 from .table import markdown, rows
 from .text_calibration import write_text_calibration
@@ -51,7 +51,8 @@ def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, 
     'out'}. `progress`: the conversion's and the trainer's progress bars. `stop_after`: each cell's training
     stops at that step with a checkpoint (as an interruption would; run again to resume)."""
     plan = make_plan(request, out)
-    # no lock on OUT itself: invocations on disjoint cells may share it; each cell's conversion and run lock theirs
+    # OUT is claimed cell by cell: invocations on disjoint cells may share it (one per seed, say), and one whose
+    # cells or conversions another running invocation holds is refused at its start (`_record_start`)
     with claim_output(plan.out, kind="compare", given=compare_inputs(plan, request), existing="continue",
                       lock=False):
         return _compare(plan, progress=progress, stop_after=stop_after, command=command)
@@ -66,7 +67,8 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
     if theirs:
         raise UpcycleError(f"{plan.out} holds {', '.join(theirs)}, which upcycle did not write or which changed "
                            f"since, and the comparison writes files of those names; move them away")
-    invocation = _record_start(plan, command, started)
+    todo = [c for c in plan.cells if finished(plan, c) is None]
+    invocation = _record_start(plan, command, started, todo)
 
     def say(message: str) -> None:     # the cell lines are printed with or without progress bars
         print(f"[upcycle compare] {message}", file=sys.stderr, flush=True)
@@ -76,7 +78,6 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
     if plan.calibration_texts is not None:
         if write_text_calibration(plan.calibration_texts, plan.model, say):
             written(plan, plan.calibration_texts.path)
-    todo = [c for c in plan.cells if finished(plan, c) is None]
     say(f"{len(plan.cells)} cells ({len(plan.methods)} method(s) + dense, seeds "
         f"{sorted({c.seed for c in plan.cells})}): {len(plan.cells) - len(todo)} finished before (skipped), "
         f"{len(todo)} to run")
@@ -99,25 +100,63 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
             break
         durations.append(time.perf_counter() - cell_started)
         write_outputs(plan, invocation, started)
-    outputs = write_outputs(plan, invocation, started, interrupted=interrupted)
+    outputs = write_outputs(plan, invocation, started, interrupted=interrupted, final=True)
     say(f"wrote {plan.out}: {', '.join(['comparison.json', 'comparison.md', *outputs])} "
         f"({_duration(time.time() - started)})")
     return {"cells": len(plan.cells), "skipped": len(plan.cells) - len(todo), "ran": len(durations),
             "interrupted": interrupted, "out": str(plan.out)}
 
 
-def _record_start(plan: Plan, command: str | None, started: float) -> Path:
+def _record_start(plan: Plan, command: str | None, started: float, todo: list) -> Path:
     """study.json (the folder's model and task, written once) and this invocation's own record under
-    invocations/ (its command and times): one file per invocation, so invocations running at once into the same
-    OUT, on disjoint cells (one per seed, say), do not overwrite each other's record."""
-    if not (plan.out / STUDY).is_file():
-        write_json(plan.out / STUDY, {"format": FORMAT, "version": VERSION, "model": plan.model, "task": plan.task})
-        written(plan, plan.out / STUDY)
+    invocations/ (its command, times, process and the cells and conversions it will write): one file per
+    invocation, so invocations running at once into the same OUT, on disjoint cells (one per seed, say), do not
+    overwrite each other's record. Under a lock on OUT itself, an invocation whose cells or conversions a running
+    one holds is refused here, before it writes anything, not when it reaches the first of them."""
+    import socket
+
+    holds = {"cells": sorted(c.name for c in todo),
+             "conversions": sorted({plan.conversion(c).name for c in todo if c.method != DENSE})}
     invocation = plan.out / "invocations" / f"{int(started * 1000)}-{os.getpid()}.json"
-    invocation.parent.mkdir(exist_ok=True)
-    write_json(invocation, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0})
-    written(plan, invocation)
+    with folder_lock(plan.out):
+        for other, shared in _running_overlaps(plan, holds):
+            raise UpcycleError(f"{plan.out}: another `upcycle compare` ({other}) is running {', '.join(shared[:4])}"
+                               f"{', ...' if len(shared) > 4 else ''} of this one; wait for it, or give cells it "
+                               f"does not run (other --seeds or --methods)")
+        if not (plan.out / STUDY).is_file():
+            write_json(plan.out / STUDY, {"format": FORMAT, "version": VERSION, "model": plan.model,
+                                          "task": plan.task})
+        invocation.parent.mkdir(exist_ok=True)
+        write_json(invocation, {"command": command, "started": started, "upcycle": __version__, "seconds": 0.0,
+                                "process": {"pid": os.getpid(), "host": socket.gethostname()}, **holds,
+                                "ended": None})
+    written(plan, plan.out / STUDY, invocation)
     return invocation
+
+
+def _running_overlaps(plan: Plan, holds: dict) -> list[tuple[str, list[str]]]:
+    """(who, what of `holds` it holds) for each invocation recorded in OUT that is running now (not ended, and its
+    process alive on this host or on another host, which cannot be asked) and holds a cell or a conversion of
+    `holds`."""
+    import socket
+
+    found = []
+    for path in sorted((plan.out / "invocations").glob("*.json")):
+        try:
+            record = read_json_file(path, "invocation record")
+        except UpcycleError:
+            continue
+        process = record.get("process") if isinstance(record, dict) else None
+        if not isinstance(process, dict) or record.get("ended") is not None:
+            continue                # an invocation of an earlier version, or one that ended
+        pid, host = process.get("pid"), process.get("host")
+        if not isinstance(pid, int) or (host == socket.gethostname() and process_state(pid) in ("gone", "mine")):
+            continue
+        shared = [f"cell {n}" for n in holds["cells"] if n in (record.get("cells") or [])] + \
+                 [f"conversion {n}" for n in holds["conversions"] if n in (record.get("conversions") or [])]
+        if shared:
+            found.append((f"process {pid} on {host}", shared))
+    return found
 
 
 # The files a comparison writes under fixed names in OUT (each replaced as the study goes on).
@@ -157,7 +196,8 @@ def finished_cells(out: Path) -> list[dict]:
     return [read_json_file(p, "cell's results") for p in sorted((out / "cells").glob("*/cell.json"))]
 
 
-def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: str | None = None) -> list[str]:
+def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: str | None = None,
+                  final: bool = False) -> list[str]:
     """comparison.json, comparison.md and the figures from every finished cell; the figures' names. Until every
     cell of the plan has finished they say so: `complete` false and the `unfinished` cells in the JSON, a line
     at the top of the table."""
@@ -166,7 +206,8 @@ def write_outputs(plan: Plan, invocation: Path, started: float, *, interrupted: 
     done = {cell.get("name") for cell in cells}
     unfinished = [cell.name for cell in plan.cells if cell.name not in done]
     mine = read_json_file(invocation, "invocation record")
-    write_json(invocation, {**mine, "seconds": round(time.time() - started, 1)})
+    write_json(invocation, {**mine, "seconds": round(time.time() - started, 1),
+                            "ended": time.time() if final else None})
     invocations = sorted((read_json_file(p, "invocation record") for p in (plan.out / "invocations").glob("*.json")),
                          key=lambda i: i["started"])
     # summed: invocations that ran at the same time each count their own wall time

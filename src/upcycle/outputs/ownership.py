@@ -176,12 +176,14 @@ def record(folder: Path, files: Iterable[str] = (), *, appended: Iterable[str] =
     """Add to `folder`'s record the files and folders upcycle just wrote there (with the folders on their way;
     `appended`: files it writes only by appending, by their content so far), and drop those it removed
     (`forget`)."""
-    with _folder_lock(folder):     # processes adding to one output (compare's invocations) take turns
+    with folder_lock(folder):      # processes adding to one output (compare's invocations) take turns
         _record(folder, list(files), list(appended), list(forget))
 
 
 @contextlib.contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
+def folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder` itself (flock on the folder; nothing is written), held while the block runs.
+    Not re-entrant: a block holding it must not call `record` on the same folder."""
     import fcntl
     import os
 
