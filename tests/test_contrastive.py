@@ -339,3 +339,25 @@ def test_a_sequence_length_that_cannot_hold_a_text_is_refused(encoder_pair, tmp_
     with pytest.raises(UpcycleError, match="cannot hold a text"):
         evaluate_encoder(model, tok, str(data), sequence_length=1, pairs=4)
     train(build(TrainConfig, base | {"sequence_length": 3}), tmp_path / "run", progress=False)
+
+
+def test_a_batch_without_a_negative_is_refused_at_start_up_naming_its_step(encoder_pair, tmp_path):
+    """The seeded order of every epoch is known before the first step: a run whose batch at step 16 of 40 has no
+    negative pair is refused before anything is written (it was refused at that step, 15 steps in), naming the
+    step the batch would have come at."""
+    from upcycle.config import TrainConfig
+    from upcycle.config_reader import build
+    from upcycle.training.trainer import train
+
+    _, moe, data = encoder_pair
+    pairs = TextPairs([f"q{i}" for i in range(6)], ["the cat"] * 4 + ["a dog", "the bird"], ["s"] * 6,
+                      [f"d{i}" for i in range(6)])
+    path = tmp_path / "pairs.jsonl"
+    write_pairs(path, pairs)
+    expected = PairBatches(tokenizer(), pairs, 2, 0, 16).first_without_negative(40)
+    assert expected is not None and expected > 0
+    cfg = build(TrainConfig, {"model": str(moe), "data": str(path), "eval_data": str(data), "steps": 40,
+                              "batch_size": 2, "sequence_length": 16, "eval_pairs": 4, "seed": 0})
+    with pytest.raises(UpcycleError, match=rf"the training batch of step {expected + 1} of 40 has no negative pair"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

@@ -117,6 +117,17 @@ class PairBatches(SeededBatches):
             self._epoch = (epoch, order, none)
         return self._epoch[1], self._epoch[2]
 
+    def first_without_negative(self, steps: int, start: int = 0) -> int | None:
+        """The first step from `start` to `steps` whose batch has no negative pair, or None: the order of every
+        epoch is known from the seed, so a run learns it at start-up, not at that step."""
+        for epoch in range(start // self.per_epoch, -(-steps // self.per_epoch)):
+            _, no_negative = self._epoch_plan(epoch)
+            for index in no_negative.nonzero().flatten().tolist():
+                step = epoch * self.per_epoch + index
+                if start <= step < steps:
+                    return step
+        return None
+
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         epoch, index = divmod(step, self.per_epoch)
         order, no_negative = self._epoch_plan(epoch)
@@ -218,6 +229,7 @@ class ContrastiveTask:
         check_sequence_length(model, cfg.sequence_length)
         check_room_for_text(tokenizer, cfg.sequence_length)
         self.tokenizer, self.max_length, self.temperature = tokenizer, cfg.sequence_length, cfg.temperature
+        self.steps = cfg.steps
         train, held = load_text_pairs(cfg.data, cfg.eval_data, max_chars=text_chars(cfg.sequence_length))
         self.train = PairBatches(tokenizer, train, cfg.batch_size, cfg.seed, cfg.sequence_length)
         check_token_ids(self.train.ids_N2L, embedding_rows(model.config),
@@ -240,6 +252,12 @@ class ContrastiveTask:
         if int(self.train.doc_index.max()) < 1:
             raise UpcycleError("every training pair has the same document: InfoNCE has no negative to train "
                                "against; the pair file needs at least two distinct documents")
+        step = self.train.first_without_negative(self.steps)
+        if step is not None:
+            raise UpcycleError(f"the training batch of step {step + 1} of {self.steps} has no negative pair: its "
+                               f"{self.train.batch_size} pairs all share one document or one query, and InfoNCE "
+                               f"would train nothing (the seeded order of every epoch is known now); the pair file "
+                               f"needs more distinct documents, or another seed or batch_size")
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         return pair_loss(model, batch, self.temperature)
