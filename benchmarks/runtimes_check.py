@@ -424,6 +424,24 @@ metric_list:
 """
 
 
+# lm-eval from Python after `import upcycle` (docs/runtimes.md), on the upcycle folder itself: argv is upcycle's
+# src/, the folder, the task folder; prints each item's choices' log-likelihoods and the accuracy as JSON
+LM_EVAL_FROM_PYTHON = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import upcycle  # noqa: F401  (registers upcycle folders with transformers' Auto classes)
+import lm_eval
+from lm_eval.tasks import TaskManager
+
+results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={sys.argv[2]},dtype=float32",
+                                  tasks=["upcycle_local"], task_manager=TaskManager(include_path=sys.argv[3]),
+                                  device="cpu", batch_size=1, log_samples=True)
+samples = sorted(results["samples"]["upcycle_local"], key=lambda s: s["doc_id"])
+print(json.dumps({"acc": results["results"]["upcycle_local"]["acc,none"],
+                  "loglikelihoods": [[float(r[0][0]) for r in s["resps"]] for s in samples]}))
+"""
+
+
 def lm_eval_env(cache: Path) -> Path:
     venv = cache / "runtimes" / f"lm-eval-{LM_EVAL}"
     stamp = venv / "upcycle-built.json"
@@ -493,10 +511,24 @@ def check_lm_eval(work: Path, cache: Path) -> dict:
         diffs.append(max(abs(a - b) for a, b in zip(theirs, ours, strict=True)))
         agree += int(np.argmax(theirs) == np.argmax(ours))
     results = json.loads(next(out.rglob("results_*.json")).read_text())
+    # the upcycle folder itself, through lm-eval's Python API after `import upcycle`
+    script = work / "lm_eval_from_python.py"
+    script.write_text(LM_EVAL_FROM_PYTHON)
+    ran = subprocess.run([str(python), "-I", str(script), str(ROOT / "src"), str(folder), str(task_dir)],
+                         capture_output=True, text=True, env=env, cwd=work)
+    if ran.returncode:
+        raise SystemExit(f"lm-eval from Python on the upcycle folder failed:\n{ran.stderr[-3000:]}")
+    direct = json.loads(ran.stdout.strip().splitlines()[-1])
+    direct_diffs = [abs(a - continuation_loglikelihood(model, tokenizer, LM_EVAL_ITEMS[i][0], " " + c))
+                    for i, theirs in enumerate(direct["loglikelihoods"])
+                    for a, c in zip(theirs, LM_EVAL_ITEMS[i][1], strict=True)]
     return {"lm_eval": LM_EVAL, "model": "hf (MixtralForCausalLM stock export, float32)",
             "items": len(samples), "choices": sum(len(i[1]) for i in LM_EVAL_ITEMS),
             "max_abs_loglikelihood_diff": max(diffs), "same_choice": agree,
-            "acc": results["results"]["upcycle_local"]["acc,none"]}
+            "acc": results["results"]["upcycle_local"]["acc,none"],
+            "upcycle_folder_from_python": {"call": "import upcycle; lm_eval.simple_evaluate(model='hf', "
+                                                   "model_args='pretrained=FOLDER,dtype=float32', ...)",
+                                           "max_abs_loglikelihood_diff": max(direct_diffs), "acc": direct["acc"]}}
 
 
 PARTS = {"llama.cpp": check_llama_cpp, "llama.cpp-converter": check_llama_cpp_converter, "onnx": check_onnx,

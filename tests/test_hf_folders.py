@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,31 @@ def test_dtype_and_loading_info_arguments_are_honoured(tmp_path):
     assert model.dtype == torch.bfloat16 and not any(info.values())
     with pytest.raises(upcycle.UpcycleError, match="quantization_config"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config={"x": 1})
+
+
+def test_the_arguments_lm_eval_passes_load_the_folder_and_only_what_cannot_be_honoured_is_refused(tmp_path):
+    """lm-eval's `hf` model (0.4.13, HFLM._create_model) calls from_pretrained with revision, dtype,
+    trust_remote_code, gguf_file=None, quantization_config=None, subfolder="", device_map={"": device},
+    max_memory=None and offload_folder: the folder loads, the same model; a value upcycle cannot honour (a GGUF
+    file, a quantization, a model split over devices) is refused naming it, and an unknown argument too."""
+    model, x = upcycled("llama"), ids()
+    upcycle.save(model, tmp_path / "m")
+    lm_eval_arguments = dict(revision="main", dtype=torch.float32, trust_remote_code=False, gguf_file=None,
+                             quantization_config=None, subfolder="", device_map={"": "cpu"}, max_memory=None,
+                             offload_folder="./offload")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", **lm_eval_arguments)
+    assert torch.equal(logits(loaded, x), logits(model, x))
+    from upcycle.checkpoint.auto_classes import UpcycleForCausalLM
+
+    # transformers reads a gguf_file's config itself before it reaches upcycle's class: asked of the class
+    with pytest.raises(upcycle.UpcycleError, match=re.escape("cannot honour gguf_file='model.gguf'")):
+        UpcycleForCausalLM.from_pretrained(tmp_path / "m", **{**lm_eval_arguments, "gguf_file": "model.gguf"})
+    for change, said in (({"max_memory": {0: "10GB"}}, "cannot honour max_memory="),
+                         ({"load_in_8bit": True}, "cannot honour load_in_8bit=True"),
+                         ({"device_map": {"model.embed_tokens": "cpu", "lm_head": "cpu"}}, "several devices"),
+                         ({"bogus": 1}, "takes transformers' arguments; not bogus")):
+        with pytest.raises(upcycle.UpcycleError, match=re.escape(said)):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", **{**lm_eval_arguments, **change})
 
 
 CHECK = """

@@ -37,7 +37,17 @@ class UpcycleConfig(PreTrainedConfig):
 # from_pretrained arguments that change nothing for a local upcycle folder (hub arguments are used to fetch it)
 _HUB_ARGUMENTS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 _HARMLESS = ("trust_remote_code", "adapter_kwargs", "_commit_hash", "code_revision", "use_safetensors",
-             "low_cpu_mem_usage", "_from_auto", "_from_pipeline", "attn_implementation")
+             "low_cpu_mem_usage", "_from_auto", "_from_pipeline", "attn_implementation", "offload_folder",
+             "offload_buffers", "weights_only", "resume_download", "mirror", "local_rank")
+# from_pretrained arguments upcycle cannot honour (the whole model loads, checked, on one device): accepted at the
+# values that ask for nothing, which clients pass as defaults (lm-eval's `hf` model passes gguf_file,
+# quantization_config and max_memory as None), refused at any other
+_ONLY_AS_DEFAULT = {"gguf_file": (None,), "quantization_config": (None,), "max_memory": (None,),
+                    "load_in_8bit": (False, None), "load_in_4bit": (False, None), "tp_plan": (None,),
+                    "tp_size": (None,), "device_mesh": (None,), "key_mapping": (None,), "variant": (None,),
+                    "state_dict": (None,), "from_tf": (False,), "from_flax": (False,),
+                    "ignore_mismatched_sizes": (False,), "distributed_config": (None,), "generation_config": (None,),
+                    "offload_state_dict": (False, None), "use_kernels": (False,)}
 
 
 def _names(table: dict) -> set[str]:
@@ -79,10 +89,15 @@ class _UpcycleLoader:
                         device_map=None, output_loading_info: bool = False, **kwargs):
         from .save_load import load
 
-        unknown = sorted(k for k in kwargs if k not in _HUB_ARGUMENTS + _HARMLESS)
+        unknown = sorted(k for k in kwargs if k not in _HUB_ARGUMENTS + _HARMLESS + tuple(_ONLY_AS_DEFAULT))
         if model_args or unknown:
-            raise UpcycleError(f"{cls.auto_class}.from_pretrained of an upcycle folder takes dtype and device_map; "
-                               f"not {', '.join(unknown) or 'positional model arguments'}")
+            raise UpcycleError(f"{cls.auto_class}.from_pretrained of an upcycle folder takes transformers' "
+                               f"arguments; not {', '.join(unknown) or 'positional model arguments'}")
+        asked = [f"{k}={kwargs[k]!r:.60}" for k, fine in _ONLY_AS_DEFAULT.items()
+                 if k in kwargs and not any(kwargs[k] is v or kwargs[k] == v for v in fine)]
+        if asked:
+            raise UpcycleError(f"{cls.auto_class}.from_pretrained of an upcycle folder loads the whole model, "
+                               f"checked, on one device; it cannot honour {', '.join(asked)}")
         if kwargs.get("subfolder"):
             path = Path(path) / kwargs["subfolder"]
         folder = _folder(path, kwargs)
@@ -91,8 +106,11 @@ class _UpcycleLoader:
             raise UpcycleError(f"{folder} holds a {type(model).__name__}, which {cls.auto_class} does not "
                                f"give; load it with upcycle.load(folder)")
         if device_map is not None:
-            if isinstance(device_map, dict):
-                raise UpcycleError("device_map as a dict is not supported for upcycle folders; give one device")
+            if isinstance(device_map, dict):        # {"": device}: the whole model on one device (lm-eval's)
+                if set(device_map) != {""}:
+                    raise UpcycleError("device_map placing parts of the model on several devices is not supported "
+                                       "for upcycle folders; give one device (or {'': device})")
+                device_map = device_map[""]
             device = ("cuda" if torch.cuda.is_available() else "cpu") if device_map == "auto" else device_map
             model = model.to(device)
         if output_loading_info:     # load() refuses anything missing, unexpected or mis-shaped
