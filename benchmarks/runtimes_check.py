@@ -11,13 +11,15 @@
   compared with the upcycle folder loaded by `upcycle.load` and run by transformers. The same source
   distribution gives tests/fixtures/llama_cpp_facts.json (benchmarks/llama_cpp_facts.py), the names and formulas
   the default test run checks without llama.cpp.
-- llama.cpp-converter: the stock Qwen2-MoE export of the copy-upcycled SmolLM2 through llama.cpp's own
-  convert_hf_to_gguf.py (from the same source distribution), then run by llama.cpp as above.
+- llama.cpp-converter: stock exports of the copy-upcycled SmolLM2 (Qwen2-MoE of raw top-k; `auto` and Qwen2-MoE of
+  the default renormalized top-k) through llama.cpp's own convert_hf_to_gguf.py (from the same source
+  distribution), then run by llama.cpp as above.
 - ONNX Runtime: docs/runtimes.md's recipe on a stock Qwen3-MoE export, against transformers.
 - sentence-transformers: `SentenceTransformer(folder)` of a copy-upcycled all-MiniLM-L6-v2 against the dense one,
   and of one converted from a folder sentence-transformers saved itself.
-- lm-eval: its `hf` model scores a stock Mixtral export on a local multiple-choice task (its own environment);
-  every choice's log-likelihood is compared with the upcycle folder's, computed as lm-eval computes it.
+- lm-eval: its `hf` model scores a stock Mixtral export (the `lm_eval` command) and the upcycle folder itself
+  (`simple_evaluate` after `import upcycle`) on a local multiple-choice task (its own environment); every choice's
+  log-likelihood is compared with the upcycle folder's, computed as lm-eval computes it.
 - torchtitan: benchmarks/torchtitan_check.py (its own environment; see there).
 
 Results: benchmarks/results/runtimes/runtimes.json, with every version and the machine. A part that was not run
@@ -271,9 +273,18 @@ def check_llama_cpp(work: Path, cache: Path) -> dict:
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cases": results}
 
 
+# what llama.cpp's requirements-convert_hf_to_gguf.txt adds to torch, transformers and numpy: its llama-arch
+# vocabulary tries SentencePiece first (a missing module is a traceback; a missing tokenizer.model falls back to BPE)
+CONVERTER_DEPS = ("sentencepiece==0.2.3",)
+# runs the converter with its folder and its own dependencies first on the path; argv: deps, folder, script, args
+CONVERTER_LAUNCHER = ("import runpy, sys; deps, folder, script = sys.argv[1:4]; sys.path[:0] = [folder, deps]; "
+                      "sys.argv = [script, *sys.argv[4:]]; runpy.run_path(script, run_name='__main__')")
+
+
 def llama_cpp_converter(sdist: Path, cache: Path) -> Path:
     """llama.cpp's own convert_hf_to_gguf.py (with the gguf-py and conversion packages it imports from beside
-    it) from the llama-cpp-python source distribution, unpacked once under the cache."""
+    it) from the llama-cpp-python source distribution, unpacked once under the cache, with CONVERTER_DEPS
+    installed beside it (in deps/)."""
     import tarfile
 
     root = cache / "runtimes" / f"llama-cpp-converter-{LLAMA_CPP_PYTHON}"
@@ -287,35 +298,54 @@ def llama_cpp_converter(sdist: Path, cache: Path) -> Path:
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(root, members=members, filter="data")
+    stamp = root / "deps" / "upcycle-deps.json"
+    if not stamp.is_file() or json.loads(stamp.read_text()) != list(CONVERTER_DEPS):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(root / "deps"),
+                        *CONVERTER_DEPS], check=True)
+        stamp.write_text(json.dumps(list(CONVERTER_DEPS)))
     return script
 
 
 def check_llama_cpp_converter(work: Path, cache: Path) -> dict:
-    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: the stock Qwen2-MoE export of
-    the copy-upcycled SmolLM2 (tied embeddings; raw top-k, as llama.cpp's qwen2moe computes) through llama.cpp's
-    own convert_hf_to_gguf.py, then loaded and run by llama.cpp against the upcycle folder in transformers."""
+    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: a stock export through
+    llama.cpp's own convert_hf_to_gguf.py, then loaded and run by llama.cpp against the upcycle folder in
+    transformers. Three exports: Qwen2-MoE of the copy-upcycled SmolLM2 with raw top-k (as llama.cpp's qwen2moe
+    computes); `auto` of the default conversion (renormalized top-k, every block), which picks the class llama.cpp
+    reads as transformers does; and that conversion named into Qwen2-MoE, which transformers computes and
+    llama.cpp's qwen2moe does not (the export's `runtimes_note` says so; recorded beside each route)."""
     from upcycle.export.from_folder import export_folder
 
     python, sdist = llama_cpp_env(cache)
     script = llama_cpp_converter(sdist, cache)
-    name = "qwen2moe (copy, raw top-k)"
-    case = CASES[name]
-    folder = case_folder(work, name, case)
-    convert_case(case, folder)
-    stock, gguf_file = work / "converter" / "qwen2moe-stock", work / "converter" / "qwen2moe-f32.gguf"
-    export_folder(folder, stock, export_class="qwen2_moe", format="hf", overwrite=True)
-    gguf_file.parent.mkdir(parents=True, exist_ok=True)
-    # -E -s, run in its own folder: the converter sees neither the user's current directory nor PYTHON* variables
-    # nor user site-packages, and imports its own packages from its folder (-I would hide that folder too)
-    done = subprocess.run([sys.executable, "-E", "-s", str(script), str(stock), "--outfile", str(gguf_file),
-                           "--outtype", "f32"], capture_output=True, text=True, cwd=script.parent)
-    if done.returncode:
-        return {"converter_exit": done.returncode, "converter_error": done.stderr[-2000:]}
-    ran = run_llama_cpp(python, {f"{name} converter-f32": str(gguf_file)}, [], gguf_file.parent)
-    return {"route": "upcycle export --export-class qwen2_moe (hf), then llama.cpp's convert_hf_to_gguf.py "
-                     "--outtype f32", "llama_cpp_python": ran["llama_cpp_python"], "converter_exit": 0,
+    routes = {}
+    for label, name, export_class in (("qwen2_moe of the raw top-k copy", "qwen2moe (copy, raw top-k)", "qwen2_moe"),
+                                      ("auto of the default copy", "llama (mixtral, copy)", "auto"),
+                                      ("qwen2_moe of the default copy", "llama (mixtral, copy)", "qwen2_moe")):
+        case = CASES[name]
+        folder = case_folder(work, name, case)
+        convert_case(case, folder)
+        tag = f"{name.split(' ')[0]}-{export_class}"
+        stock, gguf_file = work / "converter" / f"{tag}-stock", work / "converter" / f"{tag}-f32.gguf"
+        entry = export_folder(folder, stock, export_class=export_class, format="hf", overwrite=True)
+        gguf_file.parent.mkdir(parents=True, exist_ok=True)
+        # -E -s, run in its own folder: the converter sees neither the user's current directory nor PYTHON*
+        # variables nor user site-packages, and imports its own packages from its folder and deps/
+        done = subprocess.run([sys.executable, "-E", "-s", "-c", CONVERTER_LAUNCHER, str(script.parent / "deps"),
+                                str(script.parent), str(script), str(stock), "--outfile", str(gguf_file),
+                                "--outtype", "f32"], capture_output=True, text=True, cwd=script.parent)
+        if done.returncode:
+            routes[label] = {"case": name, "converter_exit": done.returncode, "converter_error": done.stderr[-2000:]}
+            continue
+        ran = run_llama_cpp(python, {f"{name} converter-f32": str(gguf_file)}, [], gguf_file.parent)
+        routes[label] = {
+            "case": name, "export_class_written": entry["class"],
+            "route": f"upcycle export --export-class {export_class} (hf), then llama.cpp's convert_hf_to_gguf.py "
+                     f"--outtype f32",
+            "runtimes_note": entry.get("runtimes_note"), "llama_cpp_python": ran["llama_cpp_python"],
+            "converter_exit": 0,
             "stock_config_tie_word_embeddings": json.loads((stock / "config.json").read_text())["tie_word_embeddings"],
-            "case": name, "file": compare(reference(folder), ran["files"][f"{name} converter-f32"], gguf_file.parent)}
+            "file": compare(reference(folder), ran["files"][f"{name} converter-f32"], gguf_file.parent)}
+    return {"routes": routes}
 
 
 def check_onnx(work: Path) -> dict:

@@ -170,8 +170,8 @@ def test_raw_topk_weights_and_any_placement(tmp_path):
 
 def test_granular_exports_with_its_fold_in_the_weights(tmp_path):
     make_tiny("llama").save_pretrained(tmp_path / "m")
-    result = convert(cfg(tmp_path / "m", method="granular", method_args={"granularity": 2}), tmp_path / "out",
-                     progress=False)
+    result = convert(cfg(tmp_path / "m", method="granular", method_args={"granularity": 2}, export_class="qwen2_moe"),
+                     tmp_path / "out", progress=False)
     report = result.report.to_dict()
     assert report["folded_scales"] and report["export"]["class"] == "Qwen2MoeForCausalLM"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["moe_intermediate_size"] == 32
@@ -197,7 +197,7 @@ def test_no_shared_expert_loads_without_warnings_and_stays_zero_under_training(t
     SHARED_GATE (nonzero for llama.cpp's silu(z)/z). Its output and every gradient of it and of its gate are
     exactly zero, so training leaves it a no-op."""
     make_tiny("llama").save_pretrained(tmp_path / "m")
-    result = convert(cfg(tmp_path / "m", method="drop"), tmp_path / "out", progress=False)
+    result = convert(cfg(tmp_path / "m", method="drop", export_class="qwen2_moe"), tmp_path / "out", progress=False)
     recwarn.clear()
     stock = stock_logits_match(tmp_path / "out", result.model).train()
     assert not [w for w in recwarn if "zero-element" in str(w.message)]
@@ -254,3 +254,26 @@ def test_a_tied_source_exports_to_qwen2_moe_with_its_own_head(tmp_path, streamin
     assert stock.lm_head.weight.data_ptr() != stock.model.embed_tokens.weight.data_ptr()
     convert(cfg(tmp_path / "dense", export_class="mixtral"), tmp_path / "mixtral", progress=False)
     assert json.loads((tmp_path / "mixtral" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_auto_picks_a_class_llama_cpp_reads_as_transformers_does_and_a_named_one_says_where_it_does_not(tmp_path,
+                                                                                                           capsys):
+    """Renormalized top-k (the default) on every block: Qwen2-MoE computes it in transformers, but llama.cpp's
+    qwen2moe (through its own convert_hf_to_gguf.py too) never renormalizes, so `auto` writes Mixtral, which
+    llama.cpp's llama arch reads the same way. Named, or where Mixtral cannot express the model (dense blocks
+    between), Qwen2-MoE is written and the report and stderr say what llama.cpp computes and the route that works;
+    raw top-k is Qwen2-MoE's own reading, with no note."""
+    make_tiny("llama").save_pretrained(tmp_path / "m")
+    every = convert(cfg(tmp_path / "m"), tmp_path / "every", progress=False).report.to_dict()["export"]
+    assert every["class"] == "MixtralForCausalLM" and "runtimes_note" not in every
+    for name, extra in (("named", {"export_class": "qwen2_moe"}), ("half", {"placement": {"every": 2}})):
+        capsys.readouterr()
+        entry = convert(cfg(tmp_path / "m", **extra), tmp_path / name, progress=False).report.to_dict()["export"]
+        assert entry["class"] == "Qwen2MoeForCausalLM", name
+        note = entry["runtimes_note"]
+        assert "llama.cpp's qwen2moe uses top-k weights raw where this model renormalizes them" in note
+        assert "--export-class mixtral" in note and "--set moe.normalize_topk=false" in note
+        assert f"[upcycle] note: {note}" in capsys.readouterr().err
+    raw = convert(cfg(tmp_path / "m", moe={"num_experts": 4, "top_k": 2, "normalize_topk": False}), tmp_path / "raw",
+                  progress=False).report.to_dict()["export"]
+    assert raw["class"] == "Qwen2MoeForCausalLM" and "runtimes_note" not in raw

@@ -58,17 +58,29 @@ def test_llama_cpp_ran_every_type_of_every_arch_and_pre_tokenizer_upcycle_writes
     assert seen_pre == set(PRE_TOKENIZERS.values())          # each pre-tokenizer name upcycle writes, in llama.cpp
 
 
-def test_llama_cpps_own_converter_route_loads_a_qwen2_moe_export():
-    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: the stock Qwen2-MoE export
-    of a tied-embedding model (exported untied), through llama.cpp's convert_hf_to_gguf.py, loads and computes in
-    llama.cpp as the upcycle folder does in transformers (the committed run; the bound is the f32 file of upcycle's
-    own writer with llama.cpp's F16 KV cache, 0.070 on logits of scale 33, with 50 % margin)."""
-    part = json.loads(RESULTS.read_text())["parts"]["llama.cpp-converter"]
-    assert part["converter_exit"] == 0 and part["stock_config_tie_word_embeddings"] is False
-    result = part["file"]
-    assert result["loaded"] and result["all_finite"] and result["tokenization_identical"]
-    assert result["metadata"]["general.architecture"] == "qwen2moe"
-    assert result["greedy_identical"] == len(result["prompts"]) and result["max_abs_logit_diff"] < 0.105
+def test_llama_cpps_own_converter_route_computes_what_the_export_says():
+    """The route docs/runtimes.md gives for tokenizers upcycle's GGUF writer refuses: a stock export through
+    llama.cpp's convert_hf_to_gguf.py (the committed run). The Qwen2-MoE export of the raw top-k conversion (tied
+    embeddings, exported untied) and the `auto` export of the default conversion (Mixtral) load and compute in
+    llama.cpp as the upcycle folder does in transformers (the bound: the f32 file of upcycle's own writer with
+    llama.cpp's F16 KV cache, 0.070 on logits of scale 33, with 50 % margin), with no note; the default conversion
+    named into Qwen2-MoE is what llama.cpp computes otherwise, and its export said so."""
+    routes = json.loads(RESULTS.read_text())["parts"]["llama.cpp-converter"]["routes"]
+    for label, arch, written in (("qwen2_moe of the raw top-k copy", "qwen2moe", "Qwen2MoeForCausalLM"),
+                                 ("auto of the default copy", "llama", "MixtralForCausalLM"),
+                                 ("qwen2_moe of the default copy", "qwen2moe", "Qwen2MoeForCausalLM")):
+        route = routes[label]
+        result = route["file"]
+        assert route["converter_exit"] == 0 and route["export_class_written"] == written, label
+        assert result["loaded"] and result["all_finite"] and result["tokenization_identical"], label
+        assert result["metadata"]["general.architecture"] == arch, label
+        if label == "qwen2_moe of the default copy":
+            assert "llama.cpp's qwen2moe uses top-k weights raw" in route["runtimes_note"]
+            assert result["greedy_identical"] < len(result["prompts"]) and result["max_abs_logit_diff"] > 1
+        else:
+            assert route["runtimes_note"] is None, label
+            assert result["greedy_identical"] == len(result["prompts"]) and result["max_abs_logit_diff"] < 0.105
+    assert routes["qwen2_moe of the raw top-k copy"]["stock_config_tie_word_embeddings"] is False
 
 
 def test_the_facts_reader_parses_llama_cpps_source(tmp_path, monkeypatch):

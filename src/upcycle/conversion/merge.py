@@ -196,7 +196,10 @@ class MergedSource(StreamedBlocks):
         check = ({"checked": False, "why_not": self.why_not_checked} if self.ours is None else
                  check_stock_folder(self.directory, self.ours.output(), probe,
                                     self.cfg.check.export_tolerance, self.family.outputs))
-        self.export_info = export_entry(self.stock, streamed=True, check=check)
+        from ..export.layout import runtimes_note
+
+        self.export_info = export_entry(self.stock, streamed=True, check=check,
+                                        runtimes_note=runtimes_note(planned, self.stock))
         return planned
 
     def record(self, layers: list[LayerEntry]) -> dict:

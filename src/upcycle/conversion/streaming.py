@@ -275,13 +275,14 @@ def _written(directory: Path, planned: nn.Module, stock: StockClass | None, why_
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     if stock is None:
         return export_entry(None, why_not, streamed=True, files=files)
-    from ..export.layout import folded_scales
+    from ..export.layout import folded_scales, runtimes_note
     from ..files import read_json_file
 
     config = read_json_file(directory / "config.json", "written config")
     return export_entry(stock, folded_scales=folded_scales(planned, stock),
                         dense_layers=config.get("mlp_only_layers", []), streamed=True, files=files,
-                        checked_against="the dense model" if end_to_end else None)
+                        checked_against="the dense model" if end_to_end else None,
+                        runtimes_note=runtimes_note(planned, stock))
 
 
 def stream_source(cfg: ConvertConfig, path: str, config) -> StreamSource | None:

@@ -30,11 +30,12 @@ from .gguf_vocab import gguf_vocab
 from .layout import export_config, export_state_dict
 from .protocol import StockClass
 from .qwen2_moe import SHARED_GATE
+from .registry import STOCK_CLASSES
 
 # stock class -> llama.cpp arch
-ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCHS = {c.name: c.llama_cpp_arch for c in STOCK_CLASSES.values()}
 # whether llama.cpp's graph for the arch renormalizes the top-k weights (qwen2moe.cpp passes norm_w = false)
-RENORMALIZES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+RENORMALIZES = {c.llama_cpp_arch: c.llama_cpp_renormalizes for c in STOCK_CLASSES.values()}
 # what a conversion for qwen2moe gives up: with raw top-k weights the selected experts' weights sum to less than 1,
 # so a function-preserving method (copy; cluster, drop and spri at their preserving settings) no longer is
 RAW_TOPK = ("which changes the function: the raw top-k weights sum to less than 1, so no method preserves the dense "

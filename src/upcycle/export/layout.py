@@ -18,6 +18,7 @@ whatever their value (ALWAYS_WRITTEN), among them the ones 4.x and 5.x read unde
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -43,8 +44,9 @@ ALWAYS_WRITTEN = frozenset({
 
 
 def export_target(model: nn.Module, export_class: str = "auto") -> StockClass:
-    """The stock class this upcycled model exports to (`auto`: the first registered one for its type), or an
-    UpcycleError that says why none fits."""
+    """The stock class this upcycled model exports to, or an UpcycleError that says why none fits. `auto`: of the
+    registered classes for its type that can express it, the first that llama.cpp reads as transformers does
+    (`runtimes_note` is None), else the first (its note then says which route works)."""
     source = model.config.model_type
     allowed = [c for c in STOCK_CLASSES.values() if source in c.sources]
     if export_class != "auto" and export_class not in STOCK_CLASSES:
@@ -52,9 +54,51 @@ def export_target(model: nn.Module, export_class: str = "auto") -> StockClass:
     if not allowed:
         raise UpcycleError(f"no stock transformers MoE class computes a {source!r} model's function "
                            "(stock MoE classes are Llama-style decoders); the upcycle format is the output")
-    wanted = STOCK_CLASSES[export_class] if export_class != "auto" else allowed[0]
-    if wanted not in allowed:
-        raise UpcycleError(f"a {source} source exports to {sorted(c.name for c in allowed)}, not {wanted.name}")
+    if export_class != "auto":
+        wanted = STOCK_CLASSES[export_class]
+        if wanted not in allowed:
+            raise UpcycleError(f"a {source} source exports to {sorted(c.name for c in allowed)}, not {wanted.name}")
+        _check_fits(model, wanted)
+        return wanted
+    fitting, first_error = [], None
+    for candidate in allowed:
+        try:
+            _check_fits(model, candidate)
+        except UpcycleError as e:
+            first_error = first_error or e
+            continue
+        fitting.append(candidate)
+    if not fitting:
+        raise first_error
+    return next((c for c in fitting if runtimes_note(model, c) is None), fitting[0])
+
+
+def runtimes_note(model: nn.Module, target: StockClass) -> str | None:
+    """What llama.cpp (a recommended runtime, through its own convert_hf_to_gguf.py or upcycle's GGUF writer)
+    computes otherwise than transformers for `model` written as `target`, and the route that works; None when it
+    reads the class as transformers does. Today: whether the top-k weights are renormalized (llama.cpp's qwen2moe
+    never renormalizes, whatever norm_topk_prob says; its llama and qwen3moe always do)."""
+    layers = moe_layers(model)
+    if not layers or not target.llama_cpp_arch:
+        return None
+    renormalized = next(iter(layers.values())).normalize_topk
+    if renormalized == target.llama_cpp_renormalizes:
+        return None
+    others = [c.name for c in STOCK_CLASSES.values() if model.config.model_type in c.sources
+              and c.llama_cpp_renormalizes == renormalized and c is not target]
+    route = (f"export with --export-class {' or '.join(others)} (which needs every block MoE)" if others else
+             "no stock class of this source is read that way by llama.cpp")
+    fix = "--set moe.normalize_topk=false" if renormalized else "--set moe.normalize_topk=true"
+    return (f"{target.architecture} computes this model in transformers, but llama.cpp's {target.llama_cpp_arch} "
+            f"{'uses top-k weights raw' if target.llama_cpp_renormalizes is False else 'renormalizes top-k weights'}"
+            f" where this model {'renormalizes them' if renormalized else 'uses them raw'}, so a GGUF file made of "
+            f"it (convert_hf_to_gguf.py or upcycle export --format gguf) computes another function. For llama.cpp: "
+            f"{route}, or convert with {fix}")
+
+
+def _check_fits(model: nn.Module, wanted: StockClass) -> None:
+    """An UpcycleError saying why `wanted` cannot express the upcycled model; nothing when it can."""
+    source = model.config.model_type
     layers = moe_layers(model)
     if not layers:
         raise UpcycleError("the model has no MoE layer to export")
@@ -82,7 +126,6 @@ def export_target(model: nn.Module, export_class: str = "auto") -> StockClass:
         raise UpcycleError("the source's attention has output biases, which the stock MoE classes lack")
     if getattr(model.config, "mlp_bias", False):
         raise UpcycleError("the source's dense MLPs have biases, which the stock MoE classes lack")
-    return wanted
 
 
 def _block_index(name: str) -> int:
@@ -208,5 +251,5 @@ def choose_export(model: nn.Module, cfg) -> tuple[StockClass | None, str | None]
             raise
         from tqdm.auto import tqdm
 
-        tqdm.write(f"[upcycle] not exported to a stock class: {e}")
+        tqdm.write(f"[upcycle] not exported to a stock class: {e}", file=sys.stderr)
         return None, str(e)

@@ -19,4 +19,4 @@ class Mixtral(StockClass):
 
 
 CLASS = Mixtral("mixtral", "MixtralForCausalLM", "MixtralConfig", sources=("llama", "mistral"),
-                expert_keys=("w1", "w3", "w2"), every_block=True, always_renormalizes=True)
+                expert_keys=("w1", "w3", "w2"), every_block=True, always_renormalizes=True, llama_cpp_arch="llama")

@@ -30,6 +30,10 @@ class StockClass:
     always_renormalizes: bool = False  # top-k weights always renormalized (no raw-weight option)
     model_type: str = ""              # the config.json model_type written (default: `name`)
     untied_head: bool = False         # the LM head written as its own tensor even when the source ties it
+    # how llama.cpp reads the class: its arch (what convert_hf_to_gguf.py and upcycle's GGUF writer write), and
+    # whether that arch's graph renormalizes the top-k weights whatever the config says (qwen2moe never does)
+    llama_cpp_arch: str = ""
+    llama_cpp_renormalizes: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_type:
@@ -61,10 +65,19 @@ class StockClass:
         return {}
 
 
-def export_entry(stock: StockClass | None, why_not_hf: str | None = None, **facts) -> dict:
+def export_entry(stock: StockClass | None, why_not_hf: str | None = None, *, runtimes_note: str | None = None,
+                 **facts) -> dict:
     """A conversion report's `export` entry, the one place it is made: the upcycle format (with why no stock class
     fitted, when `export: hf` found none) or the stock class written, and what the writing path adds (whether it
-    streamed, the files, how the stock folder was checked)."""
+    streamed, the files, how the stock folder was checked). `runtimes_note` (`layout.runtimes_note`): what a
+    recommended runtime reads otherwise than transformers, said on stderr too."""
     if stock is None:
         return {"format": "upcycle", **facts} | ({"why_not_hf": why_not_hf} if why_not_hf else {})
-    return {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, **facts}
+    if runtimes_note:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"[upcycle] note: {runtimes_note}", file=sys.stderr)
+    return {"format": "hf", "class": stock.architecture, "model_type": stock.model_type, **facts} | \
+        ({"runtimes_note": runtimes_note} if runtimes_note else {})

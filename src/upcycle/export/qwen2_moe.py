@@ -71,4 +71,4 @@ class Qwen2Moe(StockClass):
 # out while its qwen2moe graph requires `output.weight`: a tied source's export is written untied (the head a copy
 # of the embeddings, the same function) so that the converter's file loads
 CLASS = Qwen2Moe("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", sources=("llama", "mistral", "qwen2"),
-                 shared_experts=True, untied_head=True)
+                 shared_experts=True, untied_head=True, llama_cpp_arch="qwen2moe", llama_cpp_renormalizes=False)

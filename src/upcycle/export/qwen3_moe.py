@@ -22,4 +22,4 @@ class Qwen3Moe(StockClass):
         return {**sparse_layout(model, moe_blocks), "attention_bias": bool(source.get("attention_bias", False))}
 
 
-CLASS = Qwen3Moe("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", sources=("qwen3",))
+CLASS = Qwen3Moe("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", sources=("qwen3",), llama_cpp_arch="qwen3moe")

@@ -21,7 +21,7 @@ from ..checkpoint.skeleton import output_bytes, tensor_specs
 from ..core.modes import eval_mode
 from ..errors import UpcycleError
 from ..probe import Probe, ProbeOutput, compare, input_device, stock_probe_output
-from .layout import export_state_dict, export_target, write_stock_configs
+from .layout import export_state_dict, export_target, runtimes_note, write_stock_configs
 from .protocol import export_entry
 
 
@@ -40,7 +40,7 @@ def export_hf(model: nn.Module, directory: str | Path, *, input_ids: torch.Tenso
         raise UpcycleError(f"the exported {target.architecture} differs from the upcycled model by {diff:.3g} "
                            f"> tolerance {tolerance:g}; nothing was written")
     return export_entry(target, folded_scales=folded, dense_layers=config.get("mlp_only_layers", []),
-                        max_abs_logit_diff_vs_upcycle=diff)
+                        max_abs_logit_diff_vs_upcycle=diff, runtimes_note=runtimes_note(model, target))
 
 
 @torch.no_grad()
