@@ -73,7 +73,7 @@ def sync(device: torch.device) -> None:
 def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
     from upcycle.tasks.contrastive import chunk_overhead, lay_out_pairs, pair_loss
     from upcycle.training.batches_ahead import BatchesAhead
-    from upcycle.training.objective import Objective
+    from upcycle.training.loss.objective import Objective
     from upcycle.training.optimizer import make_optimizer
     from upcycle.training.step import train_step
 

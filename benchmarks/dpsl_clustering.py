@@ -20,11 +20,12 @@ with the codes computed without gradient in one of two ways (`TARGETS`):
   swap      the other view's own assignment, softmax(logits / 0.5) (sharpened, no equipartition): nothing in
             the objective stops every point going to one cluster
 
-DPSL (the project's own `upcycle.training.dpsl.dpsl`, docs/methods.md §4.4) is added on the assignment probabilities of
-both views, [2B, K], against a symmetric Dir(alpha), alpha = 1 by default: L = L_swap + lambda * L_DPS, during a
-window [start, end) of the training steps. The paper's recipe, "late in training, lambda = 0.01", is read here
-as lambda = 0.01 over the last quarter of the steps (where "late" starts is our choice); `CONFIGS` adds the
-stronger weights and longer windows that do change the outcome. Every run is reported with its schedule.
+DPSL (the project's own `upcycle.training.loss.dpsl.dpsl`, docs/methods.md §4.4) is added on the assignment
+probabilities of both views, [2B, K], against a symmetric Dir(alpha), alpha = 1 by default:
+L = L_swap + lambda * L_DPS, during a window [start, end) of the training steps. The paper's recipe, "late in
+training, lambda = 0.01", is read here as lambda = 0.01 over the last quarter of the steps (where "late" starts
+is our choice); `CONFIGS` adds the stronger weights and longer windows that do change the outcome. Every run is
+reported with its schedule.
 
 Metric: clustering accuracy of argmax p on the clean points, after matching predicted to true clusters
 one-to-one (Hungarian, scipy.optimize.linear_sum_assignment). k-means (scipy.cluster.vq.kmeans2, best of 10
@@ -47,7 +48,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from upcycle.training.dpsl import dpsl
+from upcycle.training.loss.dpsl import dpsl
 
 RESULTS = Path(__file__).parent / "results"
 K = 3
@@ -290,7 +291,7 @@ def main() -> None:
                     "batch": args.batch, "optimizer": "Adam", "lr": Setting().lr, "augmentation_sigma": AUG_SIGMA,
                     "head": "MLP 2-64-64-16, L2-normalized, K unit-norm prototypes, tau 0.1",
                     "sinkhorn": {"eps": 0.05, "iterations": 3}, "swap_target_temperature": 0.5,
-                    "dpsl": {"loss": "upcycle.training.dpsl.dpsl", "alpha": Setting().dpsl_alpha,
+                    "dpsl": {"loss": "upcycle.training.loss.dpsl.dpsl", "alpha": Setting().dpsl_alpha,
                              "on": "softmax probabilities of both views, [2B, K]"},
                     "regimes": {r: asdict(v) for r, v in REGIMES.items()},
                     "configs": {c: {"targets": t, "dpsl_lambda": lam, "dpsl_window": [a, b]}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from upcycle.training.dpsl import dpsl
+from upcycle.training.loss.dpsl import dpsl
 
 RESULTS = Path(__file__).parent / "results"
 

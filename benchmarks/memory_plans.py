@@ -27,7 +27,7 @@ from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainC
 from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
 from upcycle.machine import machine
-from upcycle.training.memory_plan import Layout, plan_memory
+from upcycle.training.memory.plan import Layout, plan_memory
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocabulary, tied

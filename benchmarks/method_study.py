@@ -51,7 +51,8 @@ from pathlib import Path
 
 from arguments import output_folder
 from upcycle.cli import main
-from upcycle.training.run_folder import LOG, read_log
+from upcycle.runs.layout import LOG
+from upcycle.runs.log import read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "method_study"

@@ -59,8 +59,8 @@ def machine() -> dict:
 
 def time_dpsl(tokens: int = 73_728, experts: int = 16, reps: int = 7) -> dict:
     """dpsl forward + backward per (alpha, backend), repetitions interleaved across the backends."""
-    import upcycle.training.dpsl as module
-    from upcycle.training.dpsl import dpsl
+    import upcycle.training.loss.dpsl as module
+    from upcycle.training.loss.dpsl import dpsl
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, experts, generator=g).requires_grad_(True)
@@ -94,7 +94,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.conversion.pipeline import upcycle_model
     from upcycle.core.moe import moe_layers
     from upcycle.data.text import wikipedia_split
-    from upcycle.training.objective import Objective
+    from upcycle.training.loss.objective import Objective
     from upcycle.training.step import train_step
 
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def child(mode: str, tokens: int, steps: int) -> dict:
 
     clock = {"teacher": 0.0, "moe_forward": 0.0}
     if reg.teacher is not None:
-        import upcycle.training.teacher as teacher_module
+        import upcycle.training.loss.teacher as teacher_module
         original = teacher_module.ensemble_output
 
         def timed(*args, **kwargs):
@@ -151,7 +151,7 @@ def uncertain_share(model, teacher, batch: dict, fraction: float = 0.25) -> dict
     against the all-expert ensemble) carried by the `fraction` of tokens with the highest routing entropy,
     against `fraction` (what a random subset carries on average), mean over MoE layers."""
     from upcycle.core.moe import moe_layers
-    from upcycle.training.teacher import ensemble_output
+    from upcycle.training.loss.teacher import ensemble_output
 
     teacher.enabled = False
     seen, shares = {}, []

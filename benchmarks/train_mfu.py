@@ -24,7 +24,7 @@ MFU = tokens/s x FLOPs per token / the device's peak bf16 FLOP/s, with FLOPs per
 PaLM count them: 6 x the active non-embedding parameters, the output head included, + 12 x layers x heads x head
 dim x sequence length for attention (`flops_per_token`; checked against torch.utils.flop_counter on a tiny model
 in tests/test_train_mfu.py). Peak memory is torch.cuda.max_memory_allocated over the training steps (on the CPU,
-the live tensors of `upcycle.training.peak_memory`) beside the plan's peak for the same run.
+the live tensors of `upcycle.training.memory.peak`) beside the plan's peak for the same run.
 
     python benchmarks/train_mfu.py --device cuda --preset smollm2-1.7b --out OUT/train_mfu.json
     python benchmarks/train_mfu.py --device cpu --preset tiny --micro-batch 2 --sequence-length 64 --steps 2
@@ -149,7 +149,7 @@ def peak_flops(device: torch.device, given: float | None) -> float | None:
 
 
 def plan_for(name: str, args, cfg: TrainConfig, layout):
-    from upcycle.training.memory_plan import plan_memory
+    from upcycle.training.memory.plan import plan_memory
 
     return plan_memory(cfg, layout, detail=False,
                        build=lambda dtype: build(name, args.preset, dtype or args.dtype, weights=False))
@@ -185,10 +185,10 @@ def run_config(args, micro: int) -> TrainConfig:
 def run(name: str, args, device: torch.device) -> dict:
     import gc
 
-    from upcycle.training.accelerator import make_accelerator, prepare
     from upcycle.training.freezing import Freezer
-    from upcycle.training.memory_plan import Layout, local_layout
-    from upcycle.training.peak_memory import measure_peak
+    from upcycle.training.memory.peak import measure_peak
+    from upcycle.training.memory.plan import Layout, local_layout
+    from upcycle.training.parallel.accelerator import make_accelerator, prepare
     from upcycle.training.step import train_step
 
     gc.collect()                 # the previous row's model (Accelerate's wrapped forward keeps it in a cycle)

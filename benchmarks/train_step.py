@@ -38,7 +38,7 @@ from upcycle.config import ConvertConfig, MoEConfig, PlacementConfig, Regularize
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.preservation import count_parameters
 from upcycle.machine import machine
-from upcycle.training.objective import Objective
+from upcycle.training.loss.objective import Objective
 from upcycle.training.optimizer import make_optimizer
 from upcycle.training.step import train_step
 

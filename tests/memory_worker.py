@@ -13,10 +13,10 @@ from upcycle.checkpoint.loading import load_model
 from upcycle.config import TrainConfig
 from upcycle.config_reader import build
 from upcycle.tasks.make import make_task
-from upcycle.training.accelerator import make_accelerator, prepare
 from upcycle.training.freezing import Freezer
-from upcycle.training.memory_plan import plan_memory
-from upcycle.training.peak_memory import measure_peak
+from upcycle.training.memory.peak import measure_peak
+from upcycle.training.memory.plan import plan_memory
+from upcycle.training.parallel.accelerator import make_accelerator, prepare
 from upcycle.training.step import micro_batches, train_step
 
 

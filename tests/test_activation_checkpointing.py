@@ -1,5 +1,5 @@
-"""Activation checkpointing (`activation_checkpointing: full | moe`, `upcycle.training.recompute`): for each task
-(causal LM, CLIP, the contrastive pair task) the losses and every gradient equal those without it, and what counts
+"""Activation checkpointing (`activation_checkpointing: full | moe`, `upcycle.training.parallel.recompute`): for each
+task (causal LM, CLIP, the contrastive pair task) the losses and every gradient equal those without it, and what counts
 a forward counts the real one once: the router losses (read from the routing records), the aux-free balancer's
 loads and bias update, EESD's teacher pass and its loss. A recomputation that counted again would change the
 counts (doubled), the bias, the teacher's token count or the EESD loss, and these tests would fail."""
@@ -16,8 +16,8 @@ from upcycle.config import CheckConfig, ConvertConfig, MoEConfig, RegularizerCon
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.routing_context import ROUTING
 from upcycle.errors import UpcycleError
-from upcycle.training.objective import Objective
-from upcycle.training.recompute import apply_activation_checkpointing
+from upcycle.training.loss.objective import Objective
+from upcycle.training.parallel.recompute import apply_activation_checkpointing
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, limoe_local=0.01, dpsl=0.01, eesd=0.5,
                                  aux_free_rate=0.01)

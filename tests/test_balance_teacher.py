@@ -14,10 +14,10 @@ from upcycle.config_reader import build
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
-from upcycle.training.balance import AuxFreeBalancer
-from upcycle.training.objective import Objective, router_losses
+from upcycle.training.loss.balance import AuxFreeBalancer
+from upcycle.training.loss.objective import Objective, router_losses
+from upcycle.training.loss.teacher import EMATeacher, ensemble_output
 from upcycle.training.step import train_step
-from upcycle.training.teacher import EMATeacher, ensemble_output
 
 D, F, E = 16, 32, 8
 

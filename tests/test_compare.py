@@ -4,6 +4,7 @@ as an uninterrupted one; bad input is refused before anything is written."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -13,10 +14,13 @@ from safetensors.torch import load_file
 
 from conftest import write_tiny_lm
 from upcycle.cli import main
+from upcycle.compare import study
 from upcycle.compare.plan import make_plan
 from upcycle.compare.request import CompareRequest
-from upcycle.compare.study import compare
 from upcycle.errors import UpcycleError
+from upcycle.training.trainer import train
+
+compare = functools.partial(study.compare, train=train)   # as `upcycle compare` runs it
 
 
 @pytest.fixture(scope="module")

@@ -168,8 +168,8 @@ def test_copy_upcycled_encoder_gives_the_dense_embeddings_and_the_same_retrieval
 def test_train_and_eval_an_upcycled_encoder_with_every_router_regularizer(encoder_pair, tmp_path):
     from upcycle.config import TrainConfig
     from upcycle.config_reader import build
+    from upcycle.runs.log import read_log
     from upcycle.tasks.evaluate import evaluate_model
-    from upcycle.training.run_folder import read_log
     from upcycle.training.trainer import train
 
     _, moe, data = encoder_pair

@@ -5,6 +5,7 @@ every checkpoint with per-source specialization and the embeddings' cosine to th
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -14,13 +15,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_tiny
+from upcycle.compare import study
 from upcycle.compare.request import CompareRequest
-from upcycle.compare.study import compare
 from upcycle.data.text_pairs import read_text_pairs
 from upcycle.errors import UpcycleError
+from upcycle.training.trainer import train
 
 WORDS = "the a cat dog bird sat ran flew on under over mat tree roof red blue big small".split()
 NUMBERS = [str(i) for i in range(80)]
+compare = functools.partial(study.compare, train=train)   # as `upcycle compare` runs it
 
 
 def _pairs(n: int, seed: int, offset: int) -> list[dict]:

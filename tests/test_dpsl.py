@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import special
 
-from upcycle.training.dpsl import beta_cdf, beta_pdf, dpsl
+from upcycle.training.loss.dpsl import beta_cdf, beta_pdf, dpsl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dpsl_shaping import ks_tests, shape  # noqa: E402
@@ -38,7 +38,7 @@ def test_beta_cdf_matches_scipy_over_the_prior_range_including_endpoints(backend
 def test_dpsl_backends_agree_and_cpu_uses_scipy(monkeypatch):
     """The loss and its gradient are the same (1e-9) with either CDF backend; on CPU `auto` takes SciPy, the
     faster one there (benchmarks/regularizers.py)."""
-    import upcycle.training.dpsl as module
+    import upcycle.training.loss.dpsl as module
 
     probs = torch.randn(2048, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).softmax(-1)
     results = {}

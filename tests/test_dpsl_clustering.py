@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import upcycle.training.dpsl
+import upcycle.training.loss.dpsl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dpsl_clustering as bench  # noqa: E402
@@ -76,4 +76,4 @@ def test_the_dpsl_window_gates_the_loss_exactly():
 
 
 def test_the_benchmark_uses_the_projects_dpsl():
-    assert bench.dpsl is upcycle.training.dpsl.dpsl
+    assert bench.dpsl is upcycle.training.loss.dpsl.dpsl

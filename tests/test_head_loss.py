@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny
 from upcycle.tasks import head_loss
 from upcycle.tasks.causal_lm import causal_lm_loss
-from upcycle.training.peak_memory import measure_peak
+from upcycle.training.memory.peak import measure_peak
 
 
 def _batch(seed: int = 0) -> dict:

@@ -83,14 +83,15 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 # are independent of each other; methods, metrics and checkpoint I/O read core; the probe runs models, whole or a
 # block at a time from a checkpoint, and compares their outputs; export (the stock classes) reads checkpoints and
 # checks with the probe; conversion uses those; tasks (what a model trains and is evaluated on) read checkpoints
-# and data; training runs the tasks' losses in its loop; analyze loads models and run folders through them;
-# compare runs conversion, training and the metrics cell by cell; the commands and the CLI are on top.
+# and data; training runs the tasks' losses in its loop; analyze loads models and reads run folders (in the format
+# `runs` names, never through the trainer's package); compare runs conversion, training (the trainer handed in by
+# the command) and the metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
     "upcycle.errors": 0, "upcycle.version": 0,
     "upcycle.config": 1, "upcycle.files": 1,
     "upcycle.outputs": 2,
     "upcycle.core": 3, "upcycle.data": 3, "upcycle.machine": 3, "upcycle.config_table": 3, "upcycle.figures": 3,
-    "upcycle.config_reader": 3,
+    "upcycle.config_reader": 3, "upcycle.runs": 3,
     "upcycle.methods": 4, "upcycle.metrics": 4, "upcycle.checkpoint": 4,
     "upcycle.probe": 5,
     "upcycle.export": 6,
@@ -131,9 +132,10 @@ def test_imports_only_go_down_the_layers():
 
 
 def test_an_upward_import_is_reported():
-    graph = {"upcycle.core.moe": {"upcycle.training.losses"}, "upcycle.training.losses": {"upcycle.core.router"},
+    graph = {"upcycle.core.moe": {"upcycle.training.loss.losses"},
+             "upcycle.training.loss.losses": {"upcycle.core.router"},
              "upcycle.core.router": set(), "upcycle.data.text": {"upcycle.core.moe"}}
-    assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.training.losses",
+    assert upward_imports(graph) == ["upcycle.core.moe -> upcycle.training.loss.losses",
                                      "upcycle.data.text -> upcycle.core.moe"]
 
 
@@ -220,3 +222,12 @@ def test_the_closure_follows_imports_inside_functions(tmp_path):
     (package / "b.py").write_text("import pkg.c\n")
     (package / "c.py").write_text("")
     assert closure(import_graph(package), "pkg.a") == {"pkg.a", "pkg", "pkg.b", "pkg.c"}
+
+
+def test_analyze_and_compare_read_runs_without_the_trainers_package():
+    """A run folder's format is `upcycle.runs`; analyze and compare read runs through it and import nothing from
+    `training/` (compare trains each cell with the trainer the command hands it)."""
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith(("upcycle.analyze", "upcycle.compare"))
+                   for t in targets if t.startswith("upcycle.training"))
+    assert found == []

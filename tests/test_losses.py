@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from upcycle.training.losses import eesd, limoe_global, limoe_local, load_balance, z_loss
+from upcycle.training.loss.losses import eesd, limoe_global, limoe_local, load_balance, z_loss
 
 E, K, T = 8, 2, 64
 

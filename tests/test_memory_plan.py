@@ -1,4 +1,4 @@
-"""The memory plan (`upcycle.training.memory_plan`): made from the model's config alone, within 15 % of the peak a
+"""The memory plan (`upcycle.training.memory.plan`): made from the model's config alone, within 15 % of the peak a
 run measures (one process, DDP and FSDP2 on gloo CPU processes, with and without activation checkpointing), printed
 by `upcycle train --plan` without writing anything, and a run it says cannot fit refused before a weight is read."""
 
@@ -17,7 +17,7 @@ import transformers
 
 from conftest import TOY_WORDS, digest, fails
 from upcycle.config import RegularizerConfig, TrainConfig
-from upcycle.training.memory_plan import Layout, plan_memory
+from upcycle.training.memory.plan import Layout, plan_memory
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).parent / "memory_worker.py"

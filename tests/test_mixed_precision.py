@@ -12,7 +12,7 @@ import torch
 import upcycle.core.grouped_ffn as kernel
 from upcycle.core.ffn import FFNWeights, activation_fn
 from upcycle.core.moe import MoELayer
-from upcycle.training.teacher import ensemble_output
+from upcycle.training.loss.teacher import ensemble_output
 
 DTYPES = [torch.bfloat16, torch.float16]
 # Bound: a matmul of width <= 64 in bfloat16 (8-bit mantissa, eps 2^-8 = 3.9e-3) or float16 (eps 2^-11 = 4.9e-4)

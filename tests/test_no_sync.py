@@ -25,7 +25,7 @@ from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
 from upcycle.core.moe import MoELayer
 from upcycle.core.routing_context import padding_mask, real_tokens
-from upcycle.training.objective import Objective
+from upcycle.training.loss.objective import Objective
 
 aten = torch.ops.aten
 # aten operations whose result size or value the host needs: on a GPU each waits for the device

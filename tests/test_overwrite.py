@@ -16,7 +16,7 @@ import pytest
 from conftest import digest, fails, fake_run, train_config
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
-from upcycle.training.run_folder import checkpoints
+from upcycle.runs.layout import checkpoints
 from upcycle.training.trainer import train
 
 QUIET = ["--quiet"]

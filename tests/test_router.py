@@ -15,7 +15,7 @@ from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.router import Router
 from upcycle.errors import UpcycleError
-from upcycle.training.losses import load_balance
+from upcycle.training.loss.losses import load_balance
 
 
 def _copies(E: int = 4, seed: int = 0) -> tuple[FFNWeights, FFNWeights]:

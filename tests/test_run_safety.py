@@ -18,8 +18,9 @@ import torch
 from conftest import train_config
 from upcycle.cli import main
 from upcycle.errors import UpcycleError
-from upcycle.training import run_state
-from upcycle.training.run_folder import checkpoints
+from upcycle.runs import checkpoint_format
+from upcycle.runs.layout import checkpoints
+from upcycle.training.run import state as run_state
 from upcycle.training.stopping import TrainingStopped
 from upcycle.training.trainer import train
 
@@ -45,7 +46,7 @@ def test_resume_never_runs_code_from_the_run_folder(tiny_lm, tmp_path):
     # 1. a crafted optimizer.pt, with the manifest rewritten to match it: torch.load(weights_only=True) refuses it
     ckpt = checkpoints(run)[-1]
     torch.save({"state": _Payload(marker), "param_groups": []}, ckpt / "optimizer.pt")
-    run_state.write_manifest(ckpt, step=2, processes=1)
+    checkpoint_format.write_manifest(ckpt, step=2, processes=1)
     with pytest.raises(UpcycleError, match="not plain tensor data"):
         train(cfg, run, resume=True, progress=False)
     assert not marker.exists()
@@ -93,14 +94,14 @@ def test_checkpoint_verification_names_what_is_wrong(tiny_lm, tmp_path):
     run = tmp_path / "run"
     train(train_config(moe, train_txt, held), run, stop_after=1, progress=False)
     ckpt = checkpoints(run)[-1]
-    assert run_state.problem(ckpt, processes=1) is None
-    assert "this run has 2 process" in run_state.problem(ckpt, processes=2)
+    assert checkpoint_format.problem(ckpt, processes=1) is None
+    assert "this run has 2 process" in checkpoint_format.problem(ckpt, processes=2)
     data = bytearray((ckpt / "trainer.json").read_bytes())
     data[-2] ^= 1                                           # same size, one bit flipped
     (ckpt / "trainer.json").write_bytes(bytes(data))
-    assert "hash" in run_state.problem(ckpt, processes=1)
+    assert "hash" in checkpoint_format.problem(ckpt, processes=1)
     (ckpt / "manifest.json").unlink()
-    assert "no manifest" in run_state.problem(ckpt, processes=1)
+    assert "no manifest" in checkpoint_format.problem(ckpt, processes=1)
     with pytest.raises(UpcycleError, match="no complete checkpoint"):
         train(train_config(moe, train_txt, held), run, resume=True, progress=False)
 
@@ -134,7 +135,7 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(tiny_lm, tmp_path
     with pytest.raises(TrainingStopped, match=r"step 3: task loss nan.*keeps checkpoint step-0000002"):
         train(train_config(moe, train_txt, held, checkpoint_every=1), run, progress=False)
     assert checkpoints(run)[-1].name == "step-0000002" and not (run / "model").exists()
-    assert run_state.problem(checkpoints(run)[-1], processes=1) is None
+    assert checkpoint_format.problem(checkpoints(run)[-1], processes=1) is None
     weights = run_state.load_file(str(checkpoints(run)[-1] / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
 

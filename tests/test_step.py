@@ -15,7 +15,7 @@ from upcycle.checkpoint.loading import load_tokenizer
 from upcycle.config import RegularizerConfig, TrainConfig
 from upcycle.tasks.causal_lm import causal_lm_loss
 from upcycle.tasks.make import make_task
-from upcycle.training.objective import Objective
+from upcycle.training.loss.objective import Objective
 from upcycle.training.step import train_step
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, eesd=0.1, eesd_beta=0.9, aux_free_rate=1e-3)

@@ -19,8 +19,8 @@ from conftest import upcycle_command
 from upcycle.config import FreezeRule, RegularizerConfig, TrainConfig
 from upcycle.config_reader import RECIPES
 from upcycle.errors import UpcycleError
+from upcycle.runs.layout import checkpoints
 from upcycle.training.freezing import Freezer
-from upcycle.training.run_folder import checkpoints
 from upcycle.training.schedule import lr_factor
 from upcycle.training.trainer import train
 

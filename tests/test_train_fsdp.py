@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from upcycle.errors import UpcycleError
-from upcycle.training import sharding
+from upcycle.training.parallel import sharding
 
 BIN = Path(sys.executable).parent
 TIMING = ("tokens_per_s", "seconds", "layers")   # layers: routing stats of the main process's rows only

@@ -122,7 +122,7 @@ def test_analyze_run_draws_the_logs_curves(run, tiny_lm, tmp_path):
 def test_a_staged_runs_records_reach_the_tracker_once_it_is_out(tmp_path):
     """Records logged before `start` (a run staged beside the OUT it replaces) are sent, in order, at start."""
     pytest.importorskip("tensorboard", reason="the tensorboard tracker needs tensorboard (the dev extra)")
-    from upcycle.training.trackers import Trackers
+    from upcycle.training.run.trackers import Trackers
 
     trackers = Trackers("tensorboard", {"lr": 0.1, "train": ["all"], "regularizers": {"z_loss": 0.0}}, enabled=True)
     records = [{"step": 0, "eval": {"perplexity": 9.5, "tokens": 62}},
@@ -185,7 +185,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal(monkeypatch):
 def test_wandb_offline_run_is_written_inside_the_run_folder(tmp_path, monkeypatch):
     """report_to wandb with WANDB_MODE=offline: no network, the run lands in OUT/wandb/ holding the scalars."""
     pytest.importorskip("wandb", reason="report_to wandb needs wandb (optional, not in the dev extra)")
-    from upcycle.training.trackers import Trackers
+    from upcycle.training.run.trackers import Trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -28,7 +28,7 @@ from upcycle.errors import UpcycleError
 from upcycle.tasks.contrastive import PairBatches, info_nce, lay_out_pairs, pair_loss
 from upcycle.tasks.embedding import last_hidden, mean_pool
 from upcycle.training.batches_ahead import BatchesAhead
-from upcycle.training.objective import Objective
+from upcycle.training.loss.objective import Objective
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=1e-3, limoe_local=0.01, limoe_global=0.01, limoe_m=2.0,
                                  dpsl=0.01, eesd=0.5)
@@ -217,7 +217,7 @@ def test_batches_made_ahead_are_the_ones_asked_for_and_errors_come_at_their_step
 
 
 def test_processes_on_one_machine_share_its_cores(monkeypatch):
-    from upcycle.training import accelerator
+    from upcycle.training.parallel import accelerator
 
     before = torch.get_num_threads()
     monkeypatch.setattr(accelerator, "usable_cores", lambda: 16)

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from ..files import parse_json
-from ..training.run_folder import LOG, read_log
-from ..training.trackers import flatten_numbers
+from ..runs.layout import LOG
+from ..runs.log import flatten_numbers, read_log
 
 STEP_SERIES = ("lr", "tokens_per_s", "grad_norm")
 ROUTING_STATS = ("entropy", "load_cov", "dropped")

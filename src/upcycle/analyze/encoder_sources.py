@@ -29,8 +29,8 @@ from ..data.source_texts import SourceRows
 from ..data.text_pairs import TextPairs, load_text_pairs, read_text_pairs
 from ..errors import UpcycleError
 from ..files import read_json_file
+from ..runs.layout import INPUTS
 from ..tasks.embedding import tokenize
-from ..training.run_folder import INPUTS
 
 
 def is_encoder_folder(folder: str | Path) -> bool:

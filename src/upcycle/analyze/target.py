@@ -36,8 +36,8 @@ from ..core.stock_moe import is_stock_moe
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..errors import UpcycleError
 from ..files import read_json_file
-from ..training.run_folder import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
-from ..training.run_state import MANIFEST, step_of
+from ..runs.checkpoint_format import MANIFEST, step_of
+from ..runs.layout import CHECKPOINTS, INPUTS, RUN_CONFIG, checkpoints
 
 REPORT = "upcycle_report.json"
 

@@ -73,7 +73,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.quiet:
         quiet_transformers()
     command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
-    summary = compare(request_from_args(args), args.out, progress=not args.quiet, stop_after=args.stop_after,
-                      command=command)
+    from ..training.trainer import train
+
+    summary = compare(request_from_args(args), args.out, train=train, progress=not args.quiet,
+                      stop_after=args.stop_after, command=command)
     print(json.dumps(summary, indent=2))
     return 130 if summary["interrupted"] else 0

@@ -45,7 +45,7 @@ def run_defaults(run: Path) -> dict:
     run or whose records do not read."""
     import yaml
 
-    from ..training.run_folder import INPUTS, RUN_CONFIG
+    from ..runs.layout import INPUTS, RUN_CONFIG
 
     try:
         saved = yaml.safe_load((run / RUN_CONFIG).read_text())

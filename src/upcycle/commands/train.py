@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.resume and args.config is None:   # the run's own config, with any flags on top (which must agree)
-        from ..training.run_folder import saved_config
+        from ..training.run.folder import saved_config
 
         data = saved_config(Path(args.out))
     else:
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.plan:
         import os
 
-        from ..training.memory_plan import describe, plan_memory
+        from ..training.memory.plan import describe, plan_memory
 
         plan = plan_memory(cfg)
         if os.environ.get("RANK", "0") == "0":     # under `accelerate launch`, one process says it

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Protocol
 
 from ..checkpoint.loading import load_model
 from ..conversion.pipeline import convert
@@ -22,15 +23,23 @@ from ..conversion.preservation import count_parameters
 from ..files import json_text, parse_json, read_json_file
 from ..outputs.ownership import record, remove_owned
 from ..outputs.staging import atomic_write_text
+from ..runs.checkpoint_format import newest_complete
+from ..runs.layout import LOG, checkpoints
+from ..runs.log import read_log
 from ..tasks.make import make_task
-from ..training.run_folder import LOG, checkpoints, read_log
-from ..training.run_state import newest_complete
-from ..training.trainer import train
 from .diagnostics import diagnose, held_out_batches
 from .plan import Cell, Plan
 from .request import DENSE
 
 RESULT = "cell.json"
+
+
+class Trainer(Protocol):
+    """What runs a cell's training: `upcycle.train` (the commands pass it in, so that a comparison reads runs
+    through `upcycle.runs` and never imports the trainer's package itself)."""
+
+    def __call__(self, cfg, out: Path, *, resume: bool, overwrite: bool, stop_after: int | None,
+                 progress: bool) -> dict: ...
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -44,9 +53,10 @@ def finished(plan: Plan, cell: Cell) -> dict | None:
     return read_json_file(path, "cell's results") if path.is_file() else None
 
 
-def run_cell(plan: Plan, cell: Cell, *, progress: bool = True, stop_after: int | None = None,
+def run_cell(plan: Plan, cell: Cell, *, train: Trainer, progress: bool = True, stop_after: int | None = None,
              say=lambda message: None) -> dict | None:
-    """Run (or continue) `cell`; its results, or None when the training run stopped before its last step."""
+    """Run (or continue) `cell` with `train` (`upcycle.train`); its results, or None when the training run stopped
+    before its last step."""
     folder = plan.folder(cell)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "plan.json").is_file():

@@ -29,7 +29,7 @@ from ..outputs.claims import claim_output
 from ..outputs.ownership import folder_lock, read_record, record, replaceable, write_marker
 from ..outputs.staging import atomic_write, atomic_write_text, process_state, staged_directory
 from ..version import __version__
-from .cell import finished, run_cell, write_json
+from .cell import Trainer, finished, run_cell, write_json
 from .plan import FORMAT, STUDY, Plan, compare_inputs, make_plan
 from .request import DENSE, CompareRequest
 from .study_figures import write_figures
@@ -45,20 +45,21 @@ def _duration(seconds: float) -> str:
         f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def compare(request: CompareRequest, out: str | Path, *, progress: bool = True, stop_after: int | None = None,
-            command: str | None = None) -> dict:
-    """Run every cell of the request that has not finished; returns {'cells', 'skipped', 'ran', 'interrupted',
-    'out'}. `progress`: the conversion's and the trainer's progress bars. `stop_after`: each cell's training
-    stops at that step with a checkpoint (as an interruption would; run again to resume)."""
+def compare(request: CompareRequest, out: str | Path, *, train: Trainer, progress: bool = True,
+            stop_after: int | None = None, command: str | None = None) -> dict:
+    """Run every cell of the request that has not finished, training each with `train` (`upcycle.train`); returns
+    {'cells', 'skipped', 'ran', 'interrupted', 'out'}. `progress`: the conversion's and the trainer's progress bars.
+    `stop_after`: each cell's training stops at that step with a checkpoint (as an interruption would; run again to
+    resume)."""
     plan = make_plan(request, out)
     # OUT is claimed cell by cell: invocations on disjoint cells may share it (one per seed, say), and one whose
     # cells or conversions another running invocation holds is refused at its start (`_record_start`)
     with claim_output(plan.out, kind="compare", given=compare_inputs(plan, request), existing="continue",
                       lock=False):
-        return _compare(plan, progress=progress, stop_after=stop_after, command=command)
+        return _compare(plan, train=train, progress=progress, stop_after=stop_after, command=command)
 
 
-def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str | None) -> dict:
+def _compare(plan: Plan, *, train: Trainer, progress: bool, stop_after: int | None, command: str | None) -> dict:
     started = time.time()
     plan.out.mkdir(parents=True, exist_ok=True)
     if read_record(plan.out) is None:          # its record: what the study writes, as it writes it
@@ -93,7 +94,7 @@ def _compare(plan: Plan, *, progress: bool, stop_after: int | None, command: str
             say(f"cell {index}/{len(todo)} {cell.name}: {message} ({_duration(time.time() - started)} elapsed, "
                 f"{estimate})")
 
-        result = run_cell(plan, cell, progress=progress, stop_after=stop_after, say=say_cell)
+        result = run_cell(plan, cell, train=train, progress=progress, stop_after=stop_after, say=say_cell)
         if result is None:
             interrupted = cell.name
             say(f"cell {cell.name} stopped before its last step; run the same command again to resume it")

@@ -10,7 +10,7 @@ names (`*.self_attn.*`). Gated experts keep gate and up fused in one [E, 2F, D] 
 `experts_up` are row ranges of it: a rule that freezes a row range zeroes those gradient rows (AdamW's moments of
 a fresh optimizer stay 0, so Adam moves them by 0) and restores the rows after the step (undoing weight decay).
 Whole tensors frozen for part of the run lose their gradient before the step, so AdamW skips them entirely;
-tensors frozen for the whole run never require a gradient at all. Under FSDP (`upcycle.training.sharding`) the
+tensors frozen for the whole run never require a gradient at all. Under FSDP (`upcycle.training.parallel.sharding`) the
 parameters are shards along dim 0 (experts) and a row range is cut out of each process's own part.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from ..config import FreezeRule
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
-from .sharding import is_dtensor, local
+from .parallel.sharding import is_dtensor, local
 
 GROUPS = ("all", "dense", "moe", "routed", "router", "experts", "experts_in", "experts_gate", "experts_up",
           "experts_down", "shared_experts")

@@ -24,7 +24,7 @@ from torch import nn
 from ..core.devices import to_device
 from ..tasks.causal_lm import causal_lm_loss
 from .freezing import Freezer
-from .objective import Objective
+from .loss.objective import Objective
 
 
 @dataclass

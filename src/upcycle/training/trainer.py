@@ -1,8 +1,10 @@
 """`upcycle train`: the one explicit training loop (docs/design.md principle 9), on Hugging Face Accelerate, wired
-from parts with one job each: accelerator.py (the Accelerator; the model, optimizer.py and schedule.py put on
-it), run_folder.py (what OUT may do; the checkpoint to resume), checkpointer.py (whole state written atomically,
-rotated; the final model), run_log.py (a JSON line per step and evaluation, to the trackers too), step.py (one
-step), tasks.py (what is trained and evaluated), stopping.py (a clean stop on Ctrl-C or SIGTERM).
+from parts with one job each, in sub-packages by job: parallel/ (the Accelerator, DDP or FSDP2, sharding,
+activation checkpointing), loss/ (the objective: task loss, router regularizers, the EESD teacher), memory/ (the
+memory plan made before any weight loads), run/ (what OUT may do, the checkpoint to resume, whole state written
+atomically, the log and trackers; the format others read is `upcycle.runs`); beside this loop: optimizer.py and
+schedule.py, freezing.py, step.py (one step), stopping.py (a clean stop on Ctrl-C or SIGTERM); the tasks (what is
+trained and evaluated) are `upcycle.tasks`.
 
     for step in steps:        # the global batch of a step depends on (seed, step) only
         one_step -> a log line; a checkpoint every N steps; an evaluation every M steps; stop cleanly on Ctrl-C
@@ -26,12 +28,12 @@ from ..metrics.routing import record_stats
 from ..outputs.claims import claim_output
 from ..tasks.evaluate import progress_bars
 from ..tasks.make import make_task
-from .accelerator import make_accelerator, own_forward, prepare
 from .batches_ahead import BatchesAhead
-from .checkpointer import Checkpointer, finite_parameters
 from .freezing import Freezer
-from .memory_plan import check_fits
-from .run_folder import (
+from .memory.plan import check_fits
+from .parallel.accelerator import make_accelerator, own_forward, prepare
+from .run.checkpointer import Checkpointer, finite_parameters
+from .run.folder import (
     LOG,
     RunFolder,
     check_request,
@@ -41,10 +43,10 @@ from .run_folder import (
     resume_point,
     train_inputs,
 )
-from .run_log import RunLog
+from .run.log import RunLog
+from .run.trackers import Trackers, check_available
 from .step import StepResult, any_process, micro_batches, train_step
 from .stopping import StopFlag, TrainingStopped, check_skip
-from .trackers import Trackers, check_available
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import CHECKPOINTING, TrainConfig
-from ..core.moe import moe_layers
-from ..errors import UpcycleError
-from .memory_simulation import simulate_steps
-from .memory_trace import block_classes, fake_mode, shapes_only, trace_forward
-from .optimizer import make_optimizer
+from ...config import CHECKPOINTING, TrainConfig
+from ...core.moe import moe_layers
+from ...errors import UpcycleError
+from ..optimizer import make_optimizer
+from .simulation import simulate_steps
+from .trace import block_classes, fake_mode, shapes_only, trace_forward
 
 GB = 10**9
 SHARDINGS = ("single", "ddp", "fsdp2")
@@ -86,8 +86,8 @@ class MemoryPlan:
 def local_layout(cfg: TrainConfig) -> Layout:
     """The layout of the run being started: the launcher's processes and sharding (`accelerate launch` sets
     WORLD_SIZE, LOCAL_WORLD_SIZE and ACCELERATE_USE_FSDP), the device torch sees, the run's mixed precision."""
-    from .accelerator import resolve_mixed_precision
-    from .sharding import requested
+    from ..parallel.accelerator import resolve_mixed_precision
+    from ..parallel.sharding import requested
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     sharding = "single" if processes == 1 else "fsdp2" if requested() else "ddp"
@@ -96,7 +96,7 @@ def local_layout(cfg: TrainConfig) -> Layout:
         properties = torch.cuda.get_device_properties(index)
         device, name, memory = "cuda", properties.name, properties.total_memory
     else:
-        from ..core.grouped_ffn import CPU_MEMORY
+        from ...core.grouped_ffn import CPU_MEMORY
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
         device, name, memory = "cpu", "cpu", CPU_MEMORY // max(1, local)
@@ -107,7 +107,7 @@ def budget(cfg: TrainConfig, layout: Layout) -> int:
     """The bytes one process may take: `memory_budget`, or the device's memory."""
     if cfg.memory_budget == "auto":
         return layout.device_bytes
-    from ..checkpoint.writer import parse_size
+    from ...checkpoint.writer import parse_size
 
     return parse_size(cfg.memory_budget, "memory_budget")
 
@@ -128,9 +128,9 @@ def plan_memory(cfg: TrainConfig, layout: Layout | None = None, *, detail: bool 
 
 
 def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> MemoryPlan:
-    from .freezing import select
-    from .objective import Objective
-    from .recompute import apply_activation_checkpointing
+    from ..freezing import select
+    from ..loss.objective import Objective
+    from ..parallel.recompute import apply_activation_checkpointing
 
     n, fsdp, autocast = layout.processes, layout.sharding == "fsdp2", autocast_dtype(layout)
     # FSDP2 computes with the weights gathered in the autocast dtype and keeps float32 master shards (Accelerate's
@@ -140,13 +140,13 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> 
     if build is None:
         model = fake_model(cfg, mode, dtype)
     else:
-        from ..checkpoint.skeleton import no_init
+        from ...checkpoint.skeleton import no_init
 
         with mode, no_init():
             model = build(dtype)
     model, task = _prepared(model, cfg)
     if task != "clip":          # rows past a position table: the run's own refusal, not a fake-tensor error
-        from ..checkpoint.loading import check_sequence_length
+        from ...checkpoint.loading import check_sequence_length
 
         check_sequence_length(model, cfg.sequence_length)
     master = torch.float32 if fsdp and autocast is not None else None
@@ -210,9 +210,9 @@ def _optimizer_kind(layout: Layout) -> dict:
 def _prepared(model: nn.Module, cfg: TrainConfig) -> tuple[nn.Module, str]:
     """The model with padding masks tracked as `load_model` leaves it (a stock MoE class keeps its own), and its
     task."""
-    from ..core.architectures import find_family
-    from ..core.surgery import track_padding_masks
-    from ..tasks.kind import model_task
+    from ...core.architectures import find_family
+    from ...core.surgery import track_padding_masks
+    from ...tasks.kind import model_task
 
     if find_family(model.config) is not None:
         track_padding_masks(model)
@@ -223,11 +223,11 @@ def fake_model(cfg: TrainConfig, mode, dtype: torch.dtype | None = None) -> nn.M
     """The model of `cfg.model` built of `mode`'s fake tensors in the dtype it loads in, or `dtype`; no weight is
     read (an upcycle folder of configs alone, before its weights are written, plans in the dtype its config
     states)."""
-    from ..checkpoint import upcycle_format
-    from ..checkpoint.loading import MOE_CONFIG, auto_config, dense_config, resolve_dtype
-    from ..checkpoint.reader import INDEX_FILE, SINGLE_FILE
-    from ..checkpoint.skeleton import architecture_class, no_init
-    from ..core.stock_moe import is_stock_moe
+    from ...checkpoint import upcycle_format
+    from ...checkpoint.loading import MOE_CONFIG, auto_config, dense_config, resolve_dtype
+    from ...checkpoint.reader import INDEX_FILE, SINGLE_FILE
+    from ...checkpoint.skeleton import architecture_class, no_init
+    from ...core.stock_moe import is_stock_moe
 
     folder = Path(cfg.model)
     with mode, no_init():
@@ -251,7 +251,7 @@ def fake_model(cfg: TrainConfig, mode, dtype: torch.dtype | None = None) -> nn.M
 def task_loss(task: str, cfg: TrainConfig, micro: int):
     """The loss of one micro-batch of `task` on fake tensors (the largest a step has: every row full, with a padding
     mask, so the model takes its masked attention path), as a function of the model."""
-    from ..tasks.causal_lm import causal_lm_loss
+    from ...tasks.causal_lm import causal_lm_loss
 
     seq = cfg.sequence_length
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .sharding import is_dtensor
+from ..parallel.sharding import is_dtensor
 
 KINDS = ("other", "grads", "optimizer", "teacher")
 

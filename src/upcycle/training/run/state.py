@@ -16,13 +16,12 @@ A checkpoint is complete when its manifest exists and every file has the recorde
 skips (and names) the ones that are not, so a torn write falls back to the previous checkpoint.
 
 The state is whole whatever wrote it: one process, DDP (every process holds all of it), or FSDP (gathered by
-`upcycle.training.sharding` and written by the main process in the same files). So a checkpoint resumes on the
+`upcycle.training.parallel.sharding` and written by the main process in the same files). So a checkpoint resumes on the
 same number of processes or fewer, sharded or not; every process needs the RNG state its rank wrote.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Mapping
@@ -34,21 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from ..errors import UpcycleError
-from ..files import read_json_file
-from . import sharding
-
-FORMAT = "upcycle-train-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from ...errors import UpcycleError
+from ...files import read_json_file
+from ...runs.checkpoint_format import FORMAT, VERSION
+from ..parallel import sharding
 
 
 def save_rng(folder: Path, rank: int) -> None:
@@ -121,62 +109,6 @@ def save_main(folder: Path, *, model: nn.Module, optimizer_state: dict, schedule
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     (folder / "trainer.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step,
                                                      "tokens": tokens, "scheduler": scheduler_state}))
-
-
-def write_manifest(folder: Path, *, step: int, processes: int) -> None:
-    """Record every file's size and hash; the checkpoint counts as complete from this write on."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step,
-                                               "processes": processes, "files": files}, indent=1))
-
-
-def problem(folder: Path, *, processes: int) -> str | None:
-    """Why `folder` is not a complete checkpoint this run can resume, or None when it is."""
-    manifest_file = folder / MANIFEST
-    if not manifest_file.is_file():
-        if any(folder.glob("*.pkl")):
-            return "it is in Accelerate's pickle format (written by upcycle before 0.2), which is never unpickled"
-        return "it has no manifest (it was not finished)"
-    try:
-        manifest = read_json_file(manifest_file, "checkpoint manifest")
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError):
-        return "its manifest is not readable"
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        return f"its format is {manifest.get('format')} v{manifest.get('version')}, not {FORMAT} v{VERSION}"
-    written = manifest.get("processes")
-    if not isinstance(written, int) or written < processes:
-        # the state is whole, but each process restores the RNG state of its rank, and only these ranks wrote one
-        return f"it was written by {written} process(es); this run has {processes} process(es)"
-    needed = {"model.safetensors", "optimizer.pt", "trainer.json", *(f"rng-{r}.json" for r in range(processes))}
-    if missing := sorted(needed - set(files)):
-        return f"it lacks {', '.join(missing)}"
-    for name, facts in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != facts["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, {facts['bytes']} were written"
-        if _sha256(path) != facts["sha256"]:
-            return f"{name} does not have the hash recorded when it was written"
-    return None
-
-
-def step_of(folder: Path) -> int:
-    """The step of a checkpoint folder `step-NNNNNNN`."""
-    return int(folder.name.split("-", 1)[1])
-
-
-def newest_complete(found: list[Path], *, processes: int) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint of `found` (oldest first) that verifies, and a message for each newer one skipped."""
-    skipped = []
-    for folder in reversed(found):
-        why = problem(folder, processes=processes)
-        if why is None:
-            return folder, skipped
-        skipped.append(f"skipped checkpoint {folder.name}: {why}")
-    return None, skipped
 
 
 def load(folder: Path, *, model: nn.Module, optimizer, scheduler, rank: int, device: torch.device,

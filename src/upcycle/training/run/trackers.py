@@ -18,10 +18,10 @@ that is about to be renamed (wandb writes some of its files by path at the end o
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from ..errors import UpcycleError
+from ...errors import UpcycleError
+from ...runs.log import flatten_numbers
 
 TENSORBOARD = "tensorboard"          # OUT/tensorboard/: the event files
 WANDB_PROJECT = "upcycle"
@@ -36,15 +36,6 @@ def check_available(report_to: str | None) -> None:
     if importlib.util.find_spec(report_to) is None:       # each tracker's package has its name
         raise UpcycleError(f"report_to {report_to} needs the {report_to} package, which is not installed "
                            f"(pip install {report_to})")
-
-
-def flatten_numbers(value, prefix: str, out: dict[str, float]) -> None:
-    """The finite numbers of a nested dict into `out`, keyed by their '/'-joined path (what a curve is)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            flatten_numbers(item, f"{prefix}/{key}" if prefix else str(key), out)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        out[prefix] = value          # lists (frozen_rules, templates), strings and non-finite values are not curves
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .peak_memory import Timeline, tracking
+from .peak import Timeline, tracking
 
 
 def simulate_steps(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], optimizer: torch.optim.Optimizer,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.router import token_entropy
+from ...core.router import token_entropy
 
 
 def _per_group(fn: Callable[[torch.Tensor], torch.Tensor], T: int, device, mask_T: torch.Tensor | None,

@@ -7,9 +7,9 @@ the teacher runs all experts densely under no-grad: y_ens(x) = sum_i g_i^ema(x) 
 experts, so that a student with top-k = E matches it exactly), with the EMA router's full softmax. Each layer's
 loss `losses.eesd` = (1/T) sum_x ||sg(y_ens(x)) - y_moe(x)||^2 over real tokens; `loss()` averages the layers.
 
-Under FSDP (`upcycle.training.sharding`) the student's parameters are shards, and so are the teacher's: each process
-keeps the float32 EMA of its own part (the update needs no communication), and a layer's teacher is gathered whole
-only while it runs, one layer at a time.
+Under FSDP (`upcycle.training.parallel.sharding`) the student's parameters are shards, and so are the teacher's:
+each process keeps the float32 EMA of its own part (the update needs no communication), and a layer's teacher is
+gathered whole only while it runs, one layer at a time.
 
 Beyond the paper (cheap): `uncertain_fraction` < 1 runs the teacher only on that fraction of each layer's real
 tokens with the highest routing entropy under the student's router (where a top-k choice discards the most of
@@ -23,11 +23,11 @@ import math
 import torch
 from torch import nn
 
-from ..core.moe import MoELayer, moe_layers
-from ..core.router import token_entropy
-from ..core.routing_context import ROUTING
+from ...core.moe import MoELayer, moe_layers
+from ...core.router import token_entropy
+from ...core.routing_context import ROUTING
+from ..parallel.sharding import is_dtensor, local, shard_of, whole
 from .losses import eesd
-from .sharding import is_dtensor, local, shard_of, whole
 
 
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:

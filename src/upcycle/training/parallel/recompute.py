@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import CHECKPOINTING
-from ..core.moe import moe_layers
-from ..core.routing_context import recompute_contexts
-from ..errors import UpcycleError
+from ...config import CHECKPOINTING
+from ...core.moe import moe_layers
+from ...core.routing_context import recompute_contexts
+from ...errors import UpcycleError
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import RegularizerConfig
-from ..core.moe import moe_layers
-from ..core.router import RoutingRecord
-from ..core.stock_moe import StockRouting, is_stock_moe
-from ..errors import UpcycleError
+from ...config import RegularizerConfig
+from ...core.moe import moe_layers
+from ...core.router import RoutingRecord
+from ...core.stock_moe import StockRouting, is_stock_moe
+from ...errors import UpcycleError
 from . import losses
 from .balance import AuxFreeBalancer
 from .dpsl import dpsl

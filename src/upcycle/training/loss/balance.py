@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..core.moe import MoELayer, moe_layers
-from ..core.router import expert_counts
-from ..core.routing_context import ROUTING
+from ...core.moe import MoELayer, moe_layers
+from ...core.router import expert_counts
+from ...core.routing_context import ROUTING
 
 
 class AuxFreeBalancer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..files import json_text
-from .run_folder import read_log
+from ...files import json_text
+from ...runs.log import read_log
 from .trackers import Trackers
 
 

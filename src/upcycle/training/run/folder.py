@@ -1,7 +1,7 @@
 """A training run's folder OUT, and what a run may and may not do to it (docs/training.md, "What `--overwrite`
 and `--resume` may and may not do"):
 
-  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.training.run_state`)   model/
+  run_config.yaml   log.jsonl   checkpoints/step-NNNNNNN/ (`upcycle.training.run.state`)   model/
 
 - A new run is checked before anything is written (`check_fresh_out`: OUT is not an input, does not hold one,
   is not the current directory; an existing run needs --resume or --overwrite).
@@ -21,29 +21,20 @@ from pathlib import Path
 
 import yaml
 
-from ..config import TrainConfig, to_dict
-from ..config_reader import build
-from ..data.model_names import model_inputs, recorded_location
-from ..errors import UpcycleError
-from ..files import parse_json, read_json_file
-from ..outputs.claims import Input, inputs
-from ..outputs.ownership import files_below, own_output, read_record, record, remove_owned, write_marker
-from ..outputs.staging import Staging, clean_stale_temporaries, replace_directory
-from . import run_state
-from .stopping import TrainingStopped
+from ...config import TrainConfig, to_dict
+from ...config_reader import build
+from ...data.model_names import model_inputs, recorded_location
+from ...errors import UpcycleError
+from ...files import read_json_file
+from ...outputs.claims import Input, inputs
+from ...outputs.ownership import files_below, own_output, read_record, record, remove_owned, write_marker
+from ...outputs.staging import Staging, clean_stale_temporaries, replace_directory
+from ...runs.checkpoint_format import newest_complete, step_of
+from ...runs.layout import CHECKPOINTS, INPUTS, LOG, RUN_CONFIG, TRACKER_FOLDERS, checkpoints
+from ..stopping import TrainingStopped
 
-RUN_CONFIG = "run_config.yaml"
-INPUTS = "inputs.json"           # the run's model and data as absolute paths (the run config keeps them as typed)
-LOG = "log.jsonl"
-CHECKPOINTS = "checkpoints"
 # keys that may differ when resuming: they change what is written, not what is computed
 RESUMABLE_CHANGES = {"checkpoint_every", "keep_checkpoints", "eval_every", "report_to"}
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Checkpoint folders of a run, oldest first (complete or not: see `upcycle.training.run_state.problem`)."""
-    folder = out / CHECKPOINTS
-    return sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.exists() else []
 
 
 def saved_config(out: Path) -> dict:
@@ -73,7 +64,7 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
         raise UpcycleError(f"cannot resume with a different run config ({', '.join(sorted(differ))} differ "
                            f"from {out / RUN_CONFIG}); resuming continues the same run")
     found = checkpoints(out)
-    chosen, skipped = run_state.newest_complete(found, processes=processes)
+    chosen, skipped = newest_complete(found, processes=processes)
     for message in skipped:
         print(f"[upcycle] {message}", file=sys.stderr)
     if chosen is None:
@@ -89,9 +80,9 @@ def resume_point(cfg: TrainConfig, out: Path, processes: int) -> Path:
 def finished_run(cfg: TrainConfig, out: Path, checkpoint: Path | None) -> dict | None:
     """The summary of a run that already reached its last step and wrote its model (a resume of it writes
     nothing), or None."""
-    if checkpoint is None or run_state.step_of(checkpoint) < cfg.steps or not (out / "model").is_dir():
+    if checkpoint is None or step_of(checkpoint) < cfg.steps or not (out / "model").is_dir():
         return None
-    step = run_state.step_of(checkpoint)
+    step = step_of(checkpoint)
     print(f"[upcycle] the run in {out} finished at step {step} of {cfg.steps}: nothing to resume, nothing "
           f"written", file=sys.stderr)
     return {"step": step, "steps": cfg.steps, "interrupted": False, "finished_before": True,
@@ -113,9 +104,6 @@ def never_started(out: Path) -> bool:
     return not checkpoints(out)
 
 
-# Where the libraries a run reports through write (TensorBoard, W&B): recorded as the run's when it checkpoints
-# and when it ends, as they are then.
-TRACKER_FOLDERS = ("tensorboard", "wandb")
 
 
 def data_contents(path: str) -> dict:
@@ -181,7 +169,7 @@ def check_resumable(out: Path) -> None:
 
 
 def _log_unchanged(out: Path, entry: dict) -> bool:
-    from ..outputs.ownership import unchanged
+    from ...outputs.ownership import unchanged
 
     return unchanged(out / LOG, entry)
 
@@ -314,21 +302,3 @@ class RunFolder:
 def _absolute(path: str | None) -> str | None:
     """A data path as an absolute path when it is a file here (names such as 'digits' stay as they are)."""
     return str(Path(path).expanduser().resolve()) if path is not None and Path(path).expanduser().exists() else path
-
-
-def read_log(path: Path, upto: int) -> list[str]:
-    """The log lines of steps <= `upto`; a torn line (a write cut off by a crash) is dropped, with a note."""
-    kept = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            step = parse_json(line, f"{path}:{number}")["step"]
-        except (ValueError, KeyError, TypeError):
-            print(f"[upcycle] {path}: dropped unreadable line {number} (a torn write)", file=sys.stderr)
-            continue
-        if step <= upto:
-            kept.append(line)
-    return kept
-
-

@@ -1,6 +1,6 @@
 """Where a run computes: the Accelerator (one process, DDP, or FSDP2; DeepSpeed and Megatron refused), and the
 model, optimizer and schedule put on it. Under FSDP the model is sharded first (on CPU processes here with
-`upcycle.training.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
+`upcycle.training.parallel.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
 regularizers take its sharded parameters, so the EMA teacher copies each process's shard."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import TrainConfig
-from ..errors import UpcycleError
+from ...config import TrainConfig
+from ...errors import UpcycleError
+from ..freezing import Freezer
+from ..loss.objective import Objective
+from ..optimizer import make_optimizer
+from ..schedule import make_scheduler
 from . import sharding
-from .freezing import Freezer
-from .objective import Objective
-from .optimizer import make_optimizer
 from .recompute import apply_activation_checkpointing
-from .schedule import make_scheduler
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -39,8 +39,8 @@ def make_accelerator(cfg: TrainConfig):
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     world = accelerator.num_processes
     if accelerator.distributed_type.name in ("DEEPSPEED", "MEGATRON_LM"):
-        # upcycle.training.run_state writes whole state gathered by upcycle.training.sharding (FSDP2); these engines
-        # shard differently, and a checkpoint that resumes wrong is worse than none
+        # upcycle.training.run.state writes whole state gathered by upcycle.training.parallel.sharding (FSDP2);
+        # these engines shard differently, and a checkpoint that resumes wrong is worse than none
         raise UpcycleError(f"`upcycle train` runs on one process, DDP or FSDP2; "
                            f"{accelerator.distributed_type.name} is not supported")
     sharded_by = sharding_of(accelerator)

@@ -1,4 +1,4 @@
-"""The checkpoint manager of a run: writes a checkpoint of the whole state (`upcycle.training.run_state`'s files)
+"""The checkpoint manager of a run: writes a checkpoint of the whole state (`upcycle.training.run.state`'s files)
 into a staging folder (`upcycle.outputs.staging.Staging`, shared by every process) put in place when complete,
 keeps the newest `keep_checkpoints`, resumes from one, and writes the final model. Under FSDP every process helps
 gather the whole tensors and the main process writes them, so a checkpoint reads the same whatever wrote it."""
@@ -14,13 +14,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.upcycle_format import save_folder_files, save_tokenizer
-from ..outputs.ownership import remove_owned, write_marker
-from ..outputs.staging import Staging, atomic_directory, replace_directory, temporary_owner
-from . import run_state, sharding
-from .accelerator import Prepared
-from .run_folder import CHECKPOINTS, RunFolder, checkpoints
-from .step import any_process
+from ...checkpoint.upcycle_format import save_folder_files, save_tokenizer
+from ...outputs.ownership import remove_owned, write_marker
+from ...outputs.staging import Staging, atomic_directory, replace_directory, temporary_owner
+from ...runs.checkpoint_format import write_manifest
+from ...runs.layout import CHECKPOINTS, checkpoints
+from ..parallel import sharding
+from ..parallel.accelerator import Prepared
+from ..step import any_process
+from . import state as run_state
+from .folder import RunFolder
 
 
 class Checkpointer:
@@ -70,7 +73,7 @@ class Checkpointer:
                                         teacher_state=teacher_state)
             self.acc.wait_for_everyone()
             if self.is_main:
-                run_state.write_manifest(tmp, step=step, processes=self.acc.num_processes)
+                write_manifest(tmp, step=step, processes=self.acc.num_processes)
         except BaseException:            # a full disk, a kill: no half-written checkpoint left beside the others
             if self.is_main:
                 staging.discard()

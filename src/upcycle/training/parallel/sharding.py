@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..errors import UpcycleError
+from ...errors import UpcycleError
 
 
 def requested() -> bool:

@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from ..core.moe import MoELayer
+from ...core.moe import MoELayer
 
 
 @dataclass
@@ -183,7 +183,7 @@ def _loop(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_d
 def shapes_only() -> Iterator[None]:
     """What the MoE layer reads of its data replaced by what needs none (module docstring): routing dropless, the
     grouped matmul for every dtype and every batch (the path a GPU takes), and the inference loop a stand-in."""
-    from ..core import grouped_ffn
+    from ...core import grouped_ffn
 
     with mock.patch.object(MoELayer, "route", _dropless_route), \
             mock.patch.object(torch.nn.functional, "grouped_mm", _grouped_mm(torch.nn.functional.grouped_mm)), \
