@@ -36,9 +36,7 @@ def measured(cfg: TrainConfig) -> tuple[int, int]:
             if "attention_mask" in batch:
                 batch["attention_mask"][:, -1] = 0
             batches = micro_batches(batch, accelerator.process_index, micro, cfg.grad_accum)
-            layout = getattr(task, "layout", None)
-            if layout is not None:
-                batches = [layout(b, accelerator.device, accelerator.num_processes) for b in batches]
+            batches = [task.layout(b, accelerator.device, accelerator.num_processes) for b in batches]
             train_step(parts.model, batches, parts.optimizer, parts.objective, task_loss=task.loss,
                        tokens=task.tokens, accelerator=accelerator, scheduler=parts.scheduler, freezer=freezer,
                        step=step, clip_grad=cfg.clip_grad)

@@ -231,3 +231,24 @@ def test_analyze_and_compare_read_runs_without_the_trainers_package():
     found = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith(("upcycle.analyze", "upcycle.compare"))
                    for t in targets if t.startswith("upcycle.training"))
     assert found == []
+
+
+def test_tasks_are_made_through_their_registry_and_the_loop_asks_only_the_contract():
+    """`make_task` holds no if-chain (a task is looked up in `TASKS` by the name its model's row gives), every task
+    derives from `tasks.base.Task`, and the trainer asks nothing of a task with hasattr or getattr."""
+    import ast
+
+    from upcycle.config import TASKS as NAMES
+    from upcycle.tasks.base import Task
+    from upcycle.tasks.make import TASKS, task_class
+
+    make = ast.parse((PACKAGE / "tasks" / "make.py").read_text())
+    function = next(n for n in make.body if isinstance(n, ast.FunctionDef) and n.name == "make_task")
+    assert not any(isinstance(n, ast.If) for n in ast.walk(function))
+    assert set(TASKS) == set(NAMES) and all(issubclass(task_class(name), Task) for name in NAMES)
+    assert all(task_class(name).name == name for name in NAMES)
+    for path in (PACKAGE / "training").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr") and \
+                    node.args and "task" in ast.unparse(node.args[0]):
+                raise AssertionError(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")

@@ -15,6 +15,7 @@ from ..data.packing import PackedBatches, pack_documents
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from . import head_loss
+from .base import Task
 from .evaluate import held_out_rows, perplexity
 
 
@@ -35,10 +36,11 @@ def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return loss
 
 
-class CausalLMTask:
+class CausalLMTask(Task):
     name = "causal_lm"
 
-    def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer, *, is_default: bool) -> None:
+    def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer, *, is_default: bool | None = None) -> None:
+        is_default = from_embedded_model(cfg.model) if is_default is None else is_default
         if tokenizer is None:
             raise UpcycleError("causal-LM training needs the model's tokenizer (none found next to the model)")
         check_sequence_length(model, cfg.sequence_length)

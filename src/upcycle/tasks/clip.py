@@ -13,10 +13,11 @@ from ..data.clip_pairs import encode_captions, load_pairs, pixel_values
 from ..data.packing import SeededBatches
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
+from .base import Task
 from .evaluate import clip_metrics
 
 
-class CLIPTask:
+class CLIPTask(Task):
     name = "clip"
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer) -> None:

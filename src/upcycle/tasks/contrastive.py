@@ -39,6 +39,7 @@ from ..data.text_pairs import TextPairs, load_text_pairs, text_chars
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..data.token_lists import token_lists
 from ..errors import UpcycleError
+from .base import Task
 from .embedding import attention_for_many_shapes, last_hidden, mean_pool, tokenize
 from .retrieval import pair_retrieval
 
@@ -220,7 +221,7 @@ def pair_loss(model: nn.Module, batch: dict, temperature: float | torch.Tensor) 
     return info_nce(embedding[:b], embedding[b:], temperature, same_BB)
 
 
-class ContrastiveTask:
+class ContrastiveTask(Task):
     name = "contrastive"
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, tokenizer) -> None:
@@ -242,7 +243,7 @@ class ContrastiveTask:
         enc = tokenize(tokenizer, texts[:DIAGNOSTIC_TEXTS], cfg.sequence_length)
         self.eval_rows = (enc["input_ids"], enc["attention_mask"])
 
-    def check_forward_pairs(self, pairs: int) -> None:
+    def check_forward(self, pairs: int) -> None:
         """Refuse a forward of fewer than two pairs (batch_size / (processes x grad_accum)): the other pairs of a
         forward are each pair's negatives, so one pair has none and trains nothing (loss 0, gradient 0)."""
         if pairs < 2:

@@ -1,22 +1,28 @@
-"""The task a model trains on, made from the config: `kind.model_task` decides which (causal LM, CLIP, or text
-pairs for encoders), the task's own module builds its batches, loss and evaluation."""
+"""The task a model trains on, made from the config: `kind.model_task` names it (causal LM, CLIP, or text pairs for
+encoders), `TASKS` says which class builds it (each module is imported only when its task is asked for: the text-pair
+readers load for encoders alone), and the class builds its batches, loss and evaluation (`base.Task`)."""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
+from ..config import TASKS as TASK_NAMES
 from ..config import TrainConfig
-from .causal_lm import CausalLMTask, from_embedded_model
-from .clip import CLIPTask
+from .base import Task
 from .kind import model_task
 
+# task name (what the architecture table and `--task` say) -> the module and class that build it
+TASKS: dict[str, tuple[str, str]] = {"causal_lm": (".causal_lm", "CausalLMTask"), "clip": (".clip", "CLIPTask"),
+                                     "contrastive": (".contrastive", "ContrastiveTask")}
+assert set(TASKS) == set(TASK_NAMES)
 
-def make_task(cfg: TrainConfig, model: nn.Module, tokenizer):
-    from .contrastive import ContrastiveTask  # imports the text-pair readers only when asked
 
-    kind = model_task(model, cfg.task)
-    if kind == "contrastive":        # encoders: text pairs (upcycle.tasks.contrastive)
-        return ContrastiveTask(cfg, model, tokenizer)
-    if kind == "clip":
-        return CLIPTask(cfg, model, tokenizer)
-    return CausalLMTask(cfg, model, tokenizer, is_default=from_embedded_model(cfg.model))
+def task_class(name: str) -> type[Task]:
+    module, cls = TASKS[name]
+    return getattr(importlib.import_module(module, __package__), cls)
+
+
+def make_task(cfg: TrainConfig, model: nn.Module, tokenizer) -> Task:
+    return task_class(model_task(model, cfg.task))(cfg, model, tokenizer)

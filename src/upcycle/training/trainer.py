@@ -78,8 +78,7 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
     model, tokenizer = load_model(cfg.model)
     model.train()
     task = make_task(cfg, model, tokenizer)
-    if hasattr(task, "check_forward_pairs"):       # a task whose loss needs several examples per forward
-        task.check_forward_pairs(cfg.batch_size // (accelerator.num_processes * cfg.grad_accum))
+    task.check_forward(cfg.batch_size // (accelerator.num_processes * cfg.grad_accum))
     accelerator.wait_for_everyone()
     with RunFolder(out, accelerator, resume=resume).undone_on_failure() as run:
         return _Training(cfg, run, accelerator, model, tokenizer, task, resume_from).run(stop_after, progress)
@@ -170,8 +169,7 @@ class _Training:
     def step_batches(self, step: int) -> list[dict]:
         """This process's micro-batches of step `step`, laid out by the task for the device (made ahead)."""
         batches = micro_batches(self.task.train.batch(step), self.rank, self.micro, self.cfg.grad_accum)
-        layout = getattr(self.task, "layout", None)
-        return batches if layout is None else [layout(b, self.acc.device, self.acc.num_processes) for b in batches]
+        return [self.task.layout(b, self.acc.device, self.acc.num_processes) for b in batches]
 
     def skip(self, step: int, result: StepResult) -> None:
         """A step that did not update the weights: stop the run, or log it and go on (on_nonfinite: skip)."""
