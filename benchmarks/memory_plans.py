@@ -24,7 +24,7 @@ import transformers
 
 from arguments import output_file
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.core.moe import MoELayer
+from upcycle.core.moe import ExpertShape, MoELayer
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
 from upcycle.machine import machine
 from upcycle.training.memory.plan import Layout, plan_memory
@@ -46,8 +46,8 @@ def build(shape: str, dtype: torch.dtype) -> torch.nn.Module:
                                       tie_word_embeddings=tied, max_position_embeddings=8192)
     model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
     for target in plan_targets(model, PlacementConfig(every=2)):
-        install(model, target.path, MoELayer(hidden_size=hidden, intermediate_size=inter, activation="silu",
-                                             gated=True, config=MoEConfig(num_experts=8, top_k=2), dtype=dtype))
+        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True),
+                                             MoEConfig(num_experts=8, top_k=2), dtype=dtype))
     track_padding_masks(model)
     return model
 

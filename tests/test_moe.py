@@ -229,7 +229,7 @@ def test_bad_sizes_are_refused():
 
 def test_spec_rebuilds_the_same_structure():
     layer = random_layer(bias=True, shared=1, capacity_factor_train=2.0, normalize_topk=False)
-    rebuilt = MoELayer(**layer.spec())
+    rebuilt = MoELayer.from_spec(layer.spec())
     assert {n: p.shape for n, p in rebuilt.state_dict().items()} == {n: p.shape for n, p in layer.state_dict().items()}
     rebuilt.load_state_dict(layer.state_dict())
     x = torch.randn(9, 8)
@@ -306,7 +306,8 @@ def test_float32_inputs_to_bfloat16_experts_compute_in_float32(monkeypatch, shar
     import upcycle.core.grouped_ffn as kernel
     calls = []
     run_grouped = kernel._run_grouped_mm
-    monkeypatch.setattr(kernel, "_run_grouped_mm", lambda *a: calls.append(a[6].dtype) or run_grouped(*a))
+    monkeypatch.setattr(kernel, "_run_grouped_mm",
+                        lambda x, slots, ffn: calls.append(ffn.w_in.dtype) or run_grouped(x, slots, ffn))
     layer = random_layer(E=4, K=2, bias=True, shared=shared).to(torch.bfloat16)
     layer.router.float()          # the router is float32 in every model (MoELayer's rule)
     wide = random_layer(E=4, K=2, bias=True, shared=shared)

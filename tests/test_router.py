@@ -12,7 +12,7 @@ from torch import nn
 from conftest import make_tiny
 from upcycle import ConvertConfig, MoEConfig, convert
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import MoELayer
+from upcycle.core.moe import ExpertShape, MoELayer
 from upcycle.core.router import Router
 from upcycle.errors import UpcycleError
 from upcycle.training.loss.losses import load_balance
@@ -87,12 +87,12 @@ def test_the_layer_config_refuses_what_no_router_computes():
 
 def test_the_layer_keeps_one_config_through_its_spec():
     config = MoEConfig(num_experts=4, top_k=1, score="sigmoid", route_scale=2.0, capacity_factor_train=1.5)
-    layer = MoELayer(hidden_size=8, intermediate_size=16, activation="silu", gated=True, config=config)
+    layer = MoELayer(ExpertShape(hidden_size=8, intermediate_size=16, activation="silu", gated=True), config)
     assert layer.config is config and layer.router.config is config
-    rebuilt = MoELayer(**layer.spec())
+    rebuilt = MoELayer.from_spec(layer.spec())
     assert rebuilt.config == config and rebuilt.spec() == layer.spec()
-    with pytest.raises(TypeError, match="not both"):
-        MoELayer(hidden_size=8, intermediate_size=16, activation="silu", gated=True, config=config, top_k=2)
+    with pytest.raises(TypeError, match="MoELayer: .*unexpected keyword argument 'top_kk'"):
+        MoELayer.from_spec({**layer.spec(), "top_kk": 2})
 
 
 def _tiny_folder(tmp_path):

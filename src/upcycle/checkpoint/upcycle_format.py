@@ -228,7 +228,7 @@ def build(path: str | os.PathLike, spec: dict, config, dtype: torch.dtype) -> nn
         for layer_spec in spec["layers"]:
             layer_spec = dict(layer_spec)
             block = layer_spec.pop("block")
-            install(model, block, MoELayer(**layer_spec, dtype=model.dtype))
+            install(model, block, MoELayer.from_spec(layer_spec, dtype=model.dtype))
     except UpcycleError as e:   # a layer spec out of range
         raise UpcycleError(f"{path}: a layer of {MOE_CONFIG} is not valid ({e})") from None
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)

@@ -17,7 +17,7 @@ from ..checkpoint.skeleton import empty_model
 from ..config import MoEConfig
 from ..core.architectures import family_of
 from ..core.ffn import FFNWeights
-from ..core.moe import MoELayer
+from ..core.moe import ExpertShape, MoELayer
 from ..core.surgery import Target, install, plan_targets, tower_cfg
 from ..methods import LayerLayout
 
@@ -26,13 +26,10 @@ def empty_moe_layer(dense: FFNWeights, layout: LayerLayout, moe: MoEConfig, *, d
                     output_dropout: float = 0.0) -> MoELayer:
     """An MoE layer of the layout's shapes on the meta device (the router float32, as MoELayer makes it)."""
     with torch.device("meta"):
-        return MoELayer(hidden_size=dense.hidden_size, intermediate_size=layout.routed_width,
-                        activation=dense.activation, gated=dense.gated,
-                        bias_in=dense.b_up is not None or dense.b_gate is not None,
-                        bias_down=dense.b_down is not None,
+        return MoELayer(ExpertShape.of(dense).with_width(layout.routed_width), moe,
                         num_shared_experts=1 if layout.shared_width is not None else 0,
                         shared_intermediate_size=layout.shared_width, router_bias=layout.router_bias,
-                        output_dropout=output_dropout, config=moe, dtype=dtype)
+                        output_dropout=output_dropout, dtype=dtype)
 
 
 def planned_model(config, moe: MoEConfig, placement, layout_of, *, dtype: torch.dtype,

@@ -53,10 +53,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from .autocast import autocast_available, autocast_off
+from .routing_context import ROUTING
 
 
 def _hidden(act, pre_nI: torch.Tensor, gated: bool, grad_h: torch.Tensor | None = None):
@@ -107,9 +110,38 @@ def _expert_ffn(act, gated, x_nD, w_in, b_in, w_down, b_down):
 ACCUMULATOR = torch.float32     # dtype the weighted expert outputs are summed in
 
 
-def _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, keep: list | None):
+class Slots(NamedTuple):
+    """The routed token-slots, sorted by expert: each slot's token index [N] and combine weight [N], and the
+    slots per expert [E] (a device tensor keeps the grouped path free of host syncs; the loop reads it once)."""
+
+    tokens_N: torch.Tensor
+    weights_N: torch.Tensor
+    counts: torch.Tensor | list[int]
+
+
+class ExpertFFN(NamedTuple):
+    """The stacked experts as the kernels take them: the activation, whether it is gated, the input projection
+    `w_in` [E, I, D] (I = 2F gated: gate rows then up rows), `w_down` [E, D, F] and the biases (or None)."""
+
+    act: Callable
+    gated: bool
+    w_in: torch.Tensor
+    b_in: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+    def cast(self, fn: Callable) -> ExpertFFN:
+        """The same experts with `fn` applied to each weight (None stays None)."""
+        return self._replace(**{k: None if t is None else fn(t) for k, t in
+                                (("w_in", self.w_in), ("b_in", self.b_in), ("w_down", self.w_down),
+                                 ("b_down", self.b_down))})
+
+
+def _run(x_TD, slots: Slots, ffn: ExpertFFN, keep: list | None):
     """Per-expert loop: gather the expert's tokens, run its FFN, add the float32-weighted output. Weights in
     another dtype than x are cast one expert at a time (inference only: the autograd path casts beforehand)."""
+    tokens_N, weights_N, counts = slots
+    act, gated, w_in, b_in, w_down, b_down = ffn
     if torch.is_tensor(counts):
         counts = counts.tolist()        # the loop slices per expert on the host: its one sync
     y_TD = x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=ACCUMULATOR)
@@ -164,8 +196,10 @@ def _add_segment_bias(x_NI: torch.Tensor, b_EI: torch.Tensor | None, expert_N: t
     return x_NI.add_(b_EI.index_select(0, expert_N))
 
 
-def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
+def _run_grouped_mm(x_TD, slots: Slots, ffn: ExpertFFN):
     """All experts at once with torch's grouped matmul; differentiable by autograd (small batches)."""
+    tokens_N, weights_N, counts = slots
+    act, gated, w_in, b_in, w_down, b_down = ffn
     offsets = counts.cumsum(0, dtype=torch.int32)
     expert_N = None
     if b_in is not None or b_down is not None:     # output_size given: no host read of the counts' sum
@@ -182,11 +216,16 @@ def _run_grouped_mm(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w
 
 
 class GroupedFFN(torch.autograd.Function):
+    """The per-expert loop with its hand-written backward. The tensors a gradient may reach are arguments of their
+    own (autograd tracks each); the rest, `spec` = (counts, activation, gated), rides along."""
+
     @staticmethod
-    def forward(ctx, x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down):
+    def forward(ctx, x_TD, tokens_N, weights_N, w_in, b_in, w_down, b_down, spec):
+        counts, act, gated = spec
         counts = counts.tolist()
         ctx.kept = []
-        y_TD = _run(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, ctx.kept)
+        y_TD = _run(x_TD, Slots(tokens_N, weights_N, counts), ExpertFFN(act, gated, w_in, b_in, w_down, b_down),
+                    ctx.kept)
         ctx.counts, ctx.act, ctx.gated = counts, act, gated
         ctx.has_bias = (b_in is not None, b_down is not None)
         ctx.save_for_backward(x_TD, tokens_N, weights_N, w_in, w_down)
@@ -196,7 +235,7 @@ class GroupedFFN(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy_TD):
         x_TD, tokens_N, weights_N, w_in, w_down = ctx.saved_tensors
-        need_x, _, need_weights, _, _, _, need_w_in, need_b_in, need_w_down, need_b_down = ctx.needs_input_grad
+        need_x, _, need_weights, need_w_in, need_b_in, need_w_down, need_b_down, _ = ctx.needs_input_grad
         gx_TD = torch.zeros_like(x_TD) if need_x else None
         g_weights = torch.empty_like(weights_N) if need_weights else None      # every slot is written
         # expert gradients: written in place per expert; experts that got no slot are zeroed below
@@ -227,7 +266,7 @@ class GroupedFFN(torch.autograd.Function):
                     if g is not None:
                         g[e].zero_()
         ctx.kept = None
-        return gx_TD, None, g_weights, None, None, None, g_w_in, g_b_in, g_w_down, g_b_down
+        return gx_TD, None, g_weights, g_w_in, g_b_in, g_w_down, g_b_down, None
 
 
 def compute_dtype(device: torch.device, weights_dtype: torch.dtype, input_dtype: torch.dtype | None = None
@@ -239,31 +278,25 @@ def compute_dtype(device: torch.device, weights_dtype: torch.dtype, input_dtype:
     return weights_dtype if input_dtype is None else torch.promote_types(weights_dtype, input_dtype)
 
 
-def grouped_ffn(x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
-                counts: torch.Tensor | list[int], act, gated: bool, w_in: torch.Tensor, b_in: torch.Tensor | None,
-                w_down: torch.Tensor, b_down: torch.Tensor | None) -> torch.Tensor:
-    """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring).
-    `counts` [E]: slots per expert (a tensor on x's device keeps the forward free of host syncs)."""
+def grouped_ffn(x_TD: torch.Tensor, slots: Slots, ffn: ExpertFFN) -> torch.Tensor:
+    """y[t] = sum of weight * FFN_e(x[t]) over token t's slots; slots sorted by expert (module docstring)."""
     device = x_TD.device
-    dtype = compute_dtype(device, w_in.dtype, x_TD.dtype)
-    counts = torch.as_tensor(counts, device=device)
+    dtype = compute_dtype(device, ffn.w_in.dtype, x_TD.dtype)
+    slots = slots._replace(counts=torch.as_tensor(slots.counts, device=device))
     off = autocast_off(device.type)
-    path = kernel_path(tokens_N.numel(), w_in.shape, w_down.shape, dtype, device)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (x_TD, weights_N, w_in, b_in, w_down, b_down))
-    if path == "grouped_mm" and not needs_grad and w_in.dtype != dtype:
+    path = kernel_path(slots.tokens_N.numel(), ffn.w_in.shape, ffn.w_down.shape, dtype, device)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_TD, slots.weights_N, ffn.w_in, ffn.b_in, ffn.w_down, ffn.b_down))
+    if path == "grouped_mm" and not needs_grad and ffn.w_in.dtype != dtype:
         # grouped_mm would need every expert's weights cast at once (a copy of the whole stack) for one small
         # batch; the loop casts only the experts that got tokens, one at a time
         path = "loop"
     with off:
-        def cast(t):
-            return None if t is None else t.to(dtype)
-
         # the inference loop casts each expert's weights as it runs them (`_run`); the other paths cast here
-        cast_w = (lambda t: t) if path == "loop" and not needs_grad else cast
-        args = (cast(x_TD).contiguous(), tokens_N, weights_N.to(ACCUMULATOR), counts, act, gated, cast_w(w_in),
-                cast_w(b_in), cast_w(w_down), cast_w(b_down))
-        y_TD = _dispatch(args, path, needs_grad)
+        if not (path == "loop" and not needs_grad):
+            ffn = ffn.cast(lambda t: t.to(dtype))
+        x = x_TD.to(dtype).contiguous()
+        y_TD = _dispatch(x, slots._replace(weights_N=slots.weights_N.to(ACCUMULATOR)), ffn, path, needs_grad)
     return y_TD.to(x_TD.dtype)
 
 
@@ -274,26 +307,15 @@ GROUPED_MM_DEVICES = frozenset({"cpu", "cuda"})
 # module docstring).
 GROUPED_MEMORY_SHARE = 1 / 8
 
-class _Forced:
-    """The path `forced_kernel_path` forces (a plain attribute: torch.compile traces its read)."""
-
-    path: str | None = None
-
-
-_FORCED = _Forced()
-
-
 @contextlib.contextmanager
 def forced_kernel_path(path: str | None):
     """Every MoE batch inside takes `path` ("grouped_mm" or "loop") where grouped_mm can run at all (benchmarks
-    and tests compare the two); None restores the rule."""
+    and tests compare the two); None restores the rule. Held in `ROUTING.kernel_path` (a plain attribute:
+    torch.compile traces its read)."""
     if path not in (None, "grouped_mm", "loop"):
         raise ValueError(f"kernel path must be grouped_mm, loop or None, got {path!r}")
-    before, _FORCED.path = _FORCED.path, path
-    try:
+    with ROUTING.using(kernel_path=path):
         yield
-    finally:
-        _FORCED.path = before
 
 
 def grouped_working_bytes(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype) -> int:
@@ -367,7 +389,7 @@ def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device
     grouped_mm can run."""
     device = torch.device(device)
     has = hasattr(torch.nn.functional, "grouped_mm")
-    forced = _FORCED.path
+    forced = ROUTING.kernel_path
     if forced is not None and can_group(w_in_shape, w_down_shape, dtype, device.type, has):
         return forced
     if dtype != torch.bfloat16 and torch.compiler.is_compiling():
@@ -377,10 +399,11 @@ def kernel_path(slots: int, w_in_shape, w_down_shape, dtype: torch.dtype, device
                        has_grouped_mm=has)
 
 
-def _dispatch(args: tuple, path: str, needs_grad: bool) -> torch.Tensor:
+def _dispatch(x_TD: torch.Tensor, slots: Slots, ffn: ExpertFFN, path: str, needs_grad: bool) -> torch.Tensor:
     """The path `kernel_path` picked; the loop as an autograd Function when a gradient is needed."""
     if path == "grouped_mm":
-        return _run_grouped_mm(*args)
+        return _run_grouped_mm(x_TD, slots, ffn)
     if needs_grad:
-        return GroupedFFN.apply(*args)
-    return _run(*args, keep=None)     # inference: nothing kept for a backward
+        return GroupedFFN.apply(x_TD, slots.tokens_N, slots.weights_N, ffn.w_in, ffn.b_in, ffn.w_down, ffn.b_down,
+                                (slots.counts, ffn.act, ffn.gated))
+    return _run(x_TD, slots, ffn, keep=None)     # inference: nothing kept for a backward

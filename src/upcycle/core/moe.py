@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..config import MoEConfig
 from .ffn import FFNWeights, activation_fn
-from .grouped_ffn import compute_dtype, grouped_ffn, tokens_per_call
+from .grouped_ffn import ExpertFFN, Slots, compute_dtype, grouped_ffn, tokens_per_call
 from .router import Router, RoutingRecord, count_ids
 from .routing_context import ROUTING, recompute_contexts
 
@@ -51,6 +52,33 @@ def joined_records(model: nn.Module):
             layer.last_record = RoutingRecord.cat(records)
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert's structure, that of the dense FFN it comes from: the model width, the expert's width, the
+    activation, whether it is gated, and whether its input and output projections have biases."""
+
+    hidden_size: int
+    intermediate_size: int
+    activation: str
+    gated: bool
+    bias_in: bool = False
+    bias_down: bool = False
+
+    @classmethod
+    def of(cls, weights: FFNWeights) -> ExpertShape:
+        """The shape of stacked FFN weights (a method's output, a dense FFN)."""
+        return cls(weights.hidden_size, weights.intermediate_size, weights.activation, weights.gated,
+                   bias_in=weights.b_up is not None or weights.b_gate is not None, bias_down=weights.b_down is not None)
+
+    def with_width(self, intermediate_size: int) -> ExpertShape:
+        return dataclasses.replace(self, intermediate_size=intermediate_size)
+
+
+# a saved spec's keys (`MoELayer.spec`): the expert's structure, the layer's own, and MoEConfig's
+STRUCTURE = tuple(f.name for f in dataclasses.fields(ExpertShape))
+LAYER_KEYS = ("num_shared_experts", "shared_intermediate_size", "router_bias", "output_dropout")
+
+
 class Experts(nn.Module):
     """E FFNs with stacked weights, held as one input projection and one output projection per expert.
 
@@ -59,13 +87,12 @@ class Experts(nn.Module):
     `w_up` [E, F, D]. `w_down` is [E, D, F]. `weights()` gives the canonical unfused view.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, *,
-                 gated: bool, bias_in: bool = False, bias_down: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, num_experts: int, shape: ExpertShape, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        E, D, F_ = num_experts, hidden_size, intermediate_size
-        self.activation, self.gated, self.intermediate_size = activation, gated, F_
-        self.act = activation_fn(activation)
+        E, D, F_, gated = num_experts, shape.hidden_size, shape.intermediate_size, shape.gated
+        bias_in, bias_down = shape.bias_in, shape.bias_down
+        self.activation, self.gated, self.intermediate_size = shape.activation, gated, F_
+        self.act = activation_fn(shape.activation)
         in_rows = 2 * F_ if gated else F_
         self.in_name = "w_gate_up" if gated else "w_up"
         self.register_parameter(self.in_name, nn.Parameter(torch.zeros(E, in_rows, D, dtype=dtype)))
@@ -122,8 +149,8 @@ class Experts(nn.Module):
     def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
                 counts: torch.Tensor | list[int]) -> torch.Tensor:
         """y[t] = sum of weights_N[s] * expert_s(x[t]) over token t's slots; slots sorted by expert."""
-        return grouped_ffn(x_TD, tokens_N, weights_N, counts, self.act, self.gated, self.w_in, self.b_in,
-                           self.w_down, self.b_down)
+        return grouped_ffn(x_TD, Slots(tokens_N, weights_N, counts),
+                           ExpertFFN(self.act, self.gated, self.w_in, self.b_in, self.w_down, self.b_down))
 
     def tokens_per_call(self, x_TD: torch.Tensor, slots_per_token: int) -> int:
         """How many tokens of `x_TD` one call takes (`grouped_ffn.tokens_per_call`: all of them on a GPU)."""
@@ -148,30 +175,21 @@ class Experts(nn.Module):
 class MoELayer(nn.Module):
     """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
 
-    def __init__(self, *, hidden_size: int, intermediate_size: int, activation: str, gated: bool,
-                 bias_in: bool = False, bias_down: bool = False, num_shared_experts: int = 0,
+    def __init__(self, shape: ExpertShape, config: MoEConfig, *, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None, router_bias: bool = False,
-                 output_dropout: float = 0.0, config: MoEConfig | None = None, dtype: torch.dtype | None = None,
-                 **options) -> None:
-        """Structure (widths, activation, biases, shared experts) as arguments; the routing options as `config`,
-        or one by one as its keys (`num_experts=8, top_k=2`, the flat form a saved spec lists them in)."""
+                 output_dropout: float = 0.0, dtype: torch.dtype | None = None) -> None:
+        """An expert's structure as `shape` (the routed and the shared experts share it but for the shared width),
+        the routing options as `config`; `from_spec` reads the flat form a saved spec lists them in."""
         super().__init__()
-        if config is not None and options:
-            raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
-        try:
-            config = config or MoEConfig(**options)
-        except TypeError as e:            # an unknown keyword: not a MoEConfig key either
-            raise TypeError(f"MoELayer: {e}") from None
         self.config = config
         self.num_experts, self.top_k = config.num_experts, config.top_k
         # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
-        self.router = Router(hidden_size, config, bias=router_bias)
-        self.experts = Experts(config.num_experts, hidden_size, intermediate_size, activation, gated=gated,
-                               bias_in=bias_in, bias_down=bias_down, dtype=dtype)
+        self.router = Router(shape.hidden_size, config, bias=router_bias)
+        self.experts = Experts(config.num_experts, shape, dtype=dtype)
         # shared experts have the routed experts' structure: both come from one dense FFN
         self.shared_experts = (
-            Experts(num_shared_experts, hidden_size, shared_intermediate_size or intermediate_size, activation,
-                    gated=gated, bias_in=bias_in, bias_down=bias_down, dtype=dtype)
+            Experts(num_shared_experts, shape.with_width(shared_intermediate_size or shape.intermediate_size),
+                    dtype=dtype)
             if num_shared_experts else None)
         # Selection-only bias for aux-loss-free balancing; saved with the model (persistent buffer).
         self.register_buffer("selection_bias", torch.zeros(config.num_experts, dtype=torch.float32))
@@ -179,6 +197,19 @@ class MoELayer(nn.Module):
         self.record_routing = True
         self.recompute = False          # activation checkpointing of this layer alone (`training.recompute`)
         self.last_record: RoutingRecord | None = None
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype: torch.dtype | None = None) -> MoELayer:
+        """The layer a saved spec describes (`spec()`: the structure and MoEConfig's keys, flat; files written
+        before a key existed lack it and take its default); an unknown key is a TypeError naming it."""
+        spec = dict(spec)
+        structure = {k: spec.pop(k) for k in STRUCTURE if k in spec}
+        layer = {k: spec.pop(k) for k in LAYER_KEYS if k in spec}
+        try:
+            config = MoEConfig(**spec)
+        except TypeError as e:            # an unknown keyword: not a MoEConfig key either
+            raise TypeError(f"MoELayer: {e}") from None
+        return cls(ExpertShape(**structure), config, **layer, dtype=dtype)
 
     def spec(self) -> dict:
         """Constructor arguments that rebuild this layer (saved in upcycle_config.json): its structure, and its
@@ -290,13 +321,10 @@ class MoELayer(nn.Module):
             raise TypeError(f"give the routing options as config or as keywords, not both ({sorted(options)})")
         if config.num_experts != experts.num_experts:
             raise ValueError(f"config.num_experts is {config.num_experts}, the method made {experts.num_experts}")
-        layer = cls(hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size,
-                    activation=experts.activation, gated=experts.gated,
-                    bias_in=experts.b_up is not None or experts.b_gate is not None,
-                    bias_down=experts.b_down is not None,
+        layer = cls(ExpertShape.of(experts), config,
                     num_shared_experts=shared.num_experts if shared is not None else 0,
                     shared_intermediate_size=shared.intermediate_size if shared is not None else None,
-                    router_bias=router_bias_E is not None, output_dropout=output_dropout, config=config,
+                    router_bias=router_bias_E is not None, output_dropout=output_dropout,
                     dtype=dtype or experts.w_up.dtype)
         layer.experts.load_weights(experts)
         if shared is not None:

@@ -12,6 +12,10 @@ layer needs to know about the batch reaches it here, set around the forward by w
   recomputing       True while activation checkpointing recomputes a forward in the backward pass: the routing is
                     the same, but nothing that counts a forward (routing records, router-loss inputs, the aux-free
                     balancer's loads, the EMA teacher's pass) may count it again
+  kernel_path       "grouped_mm" or "loop" forces the experts' kernel path (`grouped_ffn.forced_kernel_path`:
+                    benchmarks and tests compare the two); None takes the rule
+
+This is the one module-level mutable object of `upcycle.core` (a test counts them).
 
 Plain attributes of a plain object, not ContextVars: torch.compile traces an attribute read and breaks the graph
 at ContextVar.get. `set` is the one way to change them; it returns what it replaced, so nested forwards (a
@@ -25,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-FIELDS = ("mask", "known_mask", "known_positions", "joined", "recomputing")
+FIELDS = ("mask", "known_mask", "known_positions", "joined", "recomputing", "kernel_path")
 
 
 class RoutingContext:
@@ -34,6 +38,7 @@ class RoutingContext:
     known_positions: torch.Tensor | None = None
     joined: dict | None = None
     recomputing: bool = False
+    kernel_path: str | None = None
 
     def set(self, **fields) -> dict:
         """Set the given fields; returns their previous values (pass them to `set` again to restore)."""

@@ -61,7 +61,7 @@ class EMATeacher:
                 teacher = _sharded_copy(layer, self.specs[name])
             else:
                 with torch.device(layer.router.weight.device):     # made there (a .to() would copy it again)
-                    teacher = MoELayer(**self.specs[name], dtype=torch.float32)
+                    teacher = MoELayer.from_spec(self.specs[name], dtype=torch.float32)
                 teacher.load_state_dict(layer.state_dict())
             teacher.requires_grad_(False).eval()
             teacher.record_routing = False
@@ -88,7 +88,7 @@ class EMATeacher:
         if not self.sharded:
             return teacher
         with torch.device("meta"):
-            layer = MoELayer(**self.specs[name], dtype=torch.float32)
+            layer = MoELayer.from_spec(self.specs[name], dtype=torch.float32)
         layer.load_state_dict({k: whole(v) for k, v in teacher.state_dict().items()}, assign=True)
         layer.requires_grad_(False).eval()
         layer.record_routing = False
@@ -193,7 +193,7 @@ class EMATeacher:
 def _sharded_copy(layer: MoELayer, spec: dict) -> MoELayer:
     """A float32 copy of a sharded student layer, sharded the same way: each process copies its own part."""
     with torch.device("meta"):
-        teacher = MoELayer(**spec, dtype=torch.float32)
+        teacher = MoELayer.from_spec(spec, dtype=torch.float32)
     for name, p in layer.named_parameters():
         owner, _, leaf = name.rpartition(".")
         teacher.get_submodule(owner)._parameters[leaf] = nn.Parameter(p.detach().to(torch.float32, copy=True),

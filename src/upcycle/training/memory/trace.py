@@ -166,11 +166,12 @@ def trace_forward(model: nn.Module, forward: Callable[[nn.Module], object], *,
     return trace
 
 
-def _loop(x_TD, tokens_N, weights_N, counts, act, gated, w_in, b_in, w_down, b_down, keep=None):
+def _loop(x_TD, slots, ffn, keep=None):
     """A stand-in for the per-expert loop without a gradient (which reads its slot counts): one expert's working
     set at a time, each expert taking an equal share of the slots, and the float32 output."""
+    w_in, w_down = ffn.w_in, ffn.w_down
     experts = w_in.shape[0]
-    rows = -(-tokens_N.shape[0] // experts)
+    rows = -(-slots.tokens_N.shape[0] // experts)
     dtype = x_TD.dtype
     pre = x_TD.new_empty(rows, w_in.shape[1], dtype=dtype)
     hidden = x_TD.new_empty(rows, w_down.shape[2], dtype=dtype)
