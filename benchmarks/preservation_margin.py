@@ -53,8 +53,8 @@ def scaled_block(block: int, scale: float):
 
     copy, calls = registry.METHODS["copy"].fn, []
 
-    def broken(ffn, **kwargs):
-        init = copy(ffn, **kwargs)
+    def broken(ffn, layer, args):
+        init = copy(ffn, layer, args)
         if len(calls) == block:
             init = replace(init, experts=replace(init.experts, w_down=init.experts.w_down * scale))
         calls.append(1)

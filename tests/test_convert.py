@@ -198,7 +198,8 @@ def test_broken_preservation_refuses_to_write(tmp_path, monkeypatch):
     make_tiny("llama").save_pretrained(model_dir)
     copy = registry.METHODS["copy"]
     broken = registry.Method(**{**copy.__dict__, "fn": registry.METHODS["noise"].fn,
-                                "args": registry.METHODS["noise"].args})
+                                "args": registry.METHODS["noise"].args,
+                                "args_class": registry.METHODS["noise"].args_class})
     monkeypatch.setitem(registry.METHODS, "copy", broken)
     with pytest.raises(PreservationError, match="refusing to write") as err:
         convert(cfg(model_dir, method="copy"), out, progress=False)
@@ -252,11 +253,11 @@ def test_a_method_failing_on_a_later_layer_leaves_the_model_untouched(monkeypatc
     copy = registry.METHODS["copy"]
     calls = []
 
-    def flaky(ffn, **kwargs):
+    def flaky(ffn, layer, args):
         calls.append(1)
         if len(calls) == 3:
             raise UpcycleError("third layer failed")
-        return copy.fn(ffn, **kwargs)
+        return copy.fn(ffn, layer, args)
 
     monkeypatch.setitem(registry.METHODS, "copy", registry.Method(**{**copy.__dict__, "fn": flaky}))
     with pytest.raises(UpcycleError, match="third layer"):

@@ -6,6 +6,7 @@ the bound and the value; the values on the bound that it allows are accepted and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated
 
@@ -148,14 +149,30 @@ def test_a_bound_is_checked_when_the_method_registers():
     """A default outside its own bound, two bounds, or a Range on a non-number is a programming error, raised
     at import (register), not on a user's run."""
     def method(default, annotation):
-        def fn(ffn, *, num_experts, top_k, generator, x=default):
+        args = dataclasses.make_dataclass("Args", [("x", annotation, dataclasses.field(default=default))],
+                                          frozen=True)
+
+        def fn(ffn, layer, args):
             raise AssertionError("never run")
-        fn.__annotations__ = {"x": annotation}
+        fn.__annotations__ = {"args": args}
         return fn
+
+    def no_default(ffn, layer, args):
+        raise AssertionError("never run")
+    no_default.__annotations__ = {"args": dataclasses.make_dataclass("Args", [("x", float)], frozen=True)}
+
+    def not_a_dataclass(ffn, layer, args: dict):
+        raise AssertionError("never run")
+
+    def old_signature(ffn, *, num_experts, top_k, generator, x=0.5):
+        raise AssertionError("never run")
 
     cases = [(method(2.0, Annotated[float, Range(0, 1)]), "default 2.0 is not in \\[0, 1\\]"),
              (method(0.5, Annotated[float, Range(0, 1), Range(0)]), "declares 2 bounds"),
-             (method("a", Annotated[str, Range(0)]), "has a Range but is not a number")]
+             (method("a", Annotated[str, Range(0)]), "has a Range but is not a number"),
+             (no_default, "argument x needs a default"),
+             (not_a_dataclass, "must name a dataclass"),
+             (old_signature, "signature must be \\(ffn, layer, args\\)")]
     for fn, message in cases:
         with pytest.raises(TypeError, match=message):
             register("_never_registered", paper="-")(fn)

@@ -22,8 +22,8 @@ def dense(gated=True, bias=False, seed=0) -> FFNWeights:
 
 def run(name, ffn=None, seed=0, **args):
     method = get_method(name)
-    return method.fn(ffn or dense(), num_experts=E, top_k=2, generator=torch.Generator().manual_seed(seed),
-                     **method.resolve_args(args))
+    return method(ffn or dense(), method.resolve_args(args), num_experts=E, top_k=2,
+                  generator=torch.Generator().manual_seed(seed))
 
 
 def test_registry_lists_methods_with_papers_and_typed_args():
@@ -94,8 +94,9 @@ def test_drop_reinitializes_exactly_ratio_F_neurons_per_expert(ratio):
 
 def test_drop_draws_from_the_original_matrix_statistics():
     big = FFNWeights(w_up=torch.randn(2000, 64) * 3 + 1, w_down=torch.randn(64, 2000) * 0.2 - 0.5, activation="gelu")
-    init = get_method("drop").fn(big, num_experts=2, top_k=1, generator=torch.Generator().manual_seed(0), ratio=0.5,
-                                 router_std=0.02)
+    drop = get_method("drop")
+    init = drop(big, drop.resolve_args({"ratio": 0.5, "router_std": 0.02}), num_experts=2, top_k=1,
+                generator=torch.Generator().manual_seed(0))
     fresh = init.experts.w_up[0][(init.experts.w_up[0] != big.w_up).any(1)]
     assert fresh.mean().item() == pytest.approx(big.w_up.mean().item(), abs=0.05)
     assert fresh.std().item() == pytest.approx(big.w_up.std().item(), rel=0.05)
@@ -168,8 +169,7 @@ def test_projections_a_method_does_not_change_are_views_not_copies(name):
     method = get_method(name)
     common = {"activations": torch.randn(256, D, generator=torch.Generator().manual_seed(3))} if name == "cluster" \
         else {"top_k": 2}
-    init = method.fn(ffn, num_experts=E, generator=torch.Generator().manual_seed(0), **common,
-                     **method.resolve_args({}))
+    init = method(ffn, method.resolve_args({}), num_experts=E, generator=torch.Generator().manual_seed(0), **common)
     unchanged = [n for n, t in init.experts.tensors().items()
                  if all(torch.equal(t[i], getattr(ffn, n)) for i in range(E))]
     assert unchanged, "every method here keeps at least one projection (or bias) of the dense FFN"

@@ -23,8 +23,8 @@ def dense(gated=True, bias=False, seed=0) -> FFNWeights:
 
 def run(name, ffn=None, seed=0, num_experts=E, top_k=K, **args):
     method = get_method(name)
-    return method.fn(ffn or dense(), num_experts=num_experts, top_k=top_k,
-                     generator=torch.Generator().manual_seed(seed), **method.resolve_args(args))
+    return method(ffn or dense(), method.resolve_args(args), num_experts=num_experts, top_k=top_k,
+                  generator=torch.Generator().manual_seed(seed))
 
 
 def svd64(w):

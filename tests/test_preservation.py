@@ -31,8 +31,8 @@ def break_layer(monkeypatch, scale: float, rows=(0, 0), layer: int = 0) -> None:
     copy = registry.METHODS["copy"]
     calls = []
 
-    def broken(ffn, **kwargs):
-        init = copy.fn(ffn, **kwargs)
+    def broken(ffn, inputs, args):
+        init = copy.fn(ffn, inputs, args)
         if len(calls) == layer:
             w_down = init.experts.w_down.clone()
             w_down[rows] *= scale

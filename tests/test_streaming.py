@@ -99,7 +99,8 @@ def test_a_broken_promise_is_refused_per_layer_and_nothing_is_written(sharded, t
 
     source, held = sharded
     copy = METHODS["copy"]
-    broken = registry.Method(**{**copy.__dict__, "fn": METHODS["noise"].fn, "args": METHODS["noise"].args})
+    broken = registry.Method(**{**copy.__dict__, "fn": METHODS["noise"].fn, "args": METHODS["noise"].args,
+                                "args_class": METHODS["noise"].args_class})
     monkeypatch.setitem(METHODS, "copy", broken)
     cfg = ConvertConfig(model=str(source), method="copy", moe=MoEConfig(num_experts=4, top_k=2),
                         check=CheckConfig(text=str(held), end_to_end=False), streaming=True)

@@ -24,7 +24,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import torch
@@ -34,18 +34,32 @@ from ..config import Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
 from .linalg import pca, spherical_kmeans, truncate_whitened, whitening_factor
-from .registry import ExpertInit, LayerLayout, register
+from .registry import ExpertInit, LayerInputs, LayerLayout, register
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    """The arguments of `cluster` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    tau: Annotated[float, Range(0, 1, low_open=True)] = 0.95
+    min_rank_fraction: Annotated[float, Range(0, 1)] = 0.5
+    pca_factor: Annotated[int, Range(1)] = 1
+    router_bias: bool = False
+    restarts: Annotated[int, Range(1)] = 3
+    iters: Annotated[int, Range(1)] = 50
+    damping: Annotated[float, Range(0)] = 0.0
 
 
 @register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True,
           layout=lambda width, args: LayerLayout(width, router_bias=args["pca_factor"] > 1 and args["router_bias"]))
-def cluster(ffn: FFNWeights, *, num_experts: int, generator: torch.Generator, activations: torch.Tensor,
-            tau: Annotated[float, Range(0, 1, low_open=True)] = 0.95,
-            min_rank_fraction: Annotated[float, Range(0, 1)] = 0.5, pca_factor: Annotated[int, Range(1)] = 1,
-            router_bias: bool = False, restarts: Annotated[int, Range(1)] = 3, iters: Annotated[int, Range(1)] = 50,
-            damping: Annotated[float, Range(0)] = 0.0) -> ExpertInit:
+def cluster(ffn: FFNWeights, layer: LayerInputs, args: ClusterArgs) -> ExpertInit:
     """Experts = per-cluster data-aware truncated SVDs of the FFN's input layers; router = k-means centroids."""
+    num_experts, generator, activations = layer.num_experts, layer.generator, layer.activations
+    tau, min_rank_fraction, pca_factor = args.tau, args.min_rank_fraction, args.pca_factor
+    router_bias, restarts, iters, damping = args.router_bias, args.restarts, args.iters, args.damping
     E = num_experts
+    if activations is None:
+        raise UpcycleError("cluster: needs the layer's calibration activations (none were given)")
     X_ND = activations
     if X_ND.dim() != 2 or X_ND.shape[1] != ffn.hidden_size:
         raise UpcycleError(f"cluster: activations must be [tokens, {ffn.hidden_size}], got {tuple(X_ND.shape)}")

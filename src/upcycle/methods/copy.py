@@ -8,17 +8,25 @@ them into its own weights, so converting a layer never holds E float32 copies ne
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from ..core.ffn import FFNWeights
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerInputs, random_router, register
+
+
+@dataclass(frozen=True)
+class CopyArgs:
+    """The arguments of `copy` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    router_std: float = 0.02
 
 
 @register("copy", paper="Komatsuzaki et al. 2022, Sparse Upcycling, arXiv:2212.05055",
           preserves_function=lambda args, normalize_topk, dropless: normalize_topk and dropless)
-def copy(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-         router_std: float = 0.02) -> ExpertInit:
+def copy(ffn: FFNWeights, layer: LayerInputs, args: CopyArgs) -> ExpertInit:
     """Every expert is a copy of the dense FFN; router ~ N(0, router_std^2)."""
+    num_experts, generator = layer.num_experts, layer.generator
+    router_std = args.router_std
     experts = ffn.expand(num_experts)
     return ExpertInit(experts=experts,
                       router_ED=random_router(num_experts, ffn.hidden_size, router_std, generator))

@@ -10,23 +10,32 @@ belongs to no neuron, is copied.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import torch
 
 from ..config import Range
 from ..core.ffn import FFNWeights
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerInputs, random_router, register
 
 # tensor name -> the dimension that indexes intermediate neurons, in a single (unstacked) tensor
 NEURON_DIM = {"w_up": 0, "w_gate": 0, "b_up": 0, "b_gate": 0, "w_down": 1}
 
 
+@dataclass(frozen=True)
+class DropArgs:
+    """The arguments of `drop` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    ratio: Annotated[float, Range(0, 1)] = 0.5
+    router_std: float = 0.02
+
+
 @register("drop", paper="Nakamura et al. 2025, Drop-Upcycling, arXiv:2502.19261")
-def drop(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-         ratio: Annotated[float, Range(0, 1)] = 0.5, router_std: float = 0.02) -> ExpertInit:
+def drop(ffn: FFNWeights, layer: LayerInputs, args: DropArgs) -> ExpertInit:
     """Copies of the dense FFN with a per-expert random fraction `ratio` of neurons re-initialized."""
+    num_experts, generator = layer.num_experts, layer.generator
+    ratio, router_std = args.ratio, args.router_std
     F = ffn.intermediate_size
     n_drop = round(ratio * F)
     sources = {n: t for n, t in ffn.tensors().items() if n in NEURON_DIM}

@@ -25,14 +25,14 @@ Choices where the paper is silent (stated here so they can be cited):
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import torch
 
 from ..config import Range
 from ..core.ffn import FFNWeights
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerInputs, random_router, register
 
 MATRICES = ("w_up", "w_gate", "w_down")
 
@@ -46,12 +46,21 @@ def orthonormal_complement(basis: torch.Tensor, n: int, generator: torch.Generat
     return torch.linalg.qr(g, mode="reduced").Q
 
 
+@dataclass(frozen=True)
+class DropSvdArgs:
+    """The arguments of `drop_svd` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    fraction: Annotated[float, Range(0, 1)] = 0.25
+    router_std: float = 0.02
+
+
 @register("drop_svd", paper="Cluster-aware Upcycling (CVPR 2026, arXiv:2604.13508), supplementary",
           preserves_function=lambda args, normalize_topk, dropless: args["fraction"] == 0 and normalize_topk
           and dropless)
-def drop_svd(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-             fraction: Annotated[float, Range(0, 1)] = 0.25, router_std: float = 0.02) -> ExpertInit:
+def drop_svd(ffn: FFNWeights, layer: LayerInputs, args: DropSvdArgs) -> ExpertInit:
     """Copies of the dense FFN whose weakest `fraction` of singular vectors are redrawn per expert."""
+    num_experts, generator = layer.num_experts, layer.generator
+    fraction, router_std = args.fraction, args.router_std
     sources = {n: t for n, t in ffn.tensors().items() if n in MATRICES}
     plans = {}
     for name, w in sources.items():

@@ -20,6 +20,7 @@ b_down belongs to no shard: each shard carries b_down / G, so the G shards of a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from ..config import Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .registry import ExpertInit, LayerLayout, random_router, register
+from .registry import ExpertInit, LayerInputs, LayerLayout, random_router, register
 
 
 def _layout(width: int, granularity: int) -> LayerLayout:
@@ -37,13 +38,23 @@ def _layout(width: int, granularity: int) -> LayerLayout:
     return LayerLayout(width // granularity)
 
 
+@dataclass(frozen=True)
+class GranularArgs:
+    """The arguments of `granular` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    granularity: Annotated[int, Range(1)] = 4
+    router_std: float = 0.02
+
+
 @register("granular", paper="He et al. 2024, Upcycling Large Language Models into Mixture of Experts, "
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
           preserves_function=lambda args, normalize_topk, dropless: dropless,
           layout=lambda width, args: _layout(width, args["granularity"]))
-def granular(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator, normalize_topk: bool,
-             granularity: Annotated[int, Range(1)] = 4, router_std: float = 0.02) -> ExpertInit:
+def granular(ffn: FFNWeights, layer: LayerInputs, args: GranularArgs) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""
+    num_experts, top_k = layer.num_experts, layer.top_k
+    generator, normalize_topk = layer.generator, layer.normalize_topk
+    granularity, router_std = args.granularity, args.router_std
     G, F, E = granularity, ffn.intermediate_size, num_experts
     if F % G:                   # G >= 1 is declared; the width is known only here
         raise UpcycleError(f"granular: granularity {G} must divide the FFN width {F}")

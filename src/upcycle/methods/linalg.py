@@ -58,10 +58,12 @@ def _default_batch(k: int) -> int:
     return max(256, min(16384, (1 << 21) // max(k, 1)))
 
 
-def _assign(x_ND, inv_N, c_KD, batch, assign_N, cos_N, sims_BK, sums_KD=None, weights_BK=None) -> None:
-    """assign_N, cos_N <- argmax / max over clusters of cos(x, c), chunked over N into preallocated buffers.
+def _assign(x_ND, inv_N, c_KD, assign_N, cos_N, sims_BK, sums_KD=None, weights_BK=None) -> None:
+    """assign_N, cos_N <- argmax / max over clusters of cos(x, c), chunked over N in sims_BK's rows (the
+    preallocated [min(batch, N), K] buffer).
     With sums_KD, also add each cluster's normalized points, sum_j x_j / ||x_j||, in the same pass over x, as a
     matmul with a one-hot matrix weighted by 1/||x_j|| (index_add_ was up to 30x slower with 2 CPU threads)."""
+    batch = max(sims_BK.shape[0], 1)        # N = 0: no chunk
     for start in range(0, x_ND.shape[0], batch):
         stop = min(start + batch, x_ND.shape[0])
         xc, sims, a = x_ND[start:stop], sims_BK[: stop - start], assign_N[start:stop]
@@ -84,7 +86,7 @@ def spherical_assign(x_ND: torch.Tensor, centroids_KD: torch.Tensor, *,
     assign_N = torch.empty(N, dtype=torch.long, device=x_ND.device)
     cos_N = torch.empty(N, dtype=torch.float32, device=x_ND.device)
     batch = batch or _default_batch(k)
-    _assign(x_ND, inv_N, c_KD, batch, assign_N, cos_N, x_ND.new_empty(min(batch, N), k))
+    _assign(x_ND, inv_N, c_KD, assign_N, cos_N, x_ND.new_empty(min(batch, N), k))
     return assign_N, cos_N
 
 
@@ -161,11 +163,11 @@ def _lloyd(x_ND, inv_N, c_KD, iters, tol, batch):
         # a full re-accumulation (fused into the assignment pass) when many points moved: beyond ~N/8 moved rows,
         # gathering them costs about as much as the pass itself; it also resets any float drift of the updates
         if changed > N // 8:
-            _assign(x_ND, inv_N, c_KD, batch, assign_N, cos_N, sims_BK, sums32_KD.zero_(), weights_BK)
+            _assign(x_ND, inv_N, c_KD, assign_N, cos_N, sims_BK, sums32_KD.zero_(), weights_BK)
             sums_KD = sums32_KD.double()
             basis_N.copy_(assign_N)   # the assignment sums_KD now represents
         else:
-            _assign(x_ND, inv_N, c_KD, batch, assign_N, cos_N, sims_BK)
+            _assign(x_ND, inv_N, c_KD, assign_N, cos_N, sims_BK)
             basis_N.copy_(prev_N)
         repaired += _repair(assign_N, cos_N, k)
         moved = (assign_N != basis_N).nonzero().flatten()

@@ -9,22 +9,31 @@ suits every layer whatever its scale). Weight matrices are perturbed, biases are
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import torch
 
 from ..config import Range
 from ..core.ffn import FFNWeights
-from .registry import ExpertInit, random_router, register
+from .registry import ExpertInit, LayerInputs, random_router, register
+
+
+@dataclass(frozen=True)
+class NoiseArgs:
+    """The arguments of `noise` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    std: Annotated[float, Range(0)] = 0.01
+    relative_std: bool = True
+    fraction: Annotated[float, Range(0, 1)] = 1.0
+    router_std: float = 0.02
 
 
 @register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)")
-def noise(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-          std: Annotated[float, Range(0)] = 0.01, relative_std: bool = True,
-          fraction: Annotated[float, Range(0, 1)] = 1.0,
-          router_std: float = 0.02) -> ExpertInit:
+def noise(ffn: FFNWeights, layer: LayerInputs, args: NoiseArgs) -> ExpertInit:
     """Copies of the dense FFN plus Gaussian noise on a random `fraction` of each weight matrix's entries."""
+    num_experts, generator = layer.num_experts, layer.generator
+    std, relative_std, fraction, router_std = args.std, args.relative_std, args.fraction, args.router_std
     experts = ffn.repeat(num_experts)
     perturbed = {}
     for name in ("w_up", "w_gate", "w_down"):

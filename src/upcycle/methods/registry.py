@@ -1,13 +1,17 @@
 """Registry of upcycling initializations (one registered method per file, mergekit style).
 
-A method is a pure function of one dense FFN and a seeded generator (no nn.Module, no I/O):
+A method is a pure function of one dense FFN, what the conversion gives every layer (`LayerInputs`: the expert
+count, top-k, a seeded generator, calibration activations) and its own arguments (no nn.Module, no I/O):
+
+    @dataclass(frozen=True)
+    class NameArgs:
+        <method arguments with type hints and defaults>
 
     @register("name", paper="...", preserves_function=...)
-    def name(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-             <method arguments with type hints and defaults>) -> ExpertInit
+    def name(ffn: FFNWeights, layer: LayerInputs, args: NameArgs) -> ExpertInit
 
-The signature is the schema: the keyword-only arguments after the common ones are the method's arguments,
-their annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
+The signature is the schema: the class its `args` parameter names holds the method's arguments, their
+annotations are the types `--set method_args.x=v` is checked against (with the config's rule for numbers,
 `upcycle.config_reader.coerce`: `1E-3` and `.25` are floats), their defaults the defaults. An argument's allowed values
 are declared there too, `ratio: Annotated[float, Range(0, 1)] = 0.5` (`config.Range`), and checked with the types,
 so an out-of-range value is refused in the conversion's validation, before the model loads. A float argument
@@ -16,6 +20,7 @@ without a declared range is any finite float (NaN or inf is no method's argument
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import typing
 from collections.abc import Callable
@@ -28,8 +33,22 @@ from ..config_reader import coerce
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
 
-# Arguments the conversion provides (a method declares the ones it needs), not the user.
-COMMON_ARGS = ("num_experts", "top_k", "generator", "normalize_topk", "activations")
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What the conversion gives a method for one layer (not the user's): the experts to make, the experts each
+    token takes, a seeded generator, whether top-k weights are renormalized, and the layer's calibration
+    activations [N, D] (a method registered with needs_calibration gets them; others get None)."""
+
+    num_experts: int
+    top_k: int = 1
+    generator: torch.Generator | None = None
+    normalize_topk: bool = True
+    activations: torch.Tensor | None = None
+
+
+# The conversion's arguments (`LayerInputs`' fields), not the user's.
+COMMON_ARGS = tuple(f.name for f in dataclasses.fields(LayerInputs))
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,7 @@ class Method:
     paper: str
     summary: str
     args: dict[str, MethodArg]
-    common: frozenset[str]          # which COMMON_ARGS the method's signature takes
+    args_class: type                # the dataclass its `args` parameter names (the schema)
     needs_calibration: bool
     # Whether the initialized layer reproduces the dense FFN, given (method args, normalize_topk, dropless).
     preserves: Callable[[dict, bool, bool], bool]
@@ -89,8 +108,8 @@ class Method:
     layout: Callable[[int, dict], LayerLayout] = same_width
 
     def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
-        """Run the method with resolved `args` and the common arguments its signature takes."""
-        return self.fn(ffn, **{k: v for k, v in common.items() if k in self.common}, **args)
+        """Run the method with resolved `args` and the conversion's arguments (`LayerInputs`' fields)."""
+        return self.fn(ffn, LayerInputs(**common), self.args_class(**args))
 
     def resolve_args(self, given: dict) -> dict:
         """Defaults filled in, unknown names and wrong types refused (before any weight is touched)."""
@@ -115,25 +134,24 @@ METHODS: dict[str, Method] = {}
 
 def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict, bool, bool], bool] = False,
              needs_calibration: bool = False, layout: Callable[[int, dict], LayerLayout] = same_width):
-    """Register `fn` under `name`; its keyword-only arguments beyond COMMON_ARGS are the method's schema;
-    `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared)."""
+    """Register `fn(ffn, layer, args)` under `name`; the dataclass its `args` parameter names is the method's
+    schema; `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared)."""
 
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
-        if needs_calibration and "activations" not in inspect.signature(fn).parameters:
-            raise TypeError(f"method {name}: needs calibration data but takes no `activations` argument")
-        hints = typing.get_type_hints(fn, include_extras=True)     # keeps Annotated's bounds
+        if list(inspect.signature(fn).parameters) != ["ffn", "layer", "args"]:
+            raise TypeError(f"method {name}: the signature must be (ffn, layer, args)")
+        args_class = typing.get_type_hints(fn)["args"]
+        if not dataclasses.is_dataclass(args_class):
+            raise TypeError(f"method {name}: `args` must name a dataclass of the method's arguments")
+        hints = typing.get_type_hints(args_class, include_extras=True)     # keeps Annotated's bounds
         args = {}
-        params = inspect.signature(fn).parameters
-        common = frozenset(name for name in params if name in COMMON_ARGS)
-        for p in params.values():
-            if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in COMMON_ARGS:
-                continue
-            if p.default is inspect.Parameter.empty:
-                raise TypeError(f"method {name}: argument {p.name} needs a default")
-            args[p.name] = _argument(name, p.name, hints[p.name], p.default)
+        for f in dataclasses.fields(args_class):
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"method {name}: argument {f.name} needs a default")
+            args[f.name] = _argument(name, f.name, hints[f.name], f.default)
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
-        METHODS[name] = Method(name, fn, paper, summary, args, common, needs_calibration, preserves, layout)
+        METHODS[name] = Method(name, fn, paper, summary, args, args_class, needs_calibration, preserves, layout)
         return fn
 
     return wrap

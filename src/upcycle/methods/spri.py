@@ -30,7 +30,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import torch
@@ -38,19 +38,31 @@ import torch
 from ..config import OneOf, Range
 from ..core.ffn import FFNWeights
 from ..errors import UpcycleError
-from .registry import ExpertInit, LayerLayout, random_router, register
+from .registry import ExpertInit, LayerInputs, LayerLayout, random_router, register
 
 PROJECTION = {"down": ("w_down", "b_down"), "gate": ("w_gate", "b_gate"), "up": ("w_up", "b_up")}
+
+
+@dataclass(frozen=True)
+class SpriArgs:
+    """The arguments of `spri` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
+
+    rho: Annotated[float, Range(0)] = 0.001
+    delta: Annotated[float, Range(0)] = 1e-12
+    placement: Annotated[str, OneOf(*PROJECTION)] = 'down'
+    shared_expert: bool = True
+    perturbation: Annotated[float, Range(0)] = 0.01
+    router_std: float = 0.02
 
 
 @register("spri", paper="Shan et al. 2026, SVD-Partitioned Residual Initialization (SPRI)",
           preserves_function=lambda args, normalize_topk, dropless: args["rho"] == 0 and args["shared_expert"],
           layout=lambda width, args: LayerLayout(width, width if args["shared_expert"] else None))
-def spri(ffn: FFNWeights, *, num_experts: int, top_k: int, generator: torch.Generator,
-         rho: Annotated[float, Range(0)] = 1e-3, delta: Annotated[float, Range(0)] = 1e-12,
-         placement: Annotated[str, OneOf(*PROJECTION)] = "down", shared_expert: bool = True,
-         perturbation: Annotated[float, Range(0)] = 1e-2, router_std: float = 0.02) -> ExpertInit:
+def spri(ffn: FFNWeights, layer: LayerInputs, args: SpriArgs) -> ExpertInit:
     """Shared dense expert + routed experts whose one projection is a scaled SVD block of the dense weight."""
+    num_experts, top_k, generator = layer.num_experts, layer.top_k, layer.generator
+    rho, delta, placement = args.rho, args.delta, args.placement
+    shared_expert, perturbation, router_std = args.shared_expert, args.perturbation, args.router_std
     if placement == "gate" and not ffn.gated:
         raise UpcycleError("spri: placement 'gate' needs a gated FFN; this one is a plain MLP (use 'up' or 'down')")
     if num_experts % top_k:
