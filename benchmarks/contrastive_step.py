@@ -75,7 +75,7 @@ def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
     from upcycle.training.batches_ahead import BatchesAhead
     from upcycle.training.loss.objective import Objective
     from upcycle.training.optimizer import make_optimizer
-    from upcycle.training.step import train_step
+    from upcycle.training.step import StepSetup, train_step
 
     model, _ = encoder("moe" in name, device)
     optimizer = make_optimizer(model, TrainConfig(lr=LR), fused=device.type == "cuda")
@@ -93,8 +93,8 @@ def upcycle_row(name: str, batches, args, device: torch.device) -> dict:
             sync(device)
             start = time.perf_counter()
             laid = ahead.get(step)
-            result = train_step(model, laid, optimizer, reg, task_loss=lambda m, b: pair_loss(m, b, TEMPERATURE),
-                                tokens=lambda b: b["real_tokens"], accelerator=acc, clip_grad=1.0, step=step)
+            setup = StepSetup(lambda m, b: pair_loss(m, b, TEMPERATURE), lambda b: b["real_tokens"], acc, clip_grad=1.0)
+            result = train_step(model, laid, optimizer, reg, setup, step=step)
             sync(device)
             every.append(round(time.perf_counter() - start, 4))
             if step >= args.warmup:

@@ -43,7 +43,7 @@ import transformers
 
 from arguments import output_file
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.core.moe import MoELayer, moe_layers
+from upcycle.core.moe import ExpertShape, MoELayer, moe_layers
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
 from upcycle.machine import machine
 
@@ -107,9 +107,8 @@ def build(name: str, preset: str, dtype: torch.dtype, *, weights: bool = True) -
         return model
     _, hidden, inter, *_ = PRESETS[preset]
     for target in plan_targets(model, PlacementConfig(every=every)):
-        install(model, target.path, MoELayer(hidden_size=hidden, intermediate_size=inter, activation="silu",
-                                             gated=True, config=MoEConfig(num_experts=EXPERTS, top_k=TOP_K),
-                                             dtype=dtype))
+        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True),
+                                             MoEConfig(num_experts=EXPERTS, top_k=TOP_K), dtype=dtype))
     track_padding_masks(model)
     return model
 
@@ -189,7 +188,7 @@ def run(name: str, args, device: torch.device) -> dict:
     from upcycle.training.memory.peak import measure_peak
     from upcycle.training.memory.plan import Layout, local_layout
     from upcycle.training.parallel.accelerator import make_accelerator, prepare
-    from upcycle.training.step import train_step
+    from upcycle.training.step import StepSetup, train_step
 
     gc.collect()                 # the previous row's model (Accelerate's wrapped forward keeps it in a cycle)
     if device.type == "cuda":
@@ -228,8 +227,8 @@ def run(name: str, args, device: torch.device) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            result = train_step(parts.model, batch, parts.optimizer, parts.objective, accelerator=accelerator,
-                                clip_grad=1.0, step=step)
+            result = train_step(parts.model, batch, parts.optimizer, parts.objective,
+                                StepSetup(accelerator=accelerator, clip_grad=1.0), step=step)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -254,7 +253,8 @@ def run(name: str, args, device: torch.device) -> dict:
 
         parts = state["parts"]
         profile(name, lambda step: train_step(parts.model, batch, parts.optimizer, parts.objective,
-                                              accelerator=accelerator, clip_grad=1.0, step=step), device, args.profile)
+                                              StepSetup(accelerator=accelerator, clip_grad=1.0), step=step),
+                device, args.profile)
     state.clear()
     return out
 

@@ -40,7 +40,7 @@ from upcycle.conversion.preservation import count_parameters
 from upcycle.machine import machine
 from upcycle.training.loss.objective import Objective
 from upcycle.training.optimizer import make_optimizer
-from upcycle.training.step import train_step
+from upcycle.training.step import StepSetup, train_step
 
 RESULTS = Path(__file__).parent / "results"
 PRESETS = {  # (layers, hidden, intermediate, heads, kv heads, vocabulary, experts, top-k)
@@ -120,7 +120,7 @@ def run(name: str, args, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = train_step(model, batch, optimizer, reg, accelerator=acc, clip_grad=1.0, step=step)
+        result = train_step(model, batch, optimizer, reg, StepSetup(accelerator=acc, clip_grad=1.0), step=step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step >= args.warmup:

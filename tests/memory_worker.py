@@ -17,7 +17,7 @@ from upcycle.training.freezing import Freezer
 from upcycle.training.memory.peak import measure_peak
 from upcycle.training.memory.plan import plan_memory
 from upcycle.training.parallel.accelerator import make_accelerator, prepare
-from upcycle.training.step import micro_batches, train_step
+from upcycle.training.step import StepSetup, micro_batches, train_step
 
 
 def measured(cfg: TrainConfig) -> tuple[int, int]:
@@ -37,9 +37,9 @@ def measured(cfg: TrainConfig) -> tuple[int, int]:
                 batch["attention_mask"][:, -1] = 0
             batches = micro_batches(batch, accelerator.process_index, micro, cfg.grad_accum)
             batches = [task.layout(b, accelerator.device, accelerator.num_processes) for b in batches]
-            train_step(parts.model, batches, parts.optimizer, parts.objective, task_loss=task.loss,
-                       tokens=task.tokens, accelerator=accelerator, scheduler=parts.scheduler, freezer=freezer,
-                       step=step, clip_grad=cfg.clip_grad)
+            train_step(parts.model, batches, parts.optimizer, parts.objective,
+                       StepSetup(task.loss, task.tokens, accelerator, parts.scheduler, freezer, cfg.clip_grad),
+                       step=step)
 
     return measure_peak(work).peak_bytes, accelerator.process_index
 

@@ -9,7 +9,7 @@ import torch
 
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
-from upcycle.metrics import layer_metrics
+from upcycle.metrics import TokenSources, layer_metrics
 from upcycle.metrics.compactness import relative_compactness
 from upcycle.metrics.experts import diversity, expert_similarity
 from upcycle.metrics.routing import (
@@ -180,8 +180,8 @@ def test_layer_metrics_for_three_experts_has_the_simplex_and_specialization():
     layer = _layer(FFNWeights(w_up=torch.randn(3, 12, 8, generator=g), w_down=torch.randn(3, 8, 12, generator=g),
                               activation="gelu"), torch.randn(3, 8, generator=g))
     x = torch.randn(90, 8, generator=g)
-    m = layer_metrics(layer, x, torch.arange(90) % 3, ["a", "b", "c"], simplex_points=50)
+    m = layer_metrics(layer, x, TokenSources(torch.arange(90) % 3, ["a", "b", "c"]), simplex_points=50)
     assert len(m["simplex"]) == 50 and all(sum(p) == pytest.approx(1.0) for p in m["simplex"])
     assert m["specialization"]["sources"] == ["a", "b", "c"] and 0 <= m["specialization"]["nmi"] <= 1
     with pytest.raises(ValueError):
-        layer_metrics(layer, x, torch.arange(89) % 3, ["a", "b", "c"])
+        layer_metrics(layer, x, TokenSources(torch.arange(89) % 3, ["a", "b", "c"]))

@@ -16,7 +16,7 @@ from upcycle.config import RegularizerConfig, TrainConfig
 from upcycle.tasks.causal_lm import causal_lm_loss
 from upcycle.tasks.make import make_task
 from upcycle.training.loss.objective import Objective
-from upcycle.training.step import train_step
+from upcycle.training.step import StepSetup, train_step
 
 REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, eesd=0.1, eesd_beta=0.9, aux_free_rate=1e-3)
 
@@ -64,7 +64,7 @@ def test_a_nonfinite_step_updates_nothing(tiny_lm):
     teacher = [p.clone() for p in reg.teacher._teacher_params]
 
     result = train_step(model, batch, optimizer, reg,
-                        task_loss=lambda m, b: causal_lm_loss(m, b) * math.nan)
+                        StepSetup(task_loss=lambda m, b: causal_lm_loss(m, b) * math.nan))
     assert result.skipped is not None and result.skipped.startswith("task loss nan")
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())   # selection biases included
     assert all(torch.equal(a, b) for a, b in zip(teacher, reg.teacher._teacher_params, strict=True))
@@ -87,7 +87,7 @@ def test_the_step_reports_the_norm_before_clipping(tiny_lm, clip):
     grads = lambda: [p.grad.norm() for p in model.parameters() if p.grad is not None]  # noqa: E731
     optimizer.register_step_pre_hook(lambda *_: seen.append(float(torch.linalg.vector_norm(torch.stack(grads())))))
     ids = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(1))
-    result = train_step(model, {"input_ids": ids}, optimizer, reg, clip_grad=clip)
+    result = train_step(model, {"input_ids": ids}, optimizer, reg, StepSetup(clip_grad=clip))
     assert result.grad_norm > 1e-2 and result.tokens == 32        # no mask: every id counts
     # float32 norms of the same gradients: equal to a few ulps
     assert seen[0] == pytest.approx(result.grad_norm if clip is None else clip, rel=1e-5)

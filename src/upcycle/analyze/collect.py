@@ -30,7 +30,7 @@ from ..core.moe import MoELayer, moe_layers
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..data.source_texts import SourceRows
 from ..errors import UpcycleError
-from ..metrics import layer_metrics
+from ..metrics import TokenSources, layer_metrics
 from ..probe import ProbeOutput, compare
 from ..tasks.embedding import last_hidden, mean_pool, trim
 from ..tasks.kind import is_encoder
@@ -138,18 +138,19 @@ def _ratio(pairs: dict[str, list[float]]) -> dict:
     return {"all": sum(s for s, _ in pairs.values()) / total if total else None, "per_source": per}
 
 
-def snapshot_metrics(model: nn.Module, cap: Capture, source_names: list[str], *, output_tokens: int,
-                     bins: int, shuffles: int, seed: int, progress=None, expert_source: list[int] | None = None
-                     ) -> dict:
-    """{'layers': {name: layer_metrics}, 'nll': ..., 'kl_to_dense': ... or None} of one captured forward."""
+def snapshot_metrics(model: nn.Module, cap: Capture, source_names: list[str], options, *, progress=None,
+                     expert_source: list[int] | None = None) -> dict:
+    """{'layers': {name: layer_metrics}, 'nll': ..., 'kl_to_dense': ... or None} of one captured forward;
+    `options` (the analysis's) gives the metrics' output_tokens, bins, shuffles and seed."""
     sources_T = torch.cat(cap.sources)
     activation = getattr(model.config, "hidden_act", None)
     layers = {}
     for name, module in moe_modules(model).items():
         layer = module if isinstance(module, MoELayer) else as_moe_layer(module, activation)
         x_TD = torch.cat(cap.inputs[name])
-        layers[name] = layer_metrics(layer, x_TD, sources_T, source_names, output_tokens=output_tokens, bins=bins,
-                                     shuffles=shuffles, seed=seed, expert_source=expert_source)
+        layers[name] = layer_metrics(layer, x_TD, TokenSources(sources_T, source_names, expert_source),
+                                     output_tokens=options.output_tokens, bins=options.bins,
+                                     shuffles=options.shuffles, seed=options.seed)
         cap.inputs[name] = []                  # the layer's inputs are no longer needed
         if progress is not None:
             progress.update(1)

@@ -37,7 +37,7 @@ from ..outputs.claims import Input, claim_output, inputs
 from .collect import capture, moe_modules, snapshot_metrics
 from .curves import run_curves
 from .encoder_sources import PairData, encoder_pairs, is_encoder_folder, pair_rows, text_rows
-from .target import RecordedSources, resolve_target, snapshot_models
+from .target import AnalysisTarget, RecordedSources, resolve_target, snapshot_models
 
 FORMAT = "upcycle-analysis"
 VERSION = 1
@@ -172,15 +172,32 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
              *inputs(*(pairs.files() if pairs is not None else ())),
              *(Input(f"dense model's {what}" if what != "model" else "dense model", path)
                for name in {options.dense, resolved.dense, dense_name} - {None} for what, path in model_inputs(name))]
+    plan = AnalysisPlan(target, options, resolved, specs, sources_from, expert_source, dense_name, encoder, pairs,
+                        command)
     with claim_output(out, kind="analyze", given=given, overwrite=overwrite) as claim:
-        return _analyze(target, claim, options, resolved, specs, sources_from, expert_source, dense_name, started,
-                        progress, command, encoder, pairs)
+        return _analyze(plan, claim, started, progress)
 
 
-def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sources_from, expert_source,
-             dense_name, started: float, progress: bool, command: str | None, encoder: bool = False,
-             pairs: PairData | None = None) -> dict:
-    out = claim.out
+@dataclass(frozen=True)
+class AnalysisPlan:
+    """What `analyze` decided before a weight loads: the target as resolved, the sources and where they came
+    from, the dense model to compare with, and whether the model is an encoder (one text per row)."""
+
+    target: str
+    options: AnalyzeOptions
+    resolved: AnalysisTarget
+    specs: list[SourceSpec]
+    sources_from: str
+    expert_source: list[int] | None
+    dense_name: str | None
+    encoder: bool
+    pairs: PairData | None
+    command: str | None
+
+
+def _analyze(plan: AnalysisPlan, claim, started: float, progress: bool) -> dict:
+    out, target, options, resolved = claim.out, plan.target, plan.options, plan.resolved
+    encoder, dense_name, expert_source = plan.encoder, plan.dense_name, plan.expert_source
 
     def say(message: str) -> None:
         if progress:
@@ -196,7 +213,7 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
     if encoder:         # one text per row: a row past the position table would index beyond it
         check_sequence_length(model, options.sequence_length)
     t = time.perf_counter()
-    rows = _sources(specs, tokenizer, options, encoder, pairs)
+    rows = _sources(plan.specs, tokenizer, options, encoder, plan.pairs)
     timings["sources"] = time.perf_counter() - t
     say("sources: " + ", ".join(f"{r.name} {r.tokens} tokens" for r in rows))
     dense = None
@@ -214,9 +231,7 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
         timings["forward"] += time.perf_counter() - t
         t = time.perf_counter()
         with _progress(len(moe_modules(model)), f"{snapshot.label}: metrics", progress) as bar:
-            metrics = snapshot_metrics(model, cap, names, output_tokens=options.output_tokens, bins=options.bins,
-                                       shuffles=options.shuffles, seed=options.seed, progress=bar,
-                                       expert_source=expert_source)
+            metrics = snapshot_metrics(model, cap, names, options, progress=bar, expert_source=expert_source)
         timings["metrics"] += time.perf_counter() - t
         snapshots.append({"label": snapshot.label, "step": snapshot.step, "path": snapshot.path, **metrics})
         say(f"{snapshot.label}: {len(metrics['layers'])} MoE layers analyzed")
@@ -225,12 +240,12 @@ def _analyze(target: str, claim, options: AnalyzeOptions, resolved, specs, sourc
               "target": {"path": str(target), "kind": resolved.kind, "dense": dense_name,
                          "dense_from": "--dense" if options.dense else ("recorded" if dense_name else None),
                          "notes": resolved.notes},
-              "inputs": {"sources": [r.describe() for r in rows], "sources_from": sources_from,
+              "inputs": {"sources": [r.describe() for r in rows], "sources_from": plan.sources_from,
                          "expert_source": expert_source, "tokens_per_source": options.tokens,
                          "rows": "one text per row (encoder)" if encoder else "packed documents",
                          "sequence_length": options.sequence_length, "checkpoints": options.checkpoints,
                          "output_tokens": options.output_tokens, "histogram_bins": options.bins,
-                         "shuffles": options.shuffles, "seed": options.seed, "command": command},
+                         "shuffles": options.shuffles, "seed": options.seed, "command": plan.command},
               "machine": machine(), "snapshots": snapshots}
     curves = run_curves(resolved.path) if resolved.kind == "run" else None
     if curves is not None:

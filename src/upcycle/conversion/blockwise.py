@@ -160,8 +160,9 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
             built = None
             if visit.needs_compute:
                 before_block(visit.path, block)
-                replayed = _replay_groups(visit, block, family, tower_specs[visit.tower], groups, joined, states,
-                                          timings, output_needed=visit.path != last[visit.tower])
+                replayed = _replay_groups(visit, block, family, tower_specs[visit.tower],
+                                          list(zip(groups, joined, states, strict=True)), timings,
+                                          output_needed=visit.path != last[visit.tower])
                 if visit.target is not None:
                     built, entry = build_layer(visit, block, replayed, timings)
                     layers.append(entry)
@@ -170,15 +171,16 @@ def convert_blocks(source: Blocks, targets: list[Target], groups: list[ReplayGro
     return layers
 
 
-def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower, groups: list[ReplayGroup],
-                   joined: list[list[JoinedBatch]], states: list[dict], timings: Timings, *,
+def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower,
+                   replays: list[tuple[ReplayGroup, list[JoinedBatch], dict]], timings: Timings, *,
                    output_needed: bool) -> Replayed:
+    """Replay `block` on each group's batches (its joined batches, the inputs its tower's blocks recorded)."""
     target, ffn_input = visit.target, family.ffn_input(block)
     ffn = ffn_input if target is not None else None
     # one module from the FFN's input to its output: padding tokens skip it (`replay_block`)
     whole_ffn = ffn_input if ffn_input is family.ffn_output(block) else None
     replayed = Replayed({}, {})
-    for group, group_joined, group_states in zip(groups, joined, states, strict=True):
+    for group, group_joined, group_states in replays:
         with timings.phase(group.timing):
             sampler = group.sampler(target) if target is not None else None
             hook = None

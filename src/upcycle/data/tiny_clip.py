@@ -30,13 +30,14 @@ def check_sizes(*, image_size: int, patch_size: int, hidden_size: int, layers: i
 
 
 def tiny_clip(tokenizer, *, image_size: int = 16, patch_size: int = 4, hidden_size: int = 64, layers: int = 4,
-              heads: int = HEADS, projection_dim: int = 64, max_length: int = 16, seed: int = 0):
-    """A small random dense CLIPModel whose text tower reads `tokenizer`'s ids (EOS pooling)."""
+              projection_dim: int = 64, max_length: int = 16, seed: int = 0):
+    """A small random dense CLIPModel whose text tower reads `tokenizer`'s ids (EOS pooling), with `HEADS`
+    attention heads in each tower."""
     import transformers
 
     torch.manual_seed(seed)
     tower = dict(hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=layers,
-                 num_attention_heads=heads)
+                 num_attention_heads=HEADS)
     config = transformers.CLIPConfig(
         projection_dim=projection_dim,
         text_config=dict(tower, vocab_size=len(tokenizer), max_position_embeddings=max_length,

@@ -87,11 +87,12 @@ def _annotate(ax, image, matrix, fmt: str = "{:.2f}") -> None:
 
 
 def _matrix(ax, matrix, title: str, cmap: str = MATRIX_CMAP, vmin=None, vmax=None, xlabels=None,
-            ylabel: str = "expert", xlabel: str = "expert", annotate: bool = False):
+            annotate: bool = False):
+    """An expert x expert heat map (a caller names other axes with ax.set_xlabel / set_ylabel)."""
     image = ax.imshow(matrix, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
     ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.set_xlabel(xlabel)
+    ax.set_ylabel("expert")
+    ax.set_xlabel("expert")
     ax.grid(False)
     if xlabels is not None:
         ax.set_xticks(range(len(xlabels)), xlabels, rotation=30, ha="right")
@@ -174,8 +175,9 @@ def similarity_figure(snapshot: dict, path: Path) -> None:
                 what = "outputs" if kind == "output" else f"{kind} weights"
                 mean = "" if entry["mean"] is None else f" (mean {entry['mean']:.3f})"
                 image = _matrix(ax, entry["matrix"], what + mean, vmin=low, vmax=1.0,
-                                ylabel=f"{layer_title(name)}\nexpert" if col == 0 else "expert",
                                 annotate=len(entry["matrix"]) <= 4)
+                if col == 0:
+                    ax.set_ylabel(f"{layer_title(name)}\nexpert")
         if image is not None:
             fig.colorbar(image, ax=axes, shrink=0.6, label="cosine similarity")
         fig.savefig(path)
@@ -193,8 +195,8 @@ def utilization_figure(snapshot: dict, path: Path) -> None:
         _margins(fig, wspace=0.2)
         for ax, matrix, title in ((axes[0], load, "share of token-slots per expert (uniform = 1/E)"),
                                   (axes[1], prob, "mean router probability when chosen")):
-            image = _matrix(ax, matrix, title, vmin=0, ylabel="block",
-                            annotate=len(matrix) * len(matrix[0]) <= 64)
+            image = _matrix(ax, matrix, title, vmin=0, annotate=len(matrix) * len(matrix[0]) <= 64)
+            ax.set_ylabel("block")
             ax.set_yticks(range(len(labels)), labels)
             fig.colorbar(image, ax=ax, shrink=0.8)
         fig.savefig(path)
@@ -211,7 +213,8 @@ def specialization_figure(snapshot: dict, path: Path) -> None:
             spec = snapshot["layers"][name]["specialization"]
             title = f"{layer_title(name)}\nNMI {spec['nmi']:.3f} (shuffled max {spec['nmi_baseline']['max']:.3f})"
             image = _matrix(ax, spec["expert_source_share"], title, cmap=SHARE_CMAP, vmin=0, vmax=1,
-                            xlabels=spec["sources"], xlabel="source", annotate=len(spec["expert_source_share"]) <= 16)
+                            xlabels=spec["sources"], annotate=len(spec["expert_source_share"]) <= 16)
+            ax.set_xlabel("source")
         fig.colorbar(image, ax=axes, shrink=0.7, label="share of the expert's token-slots")
         fig.savefig(path)
         plt.close(fig)

@@ -7,6 +7,6 @@ experts.py (expert similarity, diversity), similarity.py (per-projection weight 
 compactness.py, specialization.py; layer.py: all of them for one layer. Their pictures are `upcycle.figures`'.
 """
 
-from .layer import layer_metrics
+from .layer import TokenSources, layer_metrics
 
-__all__ = ["layer_metrics"]     # the notebook entry point: upcycle.metrics.layer_metrics
+__all__ = ["TokenSources", "layer_metrics"]     # the notebook entry point: upcycle.metrics.layer_metrics

@@ -2,7 +2,7 @@
 
     from upcycle.metrics import layer_metrics
     m = layer_metrics(layer, x_TD)                     # x_TD: the layer's inputs (the FFN inputs) [T, D]
-    m = layer_metrics(layer, x_TD, sources_T, ["wiki", "code"])     # + specialization by data source
+    m = layer_metrics(layer, x_TD, TokenSources(sources_T, ["wiki", "code"]))     # + specialization by source
 
   weight_similarity            per projection (gate, up, down) and over all weights: E x E matrix and mean
   diversity                    SPRI's 1 - mean cos of the down projections
@@ -20,6 +20,8 @@ always on and take no part. Everything is a float, None or a nested list: `json.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..core.moe import MoELayer
@@ -30,17 +32,25 @@ from .similarity import expert_outputs, output_similarity, weight_similarity
 from .specialization import source_metrics
 
 
+@dataclass(frozen=True)
+class TokenSources:
+    """Where each token came from: `sources_T`, each token's index into `names`; `expert_source`, for a model
+    merged from several sources, the source each expert came from (the analysis's sources being the merge's, in
+    its order), which adds router-source agreement to the specialization."""
+
+    sources_T: torch.Tensor
+    names: list[str]
+    expert_source: list[int] | None = None
+
+
 @torch.no_grad()
-def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources_T: torch.Tensor | None = None,
-                  source_names: list[str] | None = None, *, output_tokens: int = 512, bins: int = 40,
-                  simplex_points: int = 2000, shuffles: int = 20, seed: int = 0,
-                  expert_source: list[int] | None = None) -> dict:
-    """The metrics of the module docstring for `layer` on the tokens `x_TD` (with `sources_T`, each token's
-    source index into `source_names`). Expert outputs are computed on a seeded sample of `output_tokens`.
-    `expert_source`: for a model merged from several sources, the source each expert came from (the analysis's
-    sources being the merge's, in its order): adds router-source agreement to the specialization."""
-    if sources_T is not None and (source_names is None or len(sources_T) != len(x_TD)):
-        raise ValueError("sources_T needs one source per token and the sources' names")
+def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources: TokenSources | None = None, *,
+                  output_tokens: int = 512, bins: int = 40, simplex_points: int = 2000, shuffles: int = 20,
+                  seed: int = 0) -> dict:
+    """The metrics of the module docstring for `layer` on the tokens `x_TD` (with `sources`, the source of
+    each token). Expert outputs are computed on a seeded sample of `output_tokens`."""
+    if sources is not None and len(sources.sources_T) != len(x_TD):
+        raise ValueError("sources_T needs one source per token")
     x_TD = x_TD.to(layer.router.weight.device)
     E, K, T = layer.num_experts, layer.top_k, x_TD.shape[0]
     record = layer.route(x_TD)
@@ -64,7 +74,7 @@ def layer_metrics(layer: MoELayer, x_TD: torch.Tensor, sources_T: torch.Tensor |
     out["relative_compactness"] = relative_compactness(y_ETD[slot_experts, slot_tokens], slot_experts)
     if E == 3:
         out["simplex"] = probs_TE[pick[:simplex_points]].double().tolist()
-    if sources_T is not None:
-        out["specialization"] = source_metrics(sources_T.to(ids_TK.device), ids_TK, list(source_names), E,
-                                               shuffles=shuffles, seed=seed, expert_source=expert_source)
+    if sources is not None:
+        out["specialization"] = source_metrics(sources.sources_T.to(ids_TK.device), ids_TK, list(sources.names), E,
+                                               shuffles=shuffles, seed=seed, expert_source=sources.expert_source)
     return out

@@ -86,18 +86,29 @@ def count_tokens(batch: dict) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
+@dataclass(frozen=True)
+class StepSetup:
+    """What every step of a run uses, decided once: the task's loss and real-token count, the accelerator
+    (None: plain torch on the model's device), the LR scheduler, the freezing rules and the gradient clip."""
+
+    task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss
+    tokens: Callable[[dict], int] = count_tokens
+    accelerator: object = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    freezer: Freezer | None = None
+    clip_grad: float | None = None
+
+
 def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torch.optim.Optimizer,
-               reg: Objective, *, task_loss: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss,
-               tokens: Callable[[dict], int] = count_tokens, accelerator=None,
-               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, freezer: Freezer | None = None,
-               step: int = 0, clip_grad: float | None = None, router: bool = True,
+               reg: Objective, setup: StepSetup = StepSetup(), *, step: int = 0, router: bool = True,
                groups: torch.Tensor | None = None) -> StepResult:
     """One optimizer step on `batches` (one batch, or the micro-batches of gradient accumulation), as the module
     docstring says. `step` is the 0-based step the freezing rules read; `router=False` leaves the router losses
     out (after `router_until`); `groups`: token groups for the router losses of every micro-batch. A step with
     a non-finite loss or gradient norm on any process leaves the weights, the teacher and the bias unchanged
     and says why in `skipped` (the scheduler still moves on); what the run does then is the caller's choice."""
-    acc = accelerator if accelerator is not None else PlainTorch(next(model.parameters()).device)
+    task_loss, tokens, scheduler, freezer = setup.task_loss, setup.tokens, setup.scheduler, setup.freezer
+    acc = setup.accelerator if setup.accelerator is not None else PlainTorch(next(model.parameters()).device)
     micro = [batches] if isinstance(batches, dict) else list(batches)
     model.train()
     optimizer.zero_grad(set_to_none=True)      # a no-op in `upcycle train`, which zeroes after every step
@@ -106,7 +117,7 @@ def train_step(model: nn.Module, batches: dict | Sequence[dict], optimizer: torc
         freezer.before_step(step)
     trainable = [p for p in model.parameters() if p.grad is not None]
     # max_norm inf measures the norm without clipping, so a NaN gradient is seen with clipping off too
-    grad_norm = acc.clip_grad_norm_(trainable, clip_grad or math.inf) if trainable else None
+    grad_norm = acc.clip_grad_norm_(trainable, setup.clip_grad or math.inf) if trainable else None
     sums = _to_host(sums)          # after the backward: the device has the step's work queued already
     lr = scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
     why = _nonfinite(acc, sums, grad_norm)

@@ -45,7 +45,7 @@ from .run.folder import (
 )
 from .run.log import RunLog
 from .run.trackers import Trackers, check_available
-from .step import StepResult, any_process, micro_batches, train_step
+from .step import StepResult, StepSetup, any_process, micro_batches, train_step
 from .stopping import StopFlag, TrainingStopped, check_skip
 
 
@@ -150,9 +150,9 @@ class _Training:
         cfg, parts = self.cfg, self.parts
         started = time.perf_counter()
         batches = self.ahead.get(step)
-        result = train_step(parts.model, batches, parts.optimizer, parts.objective, task_loss=self.task.loss,
-                            tokens=self.task.tokens, accelerator=self.acc, scheduler=parts.scheduler,
-                            freezer=self.freezer, step=step, clip_grad=cfg.clip_grad, router=step < self.router_steps)
+        setup = StepSetup(self.task.loss, self.task.tokens, self.acc, parts.scheduler, self.freezer, cfg.clip_grad)
+        result = train_step(parts.model, batches, parts.optimizer, parts.objective, setup, step=step,
+                            router=step < self.router_steps)
         if result.skipped is not None:
             self.skip(step, result)
             return False
