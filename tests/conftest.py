@@ -225,8 +225,8 @@ def no_weights_loaded(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("the dense weights were loaded before the input was refused")
-    # the converter module (the package root exports a function `convert` of the same name)
-    monkeypatch.setattr(importlib.import_module("upcycle.conversion.pipeline"), "dense_weights", refuse)
+    # the in-memory route loads them (the package root exports a function `convert`: the module by its path)
+    monkeypatch.setattr(importlib.import_module("upcycle.conversion.routes"), "dense_weights", refuse)
 
 
 def upcycle_command(script: Path | None = None) -> list[str]:

@@ -53,3 +53,15 @@ def test_core_holds_one_module_level_mutable_object_the_routing_context():
 def test_the_mutable_finder_finds_them(tmp_path):
     (tmp_path / "m.py").write_text("A = {}\nB = frozenset({1})\nC = Thing()\nD: list = []\nE = (1, 2)\n")
     assert module_level_mutables(tmp_path / "m.py") == ["m.py:1 A", "m.py:3 C", "m.py:4 D"]
+
+
+def test_a_conversion_reads_on_one_screen():
+    """pipeline.py is the whole conversion in order (plan, claim, inputs, run, report, write): its steps live
+    in the modules it calls, so it stays short; `convert` and `execute` each fit a screen."""
+    path = PACKAGE / "conversion" / "pipeline.py"
+    assert len(path.read_text().splitlines()) <= 120
+    functions = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+    for name in ("convert", "execute"):
+        node = functions[name]
+        assert node.end_lineno - node.lineno + 1 <= 30, name
+

@@ -91,8 +91,16 @@ def test_the_probe_the_timings_and_the_record_are_made_in_one_place():
     for name in ("make_probe", "Timings", "Converted", "convert_blocks"):
         assert _calls(name) == ["orchestrator.py"], name
     # every phase is timed by the record's own `Timings.phase`; the load, before the record exists, by its caller
-    assert sorted(set(_calls("perf_counter"))) == ["merge.py", "pipeline.py", "report.py"]
+    assert sorted(set(_calls("perf_counter"))) == ["merge.py", "pipeline.py", "report.py", "routes.py"]
     assert _calls("perf_counter").count("report.py") == 2
+
+
+def test_one_function_builds_every_conversions_moe_layer():
+    """A method's conversion and a merge build their layers through `upcycle_layer`, the one caller of
+    `MoELayer.from_init` in the conversion; each route is chosen from the plan in one table."""
+    assert _calls("from_init") == ["upcycle_layer.py"]
+    assert sorted(_calls("upcycle_layer")) == ["blockwise.py", "merge_layers.py"]
+    assert _calls("make_plan") == ["dry_run.py", "pipeline.py"]
 
 
 def _parameters(node: ast.FunctionDef) -> int:

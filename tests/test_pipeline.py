@@ -15,7 +15,7 @@ import transformers
 from conftest import fine_tune, write_tiny_lm
 from upcycle import ConvertConfig, MoEConfig
 from upcycle.config import CheckConfig, ExpertSource, PlacementConfig, SourcesConfig
-from upcycle.conversion import pipeline, report
+from upcycle.conversion import pipeline, plan, report
 from upcycle.conversion.report import ConversionReport
 from upcycle.export.registry import STOCK_CLASSES
 
@@ -50,7 +50,8 @@ def test_every_conversion_is_validated_once_and_reports_through_one_function(lm,
         reports.append(made)
         return made
 
-    monkeypatch.setattr(pipeline, "validate", counted_validate)
+    monkeypatch.setattr(plan, "validate", counted_validate)        # where a conversion's plan validates it
+    monkeypatch.setattr(pipeline, "validate", counted_validate)    # upcycle_model (a model given in memory)
     monkeypatch.setattr(pipeline, "conversion_report", counted_report)
     for how, (cfg, out) in _configs(lm, tmp_path).items():
         validations.clear()

@@ -182,9 +182,9 @@ def test_an_export_class_that_cannot_fit_is_refused_before_a_weight_is_read(tmp_
     from upcycle.config import ConvertConfig, PlacementConfig
     from upcycle.conversion.pipeline import convert
 
-    pipeline = importlib.import_module("upcycle.conversion.pipeline")
+    routes = importlib.import_module("upcycle.conversion.routes")
     reads = {"dense_weights": 0, "tensors": 0}
-    real_weights, real_get = pipeline.dense_weights, CheckpointReader.get
+    real_weights, real_get = routes.dense_weights, CheckpointReader.get
 
     def dense_weights(*args, **kwargs):
         reads["dense_weights"] += 1
@@ -194,7 +194,7 @@ def test_an_export_class_that_cannot_fit_is_refused_before_a_weight_is_read(tmp_
         reads["tensors"] += 1
         return real_get(self, name)
 
-    monkeypatch.setattr(pipeline, "dense_weights", dense_weights)
+    monkeypatch.setattr(routes, "dense_weights", dense_weights)
     monkeypatch.setattr(CheckpointReader, "get", get)
     cfg = ConvertConfig(model=str(tiny_llama), method="copy", placement=PlacementConfig(every=2), export="hf",
                         export_class="mixtral", streaming=streaming)

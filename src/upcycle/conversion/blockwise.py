@@ -44,6 +44,7 @@ from .calibration import Capture, JoinedBatch, Reservoir, first_block_inputs, jo
 from .inputs import ConversionInputs
 from .layer_check import layer_check, layer_probe
 from .report import LayerCalibration, LayerEntry, RoutingAtInit, Timings
+from .upcycle_layer import upcycle_layer
 
 
 class AllRows:
@@ -267,10 +268,8 @@ class MethodLayers:
                            top_k=cfg.moe.top_k, generator=keyed_generator(cfg.seed, target.tower, target.index),
                            normalize_topk=cfg.moe.normalize_topk, activations=activations)
         entry = LayerEntry(target.name, target.path, init.info, *similarity_and_diversity(init.experts))
-        with torch.device(dense.w_up.device):       # where the block is (the GPU with --device cuda)
-            layer = MoELayer.from_init(init.experts, init.router_ED, config=cfg.moe, shared=init.shared,
-                                       router_bias_E=init.router_bias_E, dtype=self.layer_dtype or dense.w_up.dtype,
-                                       output_dropout=self.family.output_dropout(tcfg))
+        layer = upcycle_layer(init, cfg.moe, dtype=self.layer_dtype or dense.w_up.dtype,
+                              output_dropout=self.family.output_dropout(tcfg))
         clusters = init.token_clusters
         del init            # the method's float32 experts: gone before the check runs beside the layer
         if activations is not None:

@@ -13,7 +13,8 @@ conversion holds at once (`streaming.py`; the compute dtype is float32):
   write_queue  at most half a block's output (2 GiB at most) waiting for the background writer (storage dtype)
   method       the method's float32 experts for one layer (an upper bound: copy returns views of the dense FFN)
   calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
-`benchmarks/convert_scale.py` measures real runs; its JSON holds the estimate next to the measured peak.
+The plan is `plan.make_plan`'s, the one the real run executes. `benchmarks/convert_scale.py` measures real runs;
+its JSON holds the estimate next to the measured peak.
 """
 
 from __future__ import annotations
@@ -24,31 +25,27 @@ from ..checkpoint.lazy import block_paths
 from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, tensor_specs
 from ..config import ConvertConfig
 from ..core.moe import moe_layers
-from ..methods import Method
-from .inputs import with_resolved_dtype
-from .planned import layout_function, planned_model
+from .plan import ConversionPlan, make_plan
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
-from .validate import validate
 
 GB = 10**9
 OVERHEAD_BYTES = int(0.6 * GB)
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_tokens: int | None = None) -> dict:
-    """The dry run's report (module docstring). `calibration_tokens`: tokens of calibration data (data-aware)."""
+def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> dict:
+    """The dry run's report of `plan` (module docstring): its decisions (`ConversionPlan.summary`), sizes and
+    memory estimate. `calibration_tokens`: tokens of calibration data (data-aware methods)."""
+    cfg, config, method, args, targets = plan.cfg, plan.config, plan.method, plan.args, plan.targets
     dtype = STORAGE_DTYPES[cfg.dtype]
-    # one weightless model: its dense numbers first, then the MoE layers installed into it (a plan costs one
-    # model's construction, linear in its blocks)
-    model = empty_model(config, dtype)
-    dense_specs = tensor_specs(model)
-    before = count_parameters(model)
-    block_list = block_paths(model)
+    dense = empty_model(config, dtype)          # the dense numbers from a weightless model (linear in its blocks)
+    dense_specs = tensor_specs(dense)
+    before = count_parameters(dense)
+    block_list = block_paths(dense)
     dense_sizes = bytes_by_block(dense_specs, block_list)
-    model_class = type(model).__name__
-    model, targets = planned_model(config, cfg.moe, cfg.placement, layout_function(method, args), dtype=dtype,
-                                   model=model)
+    model_class = type(dense).__name__
+    model = plan.planned
     specs = tensor_specs(model)
     layers = moe_layers(model)
     # each storage dtype's bytes from one plan: the tensors in the plan's dtype take the storage dtype; the MoE
@@ -76,6 +73,7 @@ def plan(cfg: ConvertConfig, config, method: Method, args: dict, *, calibration_
     per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method"))
     peak = OVERHEAD_BYTES + calib + max(estimate["trunk"], per_block)
     return {
+        **plan.summary(),
         "model_type": config.model_type, "model_class": model_class, "method": method.name,
         "method_args": args, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
         "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
@@ -93,6 +91,10 @@ def describe(report: dict) -> str:
     lines = [f"{report['model_class']} ({report['model_type']}) -> {report['num_moe_layers']} MoE layers, "
              f"{report['num_experts']} experts, top-{report['top_k']}, method {report['method']}",
              f"  MoE layers: {', '.join(report['moe_layers'])}",
+             f"  route: {report['route']}; dtype {report['dtype']}; "
+             f"{'promises' if report['promised'] else 'does not promise'} the dense function; export "
+             + (report["export_class"] or (f"upcycle format ({report['why_not_export_class']})"
+                                           if report["why_not_export_class"] else report["export"])),
              f"  parameters: {p['before']['total']:,} -> {p['after']['total']:,} total; "
              f"{p['before']['active_per_token']:,} -> {p['after']['active_per_token']:,} active per token",
              "  output on disk: " + ", ".join(f"{k} {gb(v)}" for k, v in report["output_bytes"].items()),
@@ -104,8 +106,5 @@ def describe(report: dict) -> str:
 def dry_run(cfg: ConvertConfig) -> dict:
     """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
     checks them, then the plan; no weight is read."""
-    from ..checkpoint.loading import dense_config
-
-    method, args = validate(cfg)
-    _, config = dense_config(cfg.model, build=False)      # a dry run writes nothing, the model cache too
-    return plan(with_resolved_dtype(cfg, config), config, method, args)
+    # a dry run writes nothing, the model cache too; it plans as a run with OUT would
+    return estimate(make_plan(cfg, writing=True, build=False))

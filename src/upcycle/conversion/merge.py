@@ -40,19 +40,17 @@ from ..checkpoint.loading import DTYPES, load_tokenizer
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
 from ..config import ConvertConfig
-from ..core.architectures import TOKEN_IDS, family_of
 from ..core.devices import resolve_device
-from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
 from ..core.surgery import Target
 from ..data.held_out import held_out_split
 from ..data.text import read_texts
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
-from ..export.layout import choose_export, write_configs
+from ..export.layout import write_configs
 from ..export.protocol import export_entry
 from ..export.stock_folder import check_stock_folder, stock_too_large
-from ..methods import LayerLayout, Method
+from ..methods import Method
 from ..methods.source_router import expert_groups
 from ..probe import Probe
 from .blockwise import BlockVisit, ReplayGroup
@@ -61,10 +59,10 @@ from .inputs import ConversionInputs
 from .merge_layers import SourceLayers
 from .merged_probe import ProbeThroughBlocks
 from .orchestrator import run_conversion
-from .planned import planned_model
+from .plan import COMPUTE_DTYPE, ConversionPlan
 from .report import Converted, LayerEntry
 from .sources import Source, source_name
-from .streaming import COMPUTE_DTYPE, StreamedBlocks
+from .streaming import StreamedBlocks
 
 GROUPS = ("calibration", "held_out", "prompts", "negative_prompts")
 ALL_TOKENS = 2**31 - 1     # prompts are few: every token of them (the largest budget a config holds)
@@ -132,31 +130,15 @@ class MergedSource(StreamedBlocks):
     desc = "merging blocks"
     records_probe = False        # nothing here reproduces one dense model: no dense outputs, no verdict
 
-    def __init__(self, cfg: ConvertConfig, inputs: ConversionInputs, directory: Path,
-                 opened: tuple[Source, list[Source]]) -> None:
-        s, method, args = cfg.sources, inputs.method, inputs.args
-        base, sources = opened
-        family = family_of(base.config)
-        if any(t.input != TOKEN_IDS for t in family.towers_of(base.config).values()):
-            raise UpcycleError(f"several-source merges take text models; {cfg.model} ({base.config.model_type}) "
-                               f"has an image tower")
+    def __init__(self, plan: ConversionPlan, inputs: ConversionInputs, directory: Path) -> None:
+        cfg, method, planned = plan.cfg, plan.method, plan.planned
+        s, (base, sources) = cfg.sources, plan.opened
         storage, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
         self.tokenizer = load_tokenizer(base.path)
         if self.tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
             raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
         self.groups = merge_groups(cfg, self.tokenizer, method, embedding_rows(base.config))
-
-        def layout_of(dense: FFNWeights) -> LayerLayout:
-            layout = method.layout(dense.intermediate_size, args)
-            if layout != LayerLayout(dense.intermediate_size):
-                raise UpcycleError(f"method {method.name!r} makes experts of another shape ({layout}); with several "
-                                   f"sources the method must keep the FFN's width without a shared expert or router "
-                                   f"bias (copy, noise, drop, cluster)")
-            return LayerLayout(dense.intermediate_size,
-                               shared_width=dense.intermediate_size if s.shared_expert else None)
-
-        planned, _ = planned_model(base.config, cfg.moe, cfg.placement, layout_of, dtype=storage)
-        self.stock, self.why_not_hf = choose_export(planned, cfg)      # decided before a weight is read
+        self.stock, self.why_not_hf = plan.stock, plan.why_not_stock      # the plan's: before a weight is read
         unique = {id(src.reader): src.reader for src in sources}
         reader = base.reader if s.non_ffn == "base" else AveragedReader(list(unique.values()))
         model = empty_model(base.config, COMPUTE_DTYPE)
@@ -165,7 +147,7 @@ class MergedSource(StreamedBlocks):
             raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                f"({len(missing)} not found, e.g. {missing[:3]})")
         super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, directory,
-                         layout_of=layout_of, planned=planned, export=self.stock)
+                         layout_of=plan.layout_of, planned=planned, export=self.stock)
         self.inputs = dataclasses.replace(inputs, tokenizer=self.tokenizer)    # the base's tokenizer reads the probe
         self.base, self.sources = base, sources
         self.export_info: dict = {}
@@ -208,15 +190,15 @@ class MergedSource(StreamedBlocks):
                 "router_source_agreement": _agreement_summary(layers)}
 
 
-def merge_sources(cfg: ConvertConfig, inputs: ConversionInputs, directory: Path, opened: tuple[Source, list[Source]],
-                  *, progress: bool = True, phase=lambda message: None) -> tuple[Converted, dict]:
-    """Merge `cfg.sources.experts` on the base `cfg.model` into `directory` (module docstring; `cfg` checked
-    by `validate.validate`, the models opened by `sources.open_sources`); returns what it measured and what it
-    wrote. `inputs.texts`: the probe of the stock export's check (the base's tokenizer reads it)."""
+def merge_sources(plan: ConversionPlan, inputs: ConversionInputs, directory: Path, *, progress: bool = True,
+                  phase=lambda message: None) -> tuple[Converted, dict]:
+    """Merge the plan's sources on its base into `directory` (module docstring; the sources opened and checked
+    by `plan.make_plan`); returns what it measured and what it wrote. `inputs.texts`: the probe of the stock
+    export's check (the base's tokenizer reads it)."""
     t_start = time.perf_counter()
-    source = MergedSource(cfg, inputs, directory, opened)
+    source = MergedSource(plan, inputs, directory)
     load_s = time.perf_counter() - t_start
-    done = run_conversion(source, cfg, source.inputs, progress=progress, phase=phase)
+    done = run_conversion(source, plan.cfg, source.inputs, progress=progress, phase=phase)
     done.timings.load = load_s
     return done, source.export_info
 

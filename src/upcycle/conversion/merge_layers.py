@@ -23,13 +23,14 @@ from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
 from ..core.moe import MoELayer
 from ..core.surgery import Target, tower_cfg
-from ..methods import random_router
+from ..methods import ExpertInit, random_router
 from ..methods.source_router import centroid_row, expert_groups, source_agreement, source_router
 from ..metrics.experts import similarity_and_diversity
 from .blockwise import BlockVisit, Replayed
 from .inputs import ConversionInputs
 from .report import LayerEntry, Timings
 from .sources import Source
+from .upcycle_layer import upcycle_layer
 
 
 def _ffn_modules(family, block) -> dict[str, torch.nn.Module]:
@@ -164,10 +165,10 @@ class SourceLayers:
             shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.stream)
                       if cfg.sources.shared_expert else None)
             experts, router, info = merged_experts(cfg, self.inputs, target, ffns, samples)
-            with torch.device(experts.w_up.device):
-                layer = MoELayer.from_init(experts, router, config=cfg.moe,
-                                           shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None,
-                                           dtype=self.stream.storage, output_dropout=family.output_dropout(tcfg))
+            init = ExpertInit(experts, router,
+                              shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None)
+            layer = upcycle_layer(init, cfg.moe, dtype=self.stream.storage,
+                                  output_dropout=family.output_dropout(tcfg))
             names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
             facts = info.pop("method_facts")
             entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),

@@ -16,21 +16,28 @@ from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem
-from ..methods import Method, get_method
+from ..methods import get_method
 from .calibration import tensor_batches, text_batches
-from .inputs import ConversionInputs, promises_dense_function
+from .inputs import ConversionInputs
+from .plan import MERGED, ConversionPlan
 
 
-def read_inputs(cfg: ConvertConfig, method: Method, args: dict, path: str, config) -> ConversionInputs:
-    """The inputs of a conversion of the checkpoint at `path` (its `config` read, no weight): the tokenizer next
-    to it, the calibration data and the probe's text, read and checked against the model before minutes of
-    loading its weights."""
+def read_inputs(plan: ConversionPlan) -> ConversionInputs:
+    """The inputs of the planned conversion (no weight read): for one checkpoint, the tokenizer next to it, the
+    calibration data and the probe's text, read and checked against the model before minutes of loading its
+    weights; for a merge, the probe's text of the stock export's check (each source's own text calibrates its
+    experts, read by the merge)."""
+    cfg, method, args, config = plan.cfg, plan.method, plan.args, plan.config
+    if plan.route == MERGED:
+        texts = probe_texts(cfg) if cfg.export == "hf" else None
+        return ConversionInputs(method, args, promised=False, texts=texts,
+                                text_source=probe_source(cfg) if texts else "random token ids", per_source=True)
     data, calibration_source = calibration_corpus(cfg)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(plan.path)
     check_model_inputs(cfg, config, tokenizer, data)
     texts = probe_texts(cfg) if tokenizer else None                 # a malformed probe file fails here too
-    return ConversionInputs(method, args, promises_dense_function(method, args, cfg), tokenizer=tokenizer,
-                            texts=texts, text_source=probe_source(cfg),
+    return ConversionInputs(method, args, plan.promised, tokenizer=tokenizer, texts=texts,
+                            text_source=probe_source(cfg),
                             calibration=calibration_batches(cfg, tokenizer, data, config),
                             calibration_source=calibration_source)
 

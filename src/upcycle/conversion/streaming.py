@@ -9,7 +9,7 @@ Memory: the trunk, one dense block and its MoE layer, the method's working set f
 data-aware methods) the calibration batches' hidden states at one depth; never the whole model or output.
 
 Dtypes: `dtype` is what the output stores; the blocks are read, replayed, converted and checked in float32
-(`COMPUTE_DTYPE`), the MoE layer cast to the storage dtype as it is written. Methods do their linear algebra in
+(`plan.COMPUTE_DTYPE`), the MoE layer cast to the storage dtype as it is written. Methods do their linear algebra in
 float32 anyway, and on a CPU bfloat16 matmuls are an order of magnitude slower than float32 ones (the
 calibration replay of a 2B model in bfloat16 would take hours). The in-memory path computes in `dtype`; both
 write the same bytes for copy, noise, drop, drop_svd, spri and granular (their float32 results are rounded once,
@@ -35,14 +35,12 @@ from ..checkpoint.heap import HeapTrimmer
 from ..checkpoint.lazy import blocks_on_demand, materialize, materialize_trunk, release
 from ..checkpoint.loading import DTYPES
 from ..checkpoint.skeleton import bytes_by_block, tensor_specs
-from ..checkpoint.streamed import NotStreamable, StreamSource
+from ..checkpoint.streamed import StreamSource
 from ..checkpoint.writer import ShardedWriter
 from ..config import ConvertConfig
 from ..core.architectures import family_of
-from ..core.devices import resolve_device
 from ..core.moe import MoELayer
 from ..core.surgery import Target, plan_targets
-from ..errors import UpcycleError
 from ..export.protocol import StockClass, export_entry
 from ..probe import Probe, ProbeOutput, lazy_probe_output, stock_probe_output
 from .blockwise import (
@@ -55,10 +53,10 @@ from .blockwise import (
 from .calibration import first_block_inputs
 from .inputs import ConversionInputs
 from .orchestrator import BlockSource
-from .planned import layout_function, planned_model
+from .plan import ConversionPlan
+from .planned import planned_model
 from .preservation import ReorderedFFN
 
-COMPUTE_DTYPE = torch.float32
 # Bytes the background writer may hold queued: half the largest block's output, so the next block's reading
 # overlaps this one's writing without a second block in memory (docs/large-models.md has the measurements).
 WRITE_QUEUE_FLOOR, WRITE_QUEUE_CAP = 64 * 2**20, 2 * 2**30
@@ -181,15 +179,13 @@ class StreamedSource(StreamedBlocks):
     with `check.end_to_end`, the probe runs through the dense checkpoint and then the written one, a block at a
     time from disk."""
 
-    def __init__(self, source: StreamSource, cfg: ConvertConfig, inputs: ConversionInputs, directory: Path) -> None:
+    def __init__(self, plan: ConversionPlan, inputs: ConversionInputs, directory: Path) -> None:
         from ..checkpoint.skeleton import output_bytes
-        from ..export.layout import choose_export
 
-        layout_of = layout_function(inputs.method, inputs.args)
-        planned, _ = planned_model(source.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])
+        cfg, planned = plan.cfg, plan.planned
         self.end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
-        self.stock, self.why_not = choose_export(planned, cfg)       # decided here, before a tensor is written
-        super().__init__(source, cfg, directory, layout_of=layout_of, export=self.stock, planned=planned)
+        self.stock, self.why_not = plan.stock, plan.why_not_stock       # the plan's: before a tensor is written
+        super().__init__(plan.stream, cfg, directory, layout_of=plan.layout_of, export=self.stock, planned=planned)
         self.inputs = inputs
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
@@ -283,26 +279,3 @@ def _written(directory: Path, planned: nn.Module, stock: StockClass | None, why_
                         dense_layers=config.get("mlp_only_layers", []), streamed=True, files=files,
                         checked_against="the dense model" if end_to_end else None,
                         runtimes_note=runtimes_note(planned, stock))
-
-
-def stream_source(cfg: ConvertConfig, path: str, config) -> StreamSource | None:
-    """The checkpoint opened for streaming, or None when the in-memory path runs (streaming: false; a hub id; a
-    folder without safetensors; names that do not match)."""
-    if cfg.streaming is False:
-        return None
-    why = None
-    if not Path(path).is_dir():
-        why = f"{cfg.model} is not a local folder"
-    elif cfg.export == "hf" and cfg.streaming == "auto":
-        # in memory, the export is checked against the upcycled model itself; streamed (streaming: true), against
-        # the dense model, since the upcycled model is never whole
-        return None
-    else:
-        try:
-            return StreamSource.open(path, config, COMPUTE_DTYPE, storage=DTYPES[cfg.dtype],
-                                     device=resolve_device(cfg.device))
-        except NotStreamable as e:
-            why = str(e)
-    if cfg.streaming is True:
-        raise UpcycleError(f"streaming: true, but the conversion cannot stream: {why}")
-    return None
