@@ -52,7 +52,7 @@ def test_every_conversion_is_validated_once_and_reports_through_one_function(lm,
 
     monkeypatch.setattr(plan, "validate", counted_validate)        # where a conversion's plan validates it
     monkeypatch.setattr(pipeline, "validate", counted_validate)    # upcycle_model (a model given in memory)
-    monkeypatch.setattr(pipeline, "conversion_report", counted_report)
+    monkeypatch.setattr(report, "conversion_report", counted_report)
     for how, (cfg, out) in _configs(lm, tmp_path).items():
         validations.clear()
         reports.clear()

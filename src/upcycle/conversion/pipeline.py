@@ -30,7 +30,7 @@ from .in_memory import convert_in_memory
 from .inputs import ConversionInputs, promises_dense_function, with_resolved_dtype
 from .model_data import read_inputs
 from .plan import ConversionPlan, make_plan
-from .report import ConversionReport, PreservationError, conversion_report, refuse_if_broken
+from .report import ConversionReport, PreservationError, checked_report
 from .routes import ROUTES, Phases
 from .validate import validate
 
@@ -60,25 +60,29 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     """Convert `cfg.model` as `cfg` says (module docstring) and, when `out` is given, write the folder
     atomically; `overwrite` lets it replace an existing `out` that upcycle wrote (never an input, a folder
     holding one or inside one, the current directory). `recipe`: the recipe file the config came from."""
+    started = time.perf_counter()
     plan = make_plan(cfg, writing=out is not None, recipe=recipe)
+    planning_s = time.perf_counter() - started
     if out is None:
-        return execute(plan, None, progress)
+        return execute(plan, None, progress, planning_s)
     with claim_output(out, kind="convert", given=plan.given, overwrite=overwrite) as claim:
-        return execute(plan, claim, progress)
+        return execute(plan, claim, progress, planning_s)
 
 
-def execute(plan: ConversionPlan, claim: Claim | None, progress: bool = True) -> Conversion:
-    """Carry out `plan` into the claimed output (None: in memory only, nothing written)."""
+def execute(plan: ConversionPlan, claim: Claim | None, progress: bool = True, planning_s: float = 0.0
+            ) -> Conversion:
+    """Carry out `plan` into the claimed output (None: in memory only, nothing written). The report's load
+    time counts `planning_s` (the config and headers read) and the inputs read, as well as the weights."""
     phases = Phases(5 if claim is not None else 4, progress)
     try:
         started = time.perf_counter()
         inputs = read_inputs(plan)                      # before minutes of loading the weights
-        reading_s = time.perf_counter() - started
+        reading_s = planning_s + time.perf_counter() - started
         with claim.directory() if claim is not None else contextlib.nullcontext() as tmp:
             route = ROUTES[plan.route](plan, inputs, tmp)
             done = route.run(progress, phases)
             done.timings.load += reading_s
-            report = _checked_report(plan.cfg, plan.method, plan.args, done, method_name=route.method_name)
+            report = checked_report(plan.cfg, plan.method, plan.args, done, method_name=route.method_name)
             if claim is not None:
                 report.export = route.write(report)
                 _finish(tmp, plan.cfg, report, phases, claim)
@@ -101,14 +105,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
                               texts=texts, calibration=calibration, calibration_source="batches")
     done = convert_in_memory(model, cfg, inputs, progress=progress)
     mark_upcycled(model)        # from here on its save_pretrained writes the upcycle format (upcycle.save too)
-    return _checked_report(cfg, method, args, done)
-
-
-def _checked_report(cfg: ConvertConfig, method, args: dict, done, method_name: str | None = None
-                    ) -> ConversionReport:
-    report = conversion_report(cfg, method, args, done, **({"method_name": method_name} if method_name else {}))
-    refuse_if_broken(report, cfg.check.noise_factor)
-    return report
+    return checked_report(cfg, method, args, done)
 
 
 def _finish(tmp: Path, cfg: ConvertConfig, report: ConversionReport, phases: Phases, claim: Claim) -> None:

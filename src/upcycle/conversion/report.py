@@ -336,3 +336,10 @@ def conversion_report(cfg, method, args: dict, done: Converted, *, method_name: 
         calibration=done.calibration, layers=done.layers, seed=cfg.seed, dtype=done.dtype or cfg.dtype,
         timings=done.timings, streamed=done.streamed, sources=done.sources,
         router_source_agreement=done.router_source_agreement)
+
+
+def checked_report(cfg, method, args: dict, done: Converted, method_name: str | None = None) -> ConversionReport:
+    """The conversion's report (`conversion_report`), refused when a promise broke (`refuse_if_broken`)."""
+    report = conversion_report(cfg, method, args, done, **({"method_name": method_name} if method_name else {}))
+    refuse_if_broken(report, cfg.check.noise_factor)
+    return report
