@@ -82,11 +82,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.plan:
         import os
 
-        from ..training.memory.plan import describe, plan_memory
+        from ..training.run_plan import make_train_plan
 
-        plan = plan_memory(cfg)
+        plan = make_train_plan(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite),
+                               stop_after=args.stop_after, printing=True)
         if os.environ.get("RANK", "0") == "0":     # under `accelerate launch`, one process says it
-            print(describe(plan, cfg.model))
+            print(plan.describe())
         return 0
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
                     progress=not args.quiet,

@@ -30,21 +30,19 @@ from ..tasks.evaluate import progress_bars
 from ..tasks.make import make_task
 from .batches_ahead import BatchesAhead
 from .freezing import Freezer
-from .memory.plan import check_fits
 from .parallel.accelerator import make_accelerator, own_forward, prepare
 from .run.checkpointer import Checkpointer, finite_parameters
 from .run.folder import (
     LOG,
     RunFolder,
-    check_request,
     check_resumable,
     checkpoints,
     finished_run,
     resume_point,
-    train_inputs,
 )
 from .run.log import RunLog
-from .run.trackers import Trackers, check_available
+from .run.trackers import Trackers
+from .run_plan import TrainPlan, make_train_plan
 from .step import StepResult, StepSetup, any_process, micro_batches, train_step
 from .stopping import StopFlag, TrainingStopped, check_skip
 
@@ -55,19 +53,18 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     step with a checkpoint, as an interruption would (resume later to finish the schedule). `overwrite` lets a
     new run replace an existing OUT that upcycle wrote, only once the new run holds a checkpoint. `recipe`: the
     recipe file the config came from, an input like the others."""
-    out = Path(out).expanduser()
-    overwrite = check_request(cfg, out, resume=resume, overwrite=overwrite, stop_after=stop_after)
-    check_available(cfg.report_to)
-    check_fits(cfg)              # the memory plan, from the config alone: refused before any weight is read
+    # everything decided from the config alone, the memory plan included: refused before any weight is read
+    plan = make_train_plan(cfg, out, resume=resume, overwrite=overwrite, stop_after=stop_after, recipe=recipe)
     accelerator = make_accelerator(cfg)
-    with claim_output(out, kind="train", given=train_inputs(cfg, recipe), overwrite=overwrite,
+    with claim_output(plan.out, kind="train", given=plan.given, overwrite=plan.overwrite,
                       existing="continue" if resume else "refuse", lock=accelerator.is_main_process):
-        return _train(cfg, out, accelerator, resume, stop_after, progress)
+        return _train(plan, accelerator, progress)
 
 
-def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: int | None, progress: bool) -> dict:
+def _train(plan: TrainPlan, accelerator, progress: bool) -> dict:
     from accelerate.utils import set_seed
 
+    cfg, out, resume, stop_after = plan.cfg, plan.out, plan.resume, plan.stop_after
     # Every check before anything is written: the OUT location, the checkpoint to resume, the model, the data.
     if resume:
         check_resumable(out)
@@ -78,20 +75,21 @@ def _train(cfg: TrainConfig, out: Path, accelerator, resume: bool, stop_after: i
     model, tokenizer = load_model(cfg.model)
     model.train()
     task = make_task(cfg, model, tokenizer)
-    task.check_forward(cfg.batch_size // (accelerator.num_processes * cfg.grad_accum))
+    task.check_forward(plan.micro_batch)
     accelerator.wait_for_everyone()
     with RunFolder(out, accelerator, resume=resume).undone_on_failure() as run:
-        return _Training(cfg, run, accelerator, model, tokenizer, task, resume_from).run(stop_after, progress)
+        return _Training(plan, run, accelerator, model, tokenizer, task, resume_from).run(stop_after, progress)
 
 
 class _Training:
     """One run from set-up to finish; each method is one phase of `train`, in the order they run."""
 
-    def __init__(self, cfg: TrainConfig, run: RunFolder, accelerator, model, tokenizer, task,
+    def __init__(self, plan: TrainPlan, run: RunFolder, accelerator, model, tokenizer, task,
                  resume_from: Path | None) -> None:
+        cfg = plan.cfg
         self.cfg, self.folder, self.acc, self.tokenizer, self.task = cfg, run, accelerator, tokenizer, task
         self.is_main, self.rank = accelerator.is_main_process, accelerator.process_index
-        self.micro = cfg.batch_size // (accelerator.num_processes * cfg.grad_accum)
+        self.micro = plan.micro_batch
         if self.is_main and resume_from is None:
             run.record(cfg)
         self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)

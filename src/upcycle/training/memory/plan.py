@@ -120,11 +120,16 @@ def plan_memory(cfg: TrainConfig, layout: Layout | None = None, *, detail: bool 
     dtype FSDP2 computes in, or None for the dtype it trains in)."""
     layout = layout or local_layout(cfg)
     budget(cfg, layout)                     # a bad memory_budget is refused before the model is built
-    micro = cfg.batch_size // (layout.processes * cfg.grad_accum)
-    if micro < 1 or cfg.batch_size % (layout.processes * cfg.grad_accum):
+    return _plan(cfg, layout, micro_batch(cfg, layout.processes), detail, build)
+
+
+def micro_batch(cfg: TrainConfig, processes: int) -> int:
+    """The rows one process runs per forward: batch_size / (processes x grad_accum), refused unless whole."""
+    micro = cfg.batch_size // (processes * cfg.grad_accum)
+    if micro < 1 or cfg.batch_size % (processes * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
-                           f"{layout.processes} x {cfg.grad_accum}")
-    return _plan(cfg, layout, micro, detail, build)
+                           f"{processes} x {cfg.grad_accum}")
+    return micro
 
 
 def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> MemoryPlan:
@@ -370,19 +375,20 @@ def alternatives(cfg: TrainConfig, plan: MemoryPlan) -> list[str]:
     return found
 
 
-def check_fits(cfg: TrainConfig) -> MemoryPlan | None:
-    """Refuse, before any weight is read, a run whose plan does not fit its device, with the numbers and what
-    would fit. A model the plan cannot be made for (an architecture the fake tensors do not carry through) is said
-    in one line and not refused."""
+def check_fits(cfg: TrainConfig, layout: Layout | None = None, *, refuse: bool = True,
+               detail: bool = False) -> MemoryPlan | None:
+    """The run's memory plan on `layout` (default: this machine's); with `refuse`, a run whose plan does not fit
+    its device is refused before any weight is read, with the numbers and what would fit. A model the plan cannot
+    be made for (an architecture the fake tensors do not carry through) is said in one line and not refused."""
     try:
-        plan = plan_memory(cfg, detail=False)
+        plan = plan_memory(cfg, layout, detail=detail)
     except UpcycleError:
         raise
     except Exception as e:          # noqa: BLE001  (a plan is advice; its failure must not stop a run)
         print(f"[upcycle] no memory plan for this run ({type(e).__name__}: {str(e)[:200]}); it starts unchecked",
               file=sys.stderr)
         return None
-    if plan.fits:
+    if plan.fits or not refuse:
         return plan
     lay = plan.layout
     found = alternatives(cfg, plan)
