@@ -43,29 +43,29 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/moe_layer.py
-	$(BIN)/python benchmarks/cluster_convert.py
-	$(BIN)/python benchmarks/tiny_clip.py
+	$(BIN)/python benchmarks/speed/moe_layer.py
+	$(BIN)/python benchmarks/speed/cluster_convert.py
+	$(BIN)/python benchmarks/studies/tiny_clip.py
 
-# The runtime check (benchmarks/runtimes_check.py): llama.cpp, ONNX Runtime, sentence-transformers, lm-eval and
+# The runtime check (benchmarks/interop/runtimes_check.py): llama.cpp, ONNX Runtime, sentence-transformers, lm-eval and
 # torchtitan run what upcycle writes; each in an environment built once under the upcycle cache (docs/runtimes.md)
 runtimes: $(STAMP)
-	$(BIN)/python benchmarks/runtimes_check.py
+	$(BIN)/python benchmarks/interop/runtimes_check.py
 
-# The GPU check (benchmarks/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
+# The GPU check (benchmarks/gpu/gpu_check.sh): on a machine with a GPU and torch, `make gpu-check` (no venv needed there).
 # `make gpu-wheels` fetches here, into .whl/, the wheels a bare GPU machine's Python 3.12 lacks (gguf), and packs
-# the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu_assets.py; benchmarks/gpu_session.sh,
-# benchmarks/gpu_contrastive.sh), and datasets for sentence-transformers' trainer beside ours (contrastive_step.py).
-# torchtitan and what its model code imports that the GPU image lacks (benchmarks/train_mfu.py's torchtitan row)
+# the embedded MiniLM encoder for the GPU contrastive study (benchmarks/gpu/gpu_assets.py; benchmarks/gpu/gpu_session.sh,
+# benchmarks/gpu/gpu_contrastive.sh), and datasets for sentence-transformers' trainer beside ours (contrastive_step.py).
+# torchtitan and what its model code imports that the GPU image lacks (benchmarks/speed/train_mfu.py's torchtitan row)
 GPU_WHEELS := gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchtitan==0.3.0 tyro==1.0.17 \
 	docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torch-checkpointing==0.1.1
 gpu-check:
-	bash benchmarks/gpu_check.sh out/gpu-check
+	bash benchmarks/gpu/gpu_check.sh out/gpu-check
 
 gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
-	$(BIN)/python benchmarks/gpu_assets.py pack .whl/minilm16
+	$(BIN)/python benchmarks/gpu/gpu_assets.py pack .whl/minilm16
 
 clean:
 	rm -rf $(VENV) out

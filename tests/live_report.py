@@ -1,4 +1,4 @@
-"""A pytest plugin for runs that may be stopped at a time limit (benchmarks/gpu_check.sh loads it with
+"""A pytest plugin for runs that may be stopped at a time limit (benchmarks/gpu/gpu_check.sh loads it with
 `-p live_report`): each test's outcome is appended to the file named by $UPCYCLE_TEST_REPORT as one JSON line the
 moment it is known, with a failure's text and a skip's reason, so that a run killed before its end still says
 what passed, what failed and why. Under pytest-xdist the controller writes (it receives every worker's reports)."""

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from upcycle.scripts import output_file, output_folder
 
-from arguments import output_file, output_folder  # noqa: E402  (benchmarks/arguments.py)
+ROOT = Path(__file__).resolve().parents[1]
 
 OUTPUT_FLAGS = ("--out", "--work", "--json", "--results")
 
 
 def test_every_benchmark_output_flag_is_checked_by_its_type():
     unchecked = []
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args \
                     and isinstance(node.args[0], ast.Constant) and node.args[0].value in OUTPUT_FLAGS:
@@ -52,8 +51,8 @@ def test_output_paths_that_cannot_be_written_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("script", "args", "said"), [
-    ("runtimes_check.py", ["--work", "FILE"], "argument --work: FILE is a file; give a folder"),
-    ("moe_layer.py", ["--out", "FILE/x.json"], "argument --out: FILE/x.json cannot be written: FILE is a file"),
+    ("interop/runtimes_check.py", ["--work", "FILE"], "argument --work: FILE is a file; give a folder"),
+    ("speed/moe_layer.py", ["--out", "FILE/x.json"], "argument --out: FILE/x.json cannot be written: FILE is a file"),
 ])
 def test_a_benchmark_refuses_an_output_path_in_one_line(tmp_path, script, args, said):
     (tmp_path / "FILE").write_text("mine\n")
@@ -63,3 +62,39 @@ def test_a_benchmark_refuses_an_output_path_in_one_line(tmp_path, script, args, 
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert said in done.stderr.strip().splitlines()[-1]
     assert (tmp_path / "FILE").read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
+def _sys_path_edits(tree: ast.AST) -> list[int]:
+    """Lines that change sys.path: sys.path.insert/append/extend calls, or an assignment to sys.path or a slice."""
+    def is_sys_path(node) -> bool:
+        target = node.value if isinstance(node, ast.Subscript) else node
+        return (isinstance(target, ast.Attribute) and target.attr == "path" and isinstance(target.value, ast.Name)
+                and target.value.id == "sys")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value) \
+                and node.func.attr in ("insert", "append", "extend"):
+            found.append(node.lineno)
+        if isinstance(node, ast.Assign) and any(is_sys_path(t) for t in node.targets):
+            found.append(node.lineno)
+    return found
+
+
+def test_benchmarks_are_folders_by_kind_sharing_one_helper_module():
+    """benchmarks/ holds a README and one folder per kind; no script edits sys.path (what they share is
+    upcycle.scripts) or writes its own machine() (upcycle.machine's is the one)."""
+    top = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.name != "__pycache__")
+    assert top == ["README.md", "gpu", "interop", "results", "speed", "studies"]
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{path.relative_to(ROOT)}:{line} edits sys.path" for line in _sys_path_edits(tree)]
+        found += [f"{path.relative_to(ROOT)}:{node.lineno} defines machine()" for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef) and node.name == "machine"]
+    assert found == []
+
+
+def test_the_sys_path_finder_finds_each_form():
+    tree = ast.parse("import sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']\nsys.path.append('z')\n"
+                     "code = 'sys.path.insert(0, 1)'\n")
+    assert sorted(_sys_path_edits(tree)) == [2, 3, 4]

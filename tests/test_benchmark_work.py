@@ -1,5 +1,5 @@
 """The benchmark scripts follow the command line's rules for outputs: a script that deletes what it wrote takes
-its folder from `benchmarks/work_folder.py`, which refuses a folder holding anything it did not make, a link, or
+its folder from `upcycle.scripts.claim_work`, which refuses a folder holding anything it did not make, a link, or
 a file, before any work, and removes only what it made."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from upcycle.outputs.ownership import MARKER
+from upcycle.scripts import claim_work, clear, note
 
-from work_folder import MARKER, claim_work, clear, note  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+WRITE_COST = str(ROOT / "benchmarks" / "speed" / "write_cost.py")
 
 
 def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -26,12 +27,10 @@ def test_write_cost_refuses_a_users_folder_and_deletes_nothing_of_it(tmp_path):
     users = tmp_path / "mine"
     users.mkdir()
     (users / "thesis.tex").write_text("years of work")
-    done = run_script([str(ROOT / "benchmarks" / "write_cost.py"), "--rounds", "1", "--pause", "0", "--work",
-                       str(users)], tmp_path)
+    done = run_script([WRITE_COST, "--rounds", "1", "--pause", "0", "--work", str(users)], tmp_path)
     assert done.returncode != 0 and "holds files a benchmark did not make" in done.stderr
     assert (users / "thesis.tex").read_text() == "years of work"
-    done = run_script([str(ROOT / "benchmarks" / "write_cost.py"), "--rounds", "0", "--work", str(tmp_path / "w")],
-                      tmp_path)
+    done = run_script([WRITE_COST, "--rounds", "0", "--work", str(tmp_path / "w")], tmp_path)
     assert done.returncode == 2 and "--rounds must be >= 1" in done.stderr and not (tmp_path / "w").exists()
 
 
@@ -58,12 +57,12 @@ def test_a_work_folder_is_claimed_only_when_new_empty_or_a_benchmarks(tmp_path):
 
 
 @pytest.mark.parametrize(("script", "args", "message"), [
-    ("moe_layer.py", ["--tokens", "0"], "--tokens must be >= 1, got 0"),
-    ("moe_layer.py", ["--out", "{tmp}"], "is a folder; give the JSON file to write"),
-    ("train_step.py", ["--steps", "0", "--device", "cpu"], "--steps must be >= 1, got 0"),
-    ("moe_layer.py", ["--device", "cuda:7"], "torch sees no such GPU here"),
-    ("runtimes_check.py", ["--only", "bogus"], "--only takes parts of"),
-    ("verify_reports.py", ["{tmp}"], "is not a folder `upcycle convert` wrote"),
+    ("speed/moe_layer.py", ["--tokens", "0"], "--tokens must be >= 1, got 0"),
+    ("speed/moe_layer.py", ["--out", "{tmp}"], "is a folder; give the JSON file to write"),
+    ("speed/train_step.py", ["--steps", "0", "--device", "cpu"], "--steps must be >= 1, got 0"),
+    ("speed/moe_layer.py", ["--device", "cuda:7"], "torch sees no such GPU here"),
+    ("interop/runtimes_check.py", ["--only", "bogus"], "--only takes parts of"),
+    ("interop/verify_reports.py", ["{tmp}"], "is not a folder `upcycle convert` wrote"),
 ])
 def test_benchmark_scripts_refuse_bad_arguments_in_one_line_before_any_work(tmp_path, script, args, message):
     """The command line's rule for the scripts a user runs from the repository: a bad argument is argparse's

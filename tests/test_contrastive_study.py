@@ -179,7 +179,7 @@ def test_the_study_script_keeps_the_budget_of_its_work_folder(tmp_path, monkeypa
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     study = importlib.import_module("contrastive_study")
     budget = ["--steps", "150", "--batch-size", "32", "--eval-pairs", "512", "--eval-every", "50"]
     monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--work", str(tmp_path), *budget, "--list"])
@@ -201,7 +201,7 @@ def _study_script():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     return importlib.import_module("contrastive_study")
 
 

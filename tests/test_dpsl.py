@@ -12,7 +12,7 @@ from scipy import special
 
 from upcycle.training.loss.dpsl import beta_cdf, beta_pdf, dpsl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
 from dpsl_shaping import ks_tests, shape  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def test_beta_cdf_matches_scipy_over_the_prior_range_including_endpoints(backend
 
 def test_dpsl_backends_agree_and_cpu_uses_scipy(monkeypatch):
     """The loss and its gradient are the same (1e-9) with either CDF backend; on CPU `auto` takes SciPy, the
-    faster one there (benchmarks/regularizers.py)."""
+    faster one there (benchmarks/speed/regularizers.py)."""
     import upcycle.training.loss.dpsl as module
 
     probs = torch.randn(2048, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).softmax(-1)

@@ -1,5 +1,5 @@
-"""The pieces of benchmarks/dpsl_clustering.py that its numbers rest on: the Hungarian-matched accuracy, the data
-generator's proportions, SwAV's Sinkhorn codes, the DPSL schedule gate, and that the loss is the project's own."""
+"""The pieces of benchmarks/studies/dpsl_clustering.py that its numbers rest on: the Hungarian-matched accuracy, the
+data generator's proportions, SwAV's Sinkhorn codes, the DPSL schedule gate, and that the loss is the project's own."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import upcycle.training.loss.dpsl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
 import dpsl_clustering as bench  # noqa: E402
 
 

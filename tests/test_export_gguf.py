@@ -1,13 +1,13 @@
 """`upcycle export --format gguf`: a GGUF file for llama.cpp, checked by reading it back with gguf.GGUFReader.
 
-This is the fast guard; the proof is llama.cpp itself, which benchmarks/runtimes_check.py builds and runs on every
-arch and type (benchmarks/results/runtimes/). Here no llama.cpp binary runs: the file is read back and run by
+This is the fast guard; the proof is llama.cpp itself, which benchmarks/interop/runtimes_check.py builds and runs on
+every arch and type (benchmarks/results/runtimes/). Here no llama.cpp binary runs: the file is read back and run by
 `llama_cpp_forward`, a numpy transcription of llama.cpp's graphs for the three archs (src/models/llama.cpp,
 qwen2moe.cpp, qwen3moe.cpp: RMS norms, rotary "norm" (interleaved pairs) for llama and "neox" (halves) for the
 Qwen archs, softmax top-k with the arch's own renormalization, qwen2moe's shared expert gated by silu(z)/z); its
 logits must equal transformers' on the stock export (the upcycled model). The names and values llama.cpp checks
 (pre-tokenizer names, archs, renormalization, the shared gate's formula) are compared with LLAMA_CPP, read from
-llama.cpp's source by benchmarks/llama_cpp_facts.py.
+llama.cpp's source by benchmarks/interop/llama_cpp_facts.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ CASES = {  # case: (source, export class, normalize_topk as the arch computes it
     "qwen2moe-shared": ("llama", "qwen2_moe", False, "spri"),        # SPRI's real shared expert
     "qwen3moe": ("qwen3", "qwen3_moe", True, "drop"),
 }
-# llama.cpp's own names and formulas, from its source (benchmarks/llama_cpp_facts.py; its "source" says which)
+# llama.cpp's own names and formulas, from its source (benchmarks/interop/llama_cpp_facts.py; its "source" says which)
 LLAMA_CPP = json.loads((Path(__file__).parent / "fixtures" / "llama_cpp_facts.json").read_text())
 GPT2_REGEX = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
 

@@ -1,5 +1,5 @@
 """The tools that bring results back from a lent GPU machine (docs/gpu.md, "Running it"): a test suite stopped at a
-time limit still says what failed (tests/live_report.py, benchmarks/gpu_summary.py's fallbacks), and docs/gpu.md's
+time limit still says what failed (tests/live_report.py, benchmarks/gpu/gpu_summary.py's fallbacks), and docs/gpu.md's
 table of GPU runs is what `gpu_summary.py --docs` writes from benchmarks/results/gpu/, not edited by hand."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def summary_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     return importlib.import_module("gpu_summary")
 
 
@@ -72,7 +72,7 @@ def test_printed_layer_rows_stand_in_for_a_json_the_run_did_not_write(summary_mo
 
 def test_the_docs_table_of_gpu_runs_is_the_one_the_results_give(summary_module, tmp_path, monkeypatch):
     """docs/gpu.md's table is regenerated from benchmarks/results/gpu/*/summary.json; a hand edit or a run added
-    without `python benchmarks/gpu_summary.py --docs` fails here."""
+    without `python benchmarks/gpu/gpu_summary.py --docs` fails here."""
     docs = tmp_path / "gpu.md"
     text = (ROOT / "docs" / "gpu.md").read_text()
     docs.write_text(text)
@@ -109,7 +109,7 @@ def run_check(tmp_path: Path, gpu: str, seconds: int) -> tuple[list[str], str]:
     log = tmp_path / "calls.log"
     env = os.environ | {"PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_GPU": gpu,
                         "GPU_CHECK_SECONDS": str(seconds)}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")], env=env,
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh"), str(tmp_path / "out")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     calls = [line for line in log.read_text().splitlines() if "benchmarks/" in line or "pytest tests" in line]
@@ -121,7 +121,7 @@ def test_the_gpu_check_measures_speed_before_the_suite_and_skips_what_its_time_c
     layer rows and the training step back), then the suite, then the rest while the budget has room: at 100 s the
     60-s layer rows run and the 150-s compiled step is skipped with its reason."""
     calls, stdout = run_check(tmp_path, "1", 100)
-    kinds = [c.split()[0].removeprefix("benchmarks/") if c.startswith("benchmarks/") else "suite" for c in calls]
+    kinds = [c.split()[0].rsplit("/", 1)[-1] if c.startswith("benchmarks/") else "suite" for c in calls]
     assert kinds == ["train_mfu.py", "moe_layer.py", "train_step.py", "suite", "moe_layer.py", "moe_layer.py",
                      "gpu_summary.py"]
     assert "--preset smollm2-1.7b" in calls[0] and "train_mfu.json" in calls[0]
@@ -130,5 +130,5 @@ def test_the_gpu_check_measures_speed_before_the_suite_and_skips_what_its_time_c
     assert not any("--compile" in c for c in calls)
     assert "skipped (compiled training step)" in stdout
     calls, stdout = run_check(tmp_path, "0", 100)              # no GPU: the suite alone
-    assert [c.split()[0] for c in calls] == ["-m", "benchmarks/gpu_summary.py"] and "pytest tests" in calls[0]
+    assert [c.split()[0] for c in calls] == ["-m", "benchmarks/gpu/gpu_summary.py"] and "pytest tests" in calls[0]
     assert "no CUDA GPU here" in stdout

@@ -1,4 +1,4 @@
-"""benchmarks/moe_layer.py gives each implementation its own number of repetitions: a slow one (transformers'
+"""benchmarks/speed/moe_layer.py gives each implementation its own number of repetitions: a slow one (transformers'
 eager loop over olmoe's 64 experts, seconds a call on a GPU) runs `reps` times, not as often as the fastest needs
 to fill `min_seconds`, so every row of the GPU check ends inside its time."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
 
 import moe_layer  # noqa: E402
 

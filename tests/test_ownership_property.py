@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -122,8 +121,7 @@ def test_overwrite_and_resume_of_a_run_never_touch_a_users_file(outputs, tmp_pat
 def test_a_benchmarks_work_folder_keeps_a_users_file(outputs, tmp_path, files, forge):
     """What a benchmark wrote goes, what it did not stays; a record forged to list the user's file (without its
     fingerprint, or with a wrong one) proves nothing."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from work_folder import claim_work, clear, note
+    from upcycle.scripts import claim_work, clear, note
 
     work = claim_work(_fresh(tmp_path) / "work")
     _copy(outputs["converted"], work / "converted")

@@ -18,7 +18,7 @@ FACTS = json.loads((ROOT / "tests" / "fixtures" / "llama_cpp_facts.json").read_t
 
 
 def bench(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "interop"))
     return importlib.import_module(name)
 
 

@@ -58,7 +58,7 @@ def _sections(doc: Path) -> tuple[set[str], set[str]]:
     return sections, principles
 
 
-CODE = [*sorted(SOURCE.rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+CODE = [*sorted(SOURCE.rglob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py")),
         *sorted(SOURCE.rglob("*.yaml"))]
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/train_mfu.py: its FLOP count (6 x active non-embedding parameters + 12 x layers x attention width x
+"""benchmarks/speed/train_mfu.py: its FLOP count (6 x active non-embedding parameters + 12 x layers x attention width x
 sequence) against what torch.utils.flop_counter counts in one real forward and backward, and its tiny CPU preset
 run end to end (every field of a row, the plan beside the measured peak)."""
 
@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks" / "speed"
 sys.path.insert(0, str(BENCHMARKS))
 import train_mfu  # noqa: E402
 

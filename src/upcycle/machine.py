@@ -22,7 +22,9 @@ def machine(device: torch.device | str | None = None) -> dict:
         pass
     out = {"platform": platform.platform(), "processor": processor, "cpus": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "upcycle": __version__}
+           "transformers": transformers.__version__, "upcycle": __version__,
+           "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+           "load_average": [round(x, 2) for x in os.getloadavg()]}
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

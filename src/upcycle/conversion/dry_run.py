@@ -13,7 +13,7 @@ conversion holds at once (`streaming.py`; the compute dtype is float32):
   write_queue  at most half a block's output (2 GiB at most) waiting for the background writer (storage dtype)
   method       the method's float32 experts for one layer (an upper bound: copy returns views of the dense FFN)
   calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
-The plan is `plan.make_plan`'s, the one the real run executes. `benchmarks/convert_scale.py` measures real runs;
+The plan is `plan.make_plan`'s, the one the real run executes. `benchmarks/speed/convert_scale.py` measures real runs;
 its JSON holds the estimate next to the measured peak.
 """
 

@@ -40,7 +40,7 @@ expert's slice. On the CPU the layer hands the experts token ranges whose workin
 2-core CPUs the loop and one grouped call trade places between machines (on one 2-core VM the loop was 2x slower than
 grouped_mm at 4,096 tokens; on another, up to 12% faster at 4,096 tokens and 30% at 16,384), grouped calls
 of bounded size are within 12% of the loop on the second, and on a GPU the loop launches E small
-matmuls from Python for every batch (benchmarks/moe_layer.py; docs/gpu.md).
+matmuls from Python for every batch (benchmarks/speed/moe_layer.py; docs/gpu.md).
 
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
 offsets by cumsum, the counts by index_add rather than bincount), so a dropless forward and backward copy

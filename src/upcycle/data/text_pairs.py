@@ -15,7 +15,7 @@ the first 8 bytes of SHA-256(group) as a fraction of 2^64 fall below `held_out`:
 depends on its id alone, not on the order or the size of the file.
 
 The packaged pairs (`PACKAGED`: WordNet 3.0 glosses and sections of the embedded Wikipedia sample, written by
-benchmarks/make_pairs.py; provenance and licences in src/upcycle/data/pairs/README.md) are the default data.
+benchmarks/studies/make_pairs.py; provenance and licences in src/upcycle/data/pairs/README.md) are the default data.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def split_by_document(pairs: TextPairs, held_out: float = HELD_OUT) -> tuple[Tex
 def packaged_pairs() -> TextPairs:
     if not PACKAGED.is_file():
         raise UpcycleError(f"the packaged text pairs {PACKAGED} are missing from this installation (they are written "
-                           f"by benchmarks/make_pairs.py); give a pair file with --data")
+                           f"by benchmarks/studies/make_pairs.py); give a pair file with --data")
     return read_text_pairs(PACKAGED)
 
 
