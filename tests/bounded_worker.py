@@ -1,5 +1,5 @@
-"""Run by tests/test_bounded_readers.py in a child process: read one input with upcycle's reader under an address-
-space limit of the process's size now plus BUDGET megabytes (RLIMIT_AS, set after the imports, so that the limit
+"""Run by tests/commands/test_bounded_readers.py in a child process: read one input with upcycle's reader under an
+address-space limit of the process's size now plus BUDGET megabytes (RLIMIT_AS, set after the imports, so that the limit
 is what the read itself may take). Prints one JSON line: {"error": the UpcycleError's message or null, "count":
 items read, "exception": the name of any other exception, "seconds": how long the read took}.
 

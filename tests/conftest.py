@@ -1,4 +1,9 @@
-"""Tiny random Hugging Face models of every supported family, built offline."""
+"""Tiny random Hugging Face models of every supported family, built offline; the test groups' folders.
+
+The tests are grouped by what they check: rules/ (the code's and docs' own rules: layers, shapes, one home, the
+docs' claims), package/ (the library's parts: methods, the MoE layer, losses, metrics), commands/ (a command end to
+end, as a user runs it: outputs, refusals, interruptions, the programs that read what it writes) and benchmarks/
+(the benchmark scripts' own logic). A test may import another's helpers by module name in any group."""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+
+GROUPS = ("rules", "package", "commands", "benchmarks")
+# every group's folder on the path, so `from test_calibration import batches_for` works whatever was collected first
+sys.path[:0] = [str(Path(__file__).resolve().parent / group) for group in GROUPS]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2", "bert", "clip")
 DECODERS = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM),

@@ -3,7 +3,7 @@ with plain AutoModelForCausalLM, compare its logits with the ones upcycle saved 
 the folder has a tokenizer, load it with AutoTokenizer, compare its ids with the ones upcycle's transformers
 produced, run generate(**tokenizer(text, return_tensors="pt")) (4.x refuses token_type_ids there) against the
 upcycled model's greedy tokens, and run pipeline("text-generation"). Prints one JSON line per folder, with every
-warning raised while loading. Used by tests/test_export_transformers4.py."""
+warning raised while loading. Used by tests/commands/test_export_transformers4.py."""
 
 import json
 import os

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "rules"))
 
 from test_import_graph import LAYERS, layer_of, module_name  # noqa: E402  (the path above first)
 

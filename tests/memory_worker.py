@@ -1,5 +1,5 @@
-"""Run by tests/test_memory_plan.py (alone, or by `accelerate launch` in several processes): for each config of a
-JSON list, the memory plan of its run on this process's layout and the peak measured while the run's own parts
+"""Run by tests/commands/test_memory_plan.py (alone, or by `accelerate launch` in several processes): for each config
+of a JSON list, the memory plan of its run on this process's layout and the peak measured while the run's own parts
 (`make_accelerator`, `load_model`, `prepare`, `train_step`) load the model and take three steps, every batch with
 a padded token (the plan's case: the model's masked attention path). Writes OUT.RANK.json: a list of
 {"plan", "measured", "parts"}."""

@@ -91,7 +91,7 @@ tail -5 "$OUT/pytest.log"
 
 if grep -q "device-side assert" "$OUT/pytest.log"; then
     : > "$OUT/assert_hunt.log"
-    for f in tests/test_cluster.py tests/test_export.py tests/test_compare.py; do
+    for f in tests/package/test_cluster.py tests/commands/test_export.py tests/commands/test_compare.py; do
         fits 60 "assert hunt in $f" || break
         CUDA_LAUNCH_BLOCKING=1 timeout 60 $PY -m pytest "$f" -x -q -p no:cacheprovider >> "$OUT/assert_hunt.log" 2>&1
     done

@@ -14,7 +14,7 @@ llama.cpp it vendors, without unpacking or building anything:
 - how qwen2moe computes its shared expert's gate (src/models/qwen2moe.cpp).
 
 The JSON records the package version, the llama.cpp commit its changelog names, the archive's SHA-256 and the file
-each fact came from. tests/test_export_gguf.py checks what upcycle writes against it on every run, without
+each fact came from. tests/commands/test_export_gguf.py checks what upcycle writes against it on every run, without
 llama.cpp; the runtime check is what runs llama.cpp itself.
 """
 

@@ -23,8 +23,8 @@ two whose plan fits 92 % of the device), `--activation-checkpointing` and `--com
 MFU = tokens/s x FLOPs per token / the device's peak bf16 FLOP/s, with FLOPs per token counted as torchtitan and
 PaLM count them: 6 x the active non-embedding parameters, the output head included, + 12 x layers x heads x head
 dim x sequence length for attention (`flops_per_token`; checked against torch.utils.flop_counter on a tiny model
-in tests/test_train_mfu.py). Peak memory is torch.cuda.max_memory_allocated over the training steps (on the CPU,
-the live tensors of `upcycle.training.memory.peak`) beside the plan's peak for the same run.
+in tests/benchmarks/test_train_mfu.py). Peak memory is torch.cuda.max_memory_allocated over the training steps (on
+the CPU, the live tensors of `upcycle.training.memory.peak`) beside the plan's peak for the same run.
 
     python benchmarks/speed/train_mfu.py --device cuda --preset smollm2-1.7b --out OUT/train_mfu.json
     python benchmarks/speed/train_mfu.py --device cpu --preset tiny --micro-batch 2 --sequence-length 64 --steps 2

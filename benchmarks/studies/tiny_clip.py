@@ -4,7 +4,7 @@ training with a 10x lower learning rate and lower weight decay plus per-modality
 and compare with continuing the dense model for the same steps (the compute-matched baseline).
 
     .venv/bin/python benchmarks/studies/tiny_clip.py            # writes benchmarks/results/tiny_clip.{json,png}
-    .venv/bin/python benchmarks/studies/tiny_clip.py --quick    # a CI-sized run (as tests/test_clip_protocol.py does)
+    .venv/bin/python benchmarks/studies/tiny_clip.py --quick    # a CI-sized run (tests/commands/test_clip_protocol.py)
 
 Metrics on the 359 held-out digits (every 5th image): zero-shot accuracy with class-name prompts, and
 image->text / text->image Recall@1/5 over the distinct captions (upcycle.tasks.evaluate.clip_metrics).

@@ -3,7 +3,7 @@ pipeline must know about the family.
 
 docs/design.md principle 1: methods never see model classes. An adapter maps a family's FFN module to the canonical
 `FFNWeights` and installs an `MoELayer` in its place. Adding an architecture means adding one `Family` row: the
-rest of the package reads what it needs about a family from its row (tests/test_architectures.py adds two
+rest of the package reads what it needs about a family from its row (tests/package/test_architectures.py adds two
 families at test time that way). A row states
   - its model types, and per tower: the block list, the model input it reads (token ids or pixels, so the probe
     and the input checks know what to feed), whether it has a padding mask (and which module receives it), and

@@ -45,7 +45,7 @@ matmuls from Python for every batch (benchmarks/speed/moe_layer.py; docs/gpu.md)
 Host synchronisation: the grouped-matmul path takes the per-expert slot counts as a device tensor (group
 offsets by cumsum, the counts by index_add rather than bincount), so a dropless forward and backward copy
 nothing to the host (on CUDA that holds for torch's bf16 CUTLASS kernels on sm90/sm100; its fallback for other
-dtypes and GPUs reads the offsets itself; tests/test_no_sync.py). The per-expert loop slices the slots of each
+dtypes and GPUs reads the offsets itself; tests/package/test_no_sync.py). The per-expert loop slices the slots of each
 expert in Python and so reads the counts once (`.tolist()`).
 """
 

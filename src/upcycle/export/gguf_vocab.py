@@ -5,7 +5,7 @@ written, and only when their pre-tokenizer is one whose llama.cpp regexes are kn
 llama.cpp splits text with its own regexes named by `tokenizer.ggml.pre`, refuses a name it does not know, and
 tokenizes differently under a wrong one. The names are llama.cpp's own (`tokenizer_pre == "..."` in its
 src/llama-vocab.cpp); tests/fixtures/llama_cpp_facts.json holds them as read from the llama.cpp that
-benchmarks/interop/runtimes_check.py runs, and tests/test_export_gguf.py checks these against it.
+benchmarks/interop/runtimes_check.py runs, and tests/commands/test_export_gguf.py checks these against it.
 llama.cpp's convert_hf_to_gguf.py recognises many more tokenizers by hashing their output on a test text; for a
 tokenizer refused here, run it on the stock transformers export (docs/runtimes.md).
 """

@@ -15,7 +15,7 @@ loss is computed per group and averaged over the groups present).
 Lentz method, as in Numerical Recipes §6.4), using the symmetry I_x(a, b) = 1 - I_{1-x}(b, a) where
 x > (a + 1) / (a + b + 2) so the fraction always converges fast. A fixed number of iterations (no data-dependent
 loop, no host sync) in float64, chosen from the priors' largest parameter (`ITERATIONS`): within 1e-10 of
-scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1] (tests/test_dpsl.py checks 1e-9). Torch has no
+scipy.special.betainc for a, b in [0.05, 1000], x in [0, 1] (tests/package/test_dpsl.py checks 1e-9). Torch has no
 betainc; the DPSL paper's implementation copied to the CPU for SciPy.
 
 Which backend (`backend="auto"`): tensors on an accelerator use the continued fraction on the device (no copy to

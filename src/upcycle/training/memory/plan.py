@@ -18,7 +18,7 @@ bytes:
 
 The plan's peak is the simulated steps' most bytes at once with the sharded kinds scaled to one process's share,
 plus what several processes add. `activations_by_mode` is what the forward keeps under each activation
-checkpointing mode (`memory_trace`). Measured against: `training.peak_memory` (tests/test_memory_plan.py on the
+checkpointing mode (`memory_trace`). Measured against: `training.peak_memory` (tests/commands/test_memory_plan.py on the
 CPU, for one process, DDP and FSDP2; benchmarks/speed/train_mfu.py on a GPU).
 """
 
