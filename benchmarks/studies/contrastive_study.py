@@ -14,13 +14,16 @@ WORK/every-1 (rerunning a part resumes it: finished cells are skipped, an interr
 checkpoint; parts of different seeds may run at the same time):
 
     PLACEMENT-seed-S        upcycle compare minilm WORK/PLACEMENT --methods copy,cluster,drop,spri --eesd none
-                              --seeds S --config WORK/recipe.yaml --num-experts 8 --top-k 2 --every N --quiet
+                              --seeds S --config minilm-contrastive --num-experts 8 --top-k 2 --every N --quiet
     PLACEMENT-eesd-seed-S   upcycle compare minilm WORK/PLACEMENT --methods cluster --eesd λ1,λ2,λ3 --seeds S ...
 
 (seed 0 keeps the models, `--keep models`, so that `--part analyze` can run `upcycle analyze` on them; the other
-seeds keep JSON and logs only). The budget (the recipe every cell trains with) comes from --steps, --batch-size,
---eval-pairs, --eval-every, --sequence-length and --lr, the same for every part; a part run with another budget
-into the same WORK is refused by `upcycle compare` (the cells were planned otherwise).
+seeds keep JSON and logs only). The budget every cell trains with is a packaged recipe (minilm-contrastive, and
+minilm-contrastive-gpu / -gpu-long with --gpu / --long): the study is that recipe run through `upcycle compare`;
+--steps, --batch-size, --eval-pairs, --eval-every, --sequence-length and --lr change it with `--set`, the same for
+every part; a part run with another budget into the same WORK is refused by `upcycle compare` (the cells were
+planned otherwise). What this script adds to compare's own results: the EESD probe, the analysis of seed 0's runs,
+and the collection of both placements with the differences beyond the seed spread.
 
 EESD's λ: at λ = 1 the LM study's EESD gradient was ~10^4 times the task's, so λ is chosen from this model's own
 first step. `--part eesd-probe` trains the seed-0 every-2 cluster conversion (made by part every-2-seed-0) one
@@ -57,9 +60,8 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from upcycle.cli import main
+from upcycle.config_reader import load_recipe, recipe_path
 from upcycle.machine import machine
 from upcycle.runs.layout import LOG
 from upcycle.runs.log import read_log
@@ -70,51 +72,46 @@ RESULTS = ROOT / "benchmarks" / "results" / "contrastive_study"
 RESULTS_GPU = ROOT / "benchmarks" / "results" / "contrastive_study_gpu"
 RESULTS_GPU_LONG = ROOT / "benchmarks" / "results" / "contrastive_study_gpu_long"
 PLACEMENTS = {"every-2": "2", "every-1": "1"}
-# The budget of every cell. CPU: the 2-core protocol (float32). GPU: the whole design in one call of the device
-# tool (a few minutes): the large-batch regime of contrastive training (sentence-transformers trains MiniLM at
-# hundreds of pairs a batch; the paper's CLIP runs at tens of thousands), 512 pairs a step, so that 200 steps
-# see ~100k pairs (~1.5 passes over the training split), evaluated every 25 steps, so that the curves give the
-# budget at which rows part.
-BUDGETS = {"cpu": {"steps": 2000, "batch_size": 64, "sequence_length": 128, "eval_pairs": 2048, "eval_every": 200,
-                   "lr": 2e-5},
-           "gpu": {"steps": 100, "batch_size": 512, "sequence_length": 64, "eval_pairs": 1024, "eval_every": 25,
-                   "lr": 1e-4},
-           # --long: the GPU budget's rows that answer the question (dense, copy, cluster) at 10x the pairs, in a
-           # second call (~8 passes over the training split)
-           "gpu-long": {"steps": 1000, "batch_size": 512, "sequence_length": 64, "eval_pairs": 1024,
-                        "eval_every": 100, "lr": 1e-4}}
+# The budget of every cell is a packaged training recipe (src/upcycle/recipes/train/): CPU, the 2-core protocol
+# (float32); GPU, the whole design in one call of the device tool (a few minutes), the large-batch regime of
+# contrastive training (sentence-transformers trains MiniLM at hundreds of pairs a batch; the paper's CLIP runs at
+# tens of thousands), evaluated often enough that the curves give the budget at which rows part; --long, the GPU
+# budget's rows that answer the question (dense, copy, cluster) at 10x the pairs, in a second call.
+RECIPES = {"cpu": "minilm-contrastive", "gpu": "minilm-contrastive-gpu", "gpu-long": "minilm-contrastive-gpu-long"}
+BUDGET_KEYS = ("steps", "batch_size", "sequence_length", "eval_pairs", "eval_every", "lr")
+
+
+def packaged(name: str) -> dict:
+    return load_recipe(recipe_path(name, "train"))
+
+
+BUDGETS = {budget: {key: packaged(name)[key] for key in BUDGET_KEYS} for budget, name in RECIPES.items()}
 SEEDS = (0, 1, 2)
 METHODS = "copy,cluster,drop,spri"
 MAIN = ("qd_mrr", ("query_to_document", "MRR"))
 
 
-def recipe(args: argparse.Namespace, steps: int, eval_pairs: int, eval_every: int) -> dict:
-    """The training recipe of every cell (docs/contrastive.md's: lr 2e-5 by default, load balance 0.01, z-loss
-    0.001; sequence length 128, as all-MiniLM-L6-v2 was trained)."""
-    return {"steps": steps, "batch_size": args.batch_size, "sequence_length": args.sequence_length, "lr": args.lr,
-            "warmup": 0.05, "eval_pairs": eval_pairs, "eval_every": eval_every,
-            "regularizers": {"load_balance": 0.01, "z_loss": 0.001}}
+def recipe_flags(args: argparse.Namespace, **budget) -> list[str]:
+    """`--config RECIPE` and a `--set` for each budget key (this invocation's, or `budget`'s) that the packaged
+    recipe does not already hold: the study is its recipe, run through `upcycle compare`."""
+    base = packaged(args.recipe)
+    flags = ["--config", args.recipe]
+    for key in BUDGET_KEYS:
+        value = budget.get(key, getattr(args, key))
+        if value != base[key]:
+            flags += ["--set", f"{key}={value!r}"]
+    return flags
 
 
-def write_recipe(path: Path, data: dict) -> Path:
-    """Write the budget once; a WORK that holds another budget is refused, not rewritten (its cells trained with
-    the recorded one, and its parts must go on with it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_file():
-        recorded = yaml.safe_load(path.read_text())
-        if recorded != data:
-            sys.exit(f"{path} holds another budget: {recorded}; pass the flags that give it (--steps, --batch-size, "
-                     f"--sequence-length, --eval-pairs, --eval-every, --lr) or another --work")
-        return path
-    path.write_text(yaml.safe_dump(data, sort_keys=True))
-    return path
+def study_recipe(args: argparse.Namespace, **budget) -> dict:
+    """The training recipe every cell ran with: the packaged one with the budget's keys (for the records)."""
+    return {**packaged(args.recipe), **{key: budget.get(key, getattr(args, key)) for key in BUDGET_KEYS}}
 
 
-def compare_command(folder: Path, every: str, methods: str, eesd: str, seed: int, recipe_file: Path,
+def compare_command(folder: Path, every: str, methods: str, eesd: str, seed: int, recipe: list[str],
                     keep: str) -> list[str]:
-    return ["compare", "minilm", str(folder), "--methods", methods, "--eesd", eesd, "--seeds", str(seed),
-            "--config", str(recipe_file), "--num-experts", "8", "--top-k", "2", "--every", every,
-            "--keep", keep, "--quiet"]
+    return ["compare", "minilm", str(folder), "--methods", methods, "--eesd", eesd, "--seeds", str(seed), *recipe,
+            "--num-experts", "8", "--top-k", "2", "--every", every, "--keep", keep, "--quiet"]
 
 
 def lambdas(work: Path, given: str | None) -> str | None:
@@ -126,7 +123,7 @@ def lambdas(work: Path, given: str | None) -> str | None:
 
 
 def parts(work: Path, args: argparse.Namespace) -> dict[str, list[str]]:
-    recipe_file = work / "recipe.yaml"
+    recipe = recipe_flags(args)
     grid = lambdas(work, args.eesd)
     out = {}
     for placement, every in args.placements.items():
@@ -135,35 +132,28 @@ def parts(work: Path, args: argparse.Namespace) -> dict[str, list[str]]:
             # the GPU every seed does (its EESD cells reuse its cluster conversion; only JSON comes back)
             keep = "models" if seed == 0 or args.gpu else "results"
             out[f"{placement}-seed-{seed}"] = compare_command(work / placement, every, args.methods, "none", seed,
-                                                              recipe_file, keep)
+                                                              recipe, keep)
             if grid and grid != "none":
                 out[f"{placement}-eesd-seed-{seed}"] = compare_command(work / placement, every, "cluster", grid,
-                                                                       seed, recipe_file, keep)
+                                                                       seed, recipe, keep)
     return out
 
 
-def median_steps(run: Path) -> dict | None:
-    """Median step seconds and tokens/s of a run (the log's own numbers; undisturbed by evaluations)."""
-    rows = [json.loads(line) for line in read_log(run / LOG, 1 << 62)] if (run / LOG).is_file() else []
-    steps = [r for r in rows if "tokens_per_s" in r]
-    if not steps:
+def step_timing(cell: dict) -> dict | None:
+    """A cell's median step seconds and tokens/s (compare's, from the run's log: undisturbed by evaluations)."""
+    train = cell.get("train") or {}
+    if not train.get("steps"):
         return None
-    return {"steps": len(steps), "median_step_seconds": round(statistics.median(r["seconds"] for r in steps), 3),
-            "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steps), 1),
-            "mean_tokens_per_step": round(statistics.fmean(r["tokens"] for r in steps), 1)}
+    return {"steps": train["steps"], "median_step_seconds": round(train["median_step_seconds"], 3),
+            "median_tokens_per_s": round(train["median_tokens_per_s"], 1)}
 
 
-def routing_entropy_curve(run: Path) -> dict[int, float]:
-    """Step -> mean over the MoE layers of the logged routing entropy / log E (8 experts)."""
-    out = {}
-    if not (run / LOG).is_file():
-        return out
-    for line in read_log(run / LOG, 1 << 62):
-        row = json.loads(line)
-        values = [s["entropy"] for s in (row.get("layers") or {}).values() if s and s.get("entropy") is not None]
-        if "loss" in row and values:
-            out[row["step"]] = statistics.fmean(values) / math.log(8)
-    return out
+def entropy_ratio_curve(cell: dict) -> dict[int, float]:
+    """Step -> the routing entropy / log E over the steps (8 experts), from compare's per-step curves."""
+    curves = cell.get("curves") or {}
+    return {step: value / math.log(8) for step, value in zip(curves.get("step", []),
+                                                             curves.get("routing_entropy", []), strict=True)
+            if value is not None}
 
 
 def load_average() -> list[float] | None:
@@ -176,19 +166,20 @@ def load_average() -> list[float] | None:
 # ---------------------------------------------------------------- pilot
 def pilot(work: Path, args: argparse.Namespace) -> None:
     folder = work / "pilot"
-    recipe_file = write_recipe(folder.parent / "pilot-recipe.yaml",
-                               recipe(args, args.pilot_steps, args.pilot_eval_pairs, max(1, args.pilot_steps // 2)))
-    command = compare_command(folder / "study", "2", "copy", "none", 0, recipe_file, "models")
+    budget = {"steps": args.pilot_steps, "eval_pairs": args.pilot_eval_pairs,
+              "eval_every": max(1, args.pilot_steps // 2)}
+    command = compare_command(folder / "study", "2", "copy", "none", 0, recipe_flags(args, **budget), "models")
     load_before = load_average()
     assert main(command) == 0              # a rerun skips the finished cells: the wall times are the first run's
     cluster = cluster_conversion(folder, args)
     study = folder / "study"
     result = json.loads((study / "comparison.json").read_text())
     compare_s = result["seconds_all_invocations"]
-    runs = {cell: median_steps(study / "cells" / cell / "run") for cell in ("dense-seed-0", "copy-eesd-none-seed-0")}
+    runs = {c["name"]: step_timing(c) for c in result["cells"]
+            if c["name"] in ("dense-seed-0", "copy-eesd-none-seed-0")}
     record = {"label": "PILOT: a short budget to test the script end to end and to time a step; not the study",
               "machine": machine(), "load_average_before": load_before, "load_average_after": load_average(),
-              "recipe": yaml.safe_load(recipe_file.read_text()),
+              "recipe": study_recipe(args, **budget),
               "commands": [" ".join(["upcycle", *command]), cluster["command"]],
               "wall_seconds": {"compare": round(compare_s, 1), "cluster_conversion": cluster["seconds"]},
               "step_timing": runs, "cluster_conversion": cluster,
@@ -251,10 +242,9 @@ def eesd_probe(work: Path, args: argparse.Namespace) -> None:
     norms = {}
     for value in (0.0, 1.0):
         out = work / "eesd-probe" / f"eesd-{value:g}"
-        if not (out / LOG).is_file() or not median_steps(out):
-            assert main(["train", str(moe), str(out), "--config", str(work / "recipe.yaml"), "--set", "steps=1",
-                         "--set", "eval_pairs=1", "--set", f"regularizers.eesd={value}", "--overwrite",
-                         "--quiet"]) == 0
+        if not (out / LOG).is_file() or not any("loss" in json.loads(line) for line in read_log(out / LOG, 1 << 62)):
+            assert main(["train", str(moe), str(out), *recipe_flags(args), "--set", "steps=1", "--set",
+                         "eval_pairs=1", "--set", f"regularizers.eesd={value}", "--overwrite", "--quiet"]) == 0
         rows = [json.loads(line) for line in read_log(out / LOG, 1 << 62)]
         norms[value] = next(r["grad_norm"] for r in rows if "grad_norm" in r)
     g0, g1 = norms[0.0], norms[1.0]
@@ -370,7 +360,7 @@ def collect(work: Path, args: argparse.Namespace) -> None:
     ran_on = json.loads((work / "machine.json").read_text()) if (work / "machine.json").is_file() else machine()
     merged = {"label": "the contrastive method study (docs/contrastive.md, Study)", "machine": ran_on,
               "collected_on": machine(), "budget": ("gpu-long" if args.long else "gpu") if args.gpu else "cpu",
-              "recipe": yaml.safe_load((work / "recipe.yaml").read_text()),
+              "recipe": study_recipe(args),
               # the design's parts (what --list prints); what ran is each placement's "invocations"
               "design_parts": {n: " ".join(["upcycle", *c]) for n, c in parts(work, args).items()},
               "eesd_probe": json.loads((work / "eesd_lambdas.json").read_text())
@@ -385,9 +375,8 @@ def collect(work: Path, args: argparse.Namespace) -> None:
             continue
         result = json.loads(path.read_text())
         table = result["table"]
-        timing = {c["name"]: median_steps(work / placement / "cells" / c["name"] / "run") for c in result["cells"]}
-        entropy = {c["name"]: routing_entropy_curve(work / placement / "cells" / c["name"] / "run")
-                   for c in result["cells"]}
+        timing = {c["name"]: step_timing(c) for c in result["cells"]}
+        entropy = {c["name"]: entropy_ratio_curve(c) for c in result["cells"]}
         spec = {row["cells"][0]: specialization(work, placement, row["cells"][0]) for row in table}
         statement = {stage: exceeding(table, MAIN[0], stage) for stage in ("after_conversion", "after_training")}
         by_step = against_dense_by_step(result["cells"], table)
@@ -612,7 +601,9 @@ def cli() -> None:
             parser.error("--long is a GPU design: give --gpu with it")
         args.methods = args.methods if args.methods != METHODS else "copy,cluster"
         args.eesd = args.eesd or "none"
-    for key, value in BUDGETS[("gpu-long" if args.long else "gpu") if args.gpu else "cpu"].items():
+    budget = ("gpu-long" if args.long else "gpu") if args.gpu else "cpu"
+    args.recipe = RECIPES[budget]
+    for key, value in BUDGETS[budget].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     names = (args.placements or ("every-2" if args.gpu else ",".join(PLACEMENTS))).split(",")
@@ -630,7 +621,6 @@ def cli() -> None:
     if args.list:                                       # lists only: the WORK is left as it is
         print("\n".join(f"{n}: upcycle {' '.join(c)}" for n, c in commands.items()))
         sys.exit(0)
-    write_recipe(work / "recipe.yaml", recipe(args, args.steps, args.eval_pairs, args.eval_every))
     seed_part = args.part.removeprefix("seed-") if args.part and args.part.startswith("seed-") else None
     if args.part == "eesd-probe":
         eesd_probe(work, args)

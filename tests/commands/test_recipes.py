@@ -23,7 +23,9 @@ def _args(*argv: str):
 
 
 def test_a_name_is_the_packaged_recipe_of_the_command_that_reads_it():
-    assert recipe_names("train") == ("clip-up", "smollm2-copy", "smollm2-spri", "tiny-clip-pretrain")
+    assert recipe_names("train") == ("clip-up", "minilm-contrastive", "minilm-contrastive-gpu",
+                                     "minilm-contrastive-gpu-long", "smollm2-copy", "smollm2-spri",
+                                     "tiny-clip-pretrain")
     assert recipe_names("convert") == ("clip-up", "smollm2-drop")
     for kind in ("convert", "train"):
         assert {p.stem for p in (RECIPES / kind).glob("*.yaml")} == set(recipe_names(kind))
@@ -55,7 +57,9 @@ def test_an_unknown_name_is_refused_with_the_names_of_that_command(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert main(["train", "m", "run", "--config", "smollm2-cpy", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "no packaged train recipe" in err and "clip-up, smollm2-copy, smollm2-spri, tiny-clip-pretrain" in err
+    assert "no packaged train recipe" in err and ("clip-up, minilm-contrastive, minilm-contrastive-gpu, "
+                                                  "minilm-contrastive-gpu-long, smollm2-copy, smollm2-spri, "
+                                                  "tiny-clip-pretrain") in err
     # a train recipe's name is not a conversion's
     assert main(["convert", "m", "out", "--config", "smollm2-copy", "--quiet"]) == 2
     assert "the convert recipes: clip-up, smollm2-drop" in capsys.readouterr().err

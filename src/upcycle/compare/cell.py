@@ -13,6 +13,7 @@ one computes (the trainer's guarantee), so a resumed cell ends with the same num
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Protocol
@@ -110,15 +111,28 @@ def _convert(plan: Plan, cell: Cell, progress: bool, say) -> dict | None:
 
 
 def _training(run: Path) -> dict:
-    """Evaluations over the steps and throughput, from the run's log."""
+    """From the run's log: the evaluations over the steps; throughput, in total and as the median over steps
+    (which evaluations and checkpoints do not disturb); and the per-step curves: the task loss and the routing
+    entropy (the mean over the MoE layers of what the run logged; None for a dense run)."""
     rows = [parse_json(line, f"{run / LOG}") for line in read_log(run / LOG, 1 << 62)]
     evals = [{"step": r["step"], **r["eval"]} for r in rows if "eval" in r and r["eval"] is not None]
     steps = [r for r in rows if "loss" in r]
     tokens = sum(r["tokens"] for r in steps)
     seconds = sum(r["seconds"] for r in steps)
+    median = (lambda key: statistics.median(r[key] for r in steps) if steps else None)   # noqa: E731
     return {"evals": evals, "train": {"steps": len(steps), "tokens": tokens, "seconds": round(seconds, 3),
                                       "tokens_per_s": tokens / seconds if seconds else None,
-                                      "final_task_loss": steps[-1]["loss"]["task"] if steps else None}}
+                                      "median_step_seconds": median("seconds"),
+                                      "median_tokens_per_s": median("tokens_per_s"),
+                                      "final_task_loss": steps[-1]["loss"]["task"] if steps else None},
+            "curves": {"step": [r["step"] for r in steps], "task_loss": [r["loss"]["task"] for r in steps],
+                       "routing_entropy": [_mean_entropy(r) for r in steps]}}
+
+
+def _mean_entropy(row: dict) -> float | None:
+    """The mean over the MoE layers of the routing entropy a log line holds (None: no MoE layer logged one)."""
+    values = [s["entropy"] for s in (row.get("layers") or {}).values() if s and s.get("entropy") is not None]
+    return statistics.fmean(values) if values else None
 
 
 def _diagnostics(plan: Plan, cell: Cell, run: Path) -> dict:
