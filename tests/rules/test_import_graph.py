@@ -96,7 +96,7 @@ LAYERS = {
     "upcycle.probe": 5,
     "upcycle.export": 6,
     "upcycle.conversion": 7,
-    "upcycle.tasks": 8,
+    "upcycle.tasks": 8, "upcycle.resize": 8,
     "upcycle.training": 9,
     "upcycle.analyze": 10,
     "upcycle.compare": 11,

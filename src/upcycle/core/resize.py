@@ -1,0 +1,98 @@
+"""The expert count of an MoE layer changed after conversion: a subset of its experts kept (pruning: REAP, Cerebras,
+ICLR 2026, and its frequency and random baselines), or some of its experts duplicated (growth, Expert
+Upcycling arXiv:2604.19835).
+
+Both build a new `MoELayer` from the old one's tensors; routing options (top-k, renormalization, capacity, the
+score function) and the shared experts stay as they were.
+
+  select_experts(layer, keep)        the experts `keep`, in that order, with their router rows, router bias and
+                                     selection bias: a token's logits for the kept experts are what they were
+  copy_groups(layer)                 which experts are exact copies of an earlier one (as growth makes them)
+  duplicate_experts(layer, sources)  experts E..E+len(sources)-1 copies of `sources`, each with its source's router
+                                     row, and every expert that now has n copies (itself included) its logits
+                                     shifted by -log n through the router bias, so that under the softmax the n
+                                     copies share exactly the probability the one expert had (sum_i p_i is
+                                     unchanged for every token); with top-k fixed the output is not the same
+                                     function (two copies take two slots of k), which the caller reports
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from ..config import MoEConfig
+from ..errors import UpcycleError
+from .moe import MoELayer
+
+
+def _rebuilt(layer: MoELayer, index_E: torch.Tensor, bias_E: torch.Tensor | None) -> MoELayer:
+    """A layer of `layer`'s structure and options whose expert e is `layer`'s expert index_E[e] (router row,
+    selection bias and weights), with router bias `bias_E` (None: none)."""
+    old = layer.experts
+    weights = old.weights()
+    index = index_E.to(old.w_down.device)
+    picked = weights.map(lambda t: t.index_select(0, index).clone())
+    config = MoEConfig(**{**vars(layer.config), "num_experts": len(index_E)})
+    shared = layer.shared_experts.weights() if layer.shared_experts is not None else None
+    with torch.device(old.w_down.device):
+        new = MoELayer.from_init(picked, layer.router.weight.detach().index_select(0, index).clone(), config=config,
+                                 shared=shared, router_bias_E=bias_E, dtype=old.w_down.dtype,
+                                 output_dropout=layer.dropout.p)
+    with torch.no_grad():
+        new.selection_bias.copy_(layer.selection_bias.index_select(0, index))
+    return new.train(layer.training)
+
+
+def select_experts(layer: MoELayer, keep: list[int], logit_shift: list[float] | None = None) -> MoELayer:
+    """The layer with only the experts `keep` (module docstring); `logit_shift`: added to each kept expert's logit
+    through the router bias (made when the layer has none and a shift is not 0). Refused below top-k or for an
+    unknown index."""
+    E, k = layer.num_experts, layer.top_k
+    if len(set(keep)) != len(keep) or not all(0 <= e < E for e in keep):
+        raise UpcycleError(f"experts to keep must be distinct indices below {E}, got {keep}")
+    if len(keep) < k:
+        raise UpcycleError(f"a layer routing each token to {k} experts keeps at least {k}, not {len(keep)}")
+    index = torch.tensor(keep, dtype=torch.long)
+    device = layer.router.weight.device
+    bias = layer.router.bias.detach().index_select(0, index.to(device)).clone() \
+        if layer.router.bias is not None else None
+    if logit_shift is not None and any(logit_shift):
+        shift = torch.tensor(logit_shift, dtype=torch.float32, device=device)
+        bias = shift if bias is None else bias + shift
+    return _rebuilt(layer, index, bias)
+
+
+def copy_groups(layer: MoELayer) -> list[int]:
+    """For each expert, the first expert it is an exact copy of (itself when none before it is): the same
+    weights, router row, router bias and selection bias, bit for bit, as `duplicate_experts` makes them."""
+    tensors = [*layer.experts.weights().tensors().values(), layer.router.weight.detach(),
+               layer.selection_bias.unsqueeze(-1)]
+    if layer.router.bias is not None:
+        tensors.append(layer.router.bias.detach().unsqueeze(-1))
+    first: dict[bytes, int] = {}
+    out = []
+    for e in range(layer.num_experts):
+        key = b"".join(t[e].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
+        out.append(first.setdefault(key, e))
+    return out
+
+
+def duplicate_experts(layer: MoELayer, sources: list[int]) -> MoELayer:
+    """The layer with copies of the experts `sources` appended (module docstring); refused for a sigmoid router,
+    whose scores do not share out as a softmax's do."""
+    E = layer.num_experts
+    if layer.config.score != "softmax":
+        raise UpcycleError(f"growing splits a softmax router's probability between copies; this layer's router "
+                           f"scores with {layer.config.score}")
+    if not all(0 <= e < E for e in sources):
+        raise UpcycleError(f"experts to copy must be indices below {E}, got {sources}")
+    index = torch.tensor([*range(E), *sources], dtype=torch.long)
+    copies = Counter(sources)
+    base = layer.router.bias.detach().clone() if layer.router.bias is not None else \
+        torch.zeros(E, dtype=torch.float32, device=layer.router.weight.device)
+    shift = torch.tensor([math.log(1 + copies[e]) for e in range(E)], dtype=base.dtype, device=base.device)
+    shifted = base - shift                        # every copy of expert e (itself included): -log(copies + 1)
+    return _rebuilt(layer, index, shifted.index_select(0, index.to(shifted.device)))

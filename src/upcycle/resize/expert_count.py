@@ -1,0 +1,139 @@
+"""The expert count of an upcycled model changed after conversion: `prune_model` keeps the N most salient experts
+of every MoE layer (REAP, frequency or random; `metrics.saliency`), `grow_model` adds copies of the experts chosen
+by utility, or of every expert in turn (`core.resize`).
+
+Both work on a model in memory, layer by layer: the layer's inputs on the calibration tokens are taken from one
+forward of the original model, each layer is rebuilt and installed, and the report says, per layer, what was
+removed or copied with the scores it was chosen by. The caller measures the KL of the new model to the old one:
+pruning keeps only part of the function, and growth under a fixed top-k is not function-preserving either (the
+copies of an expert share its probability but take two of the k slots).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..core.layer_inputs import layer_inputs
+from ..core.moe import MoELayer, moe_layers
+from ..core.resize import copy_groups, duplicate_experts, select_experts
+from ..errors import UpcycleError
+from ..metrics.saliency import expert_saliency
+
+PRUNE_BY = ("reap", "frequency", "random")
+GROW_BY = ("utility", "uniform")
+
+
+@dataclass(frozen=True)
+class ExpertCount:
+    """What a prune or a grow does: the experts every MoE layer ends with, and how they are chosen."""
+
+    num_experts: int
+    by: str
+    seed: int = 0
+
+
+def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict[str, MoELayer]:
+    """The model's MoE layers, once the request is possible for every one of them (refused before any change)."""
+    layers = moe_layers(model)
+    if not layers:
+        raise UpcycleError("the model has no upcycle MoE layer (a dense model, or a stock MoE class): "
+                           f"{'grow' if grow else 'prune'} takes an upcycle folder or a training run's model")
+    choices = GROW_BY if grow else PRUNE_BY
+    if request.by not in choices:
+        raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
+    for name, layer in layers.items():
+        E, k, N = layer.num_experts, layer.top_k, request.num_experts
+        if grow and N < E:
+            raise UpcycleError(f"{name} has {E} experts: growing to {N} would remove some (use prune)")
+        if not grow and N > E:
+            raise UpcycleError(f"{name} has {E} experts: pruning to {N} would add some (use grow)")
+        if not grow and N < k:
+            raise UpcycleError(f"{name} routes each token to top-{k}: it keeps at least {k} experts, not {N}")
+    return layers
+
+
+@torch.no_grad()
+def moe_inputs(model: nn.Module, layers: dict[str, MoELayer], batches: list[dict]) -> dict[str, torch.Tensor]:
+    """Each MoE layer's inputs at the real tokens of `batches` [N, D], from forwards of the model as it is."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with layer_inputs(layers, lambda layer, x: layer.last_record.mask_T if layer.last_record else None) as got:
+            for batch in batches:
+                model(**{k: v.to(device) for k, v in batch.items()})
+    finally:
+        model.train(was_training)
+    return {name: torch.cat(rows) for name, rows in got.items()}
+
+
+def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> dict:
+    """Keep the `request.num_experts` most salient experts of every MoE layer (ties: the lower index), in their
+    order; exact copies of an earlier expert (`core.resize.copy_groups`, as growth makes them) go first, and the
+    copies of a group that stay take back the removed ones' probability (+log(n / m) on their logits), so that
+    pruning a grown model back removes its copies and gives its function again. Returns, per layer, the scores,
+    the experts kept and removed, and which were copies."""
+    layers = check_request(model, request, grow=False)
+    inputs = moe_inputs(model, layers, batches) if request.by != "random" else {}
+    report = {}
+    for index, (name, layer) in enumerate(layers.items()):
+        with _eval(layer):
+            score = expert_saliency(layer, inputs.get(name, torch.empty(0)), request.by, seed=request.seed + index)
+        first = copy_groups(layer)
+        # an exact copy of an earlier expert adds no function of its own: copies go before any distinct expert
+        order = sorted(range(layer.num_experts), key=lambda e: (first[e] != e, -float(score[e]), e))
+        keep = sorted(order[: request.num_experts])
+        # the copies kept take back the removed copies' share of their group's probability: +log(n / m)
+        group = Counter(first)
+        kept = Counter(first[e] for e in keep)
+        shift = [math.log(group[first[e]] / kept[first[e]]) for e in keep]
+        _replace(model, name, select_experts(layer, keep, shift))
+        report[name] = {"saliency": [float(s) for s in score], "kept": keep,
+                        "removed": [e for e in range(layer.num_experts) if e not in keep],
+                        "copies_of": {e: first[e] for e in range(layer.num_experts) if first[e] != e}}
+    return report
+
+
+def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> dict:
+    """Add `request.num_experts - E` copies to every MoE layer: of the experts of highest utility (each expert
+    once before any twice), or of every expert in turn (`uniform`); returns, per layer, the scores and the experts
+    copied (expert E + i is a copy of `copied[i]`)."""
+    layers = check_request(model, request, grow=True)
+    inputs = moe_inputs(model, layers, batches) if request.by == "utility" else {}
+    report = {}
+    for name, layer in layers.items():
+        E, extra = layer.num_experts, request.num_experts - layer.num_experts
+        if request.by == "utility":
+            with _eval(layer):
+                score = expert_saliency(layer, inputs[name], "utility")
+            ranked = sorted(range(E), key=lambda e: (-float(score[e]), e))
+        else:
+            score, ranked = None, list(range(E))
+        copied = [ranked[i % E] for i in range(extra)]
+        _replace(model, name, duplicate_experts(layer, copied))
+        report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied}
+    return report
+
+
+def _replace(model: nn.Module, name: str, layer: MoELayer) -> None:
+    """Put `layer` where the MoE layer `name` is (its parent module's attribute of that name)."""
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attribute, layer)
+
+
+class _eval:
+    """The layer in eval mode while scored (capacity as at evaluation), as it was afterwards."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.was = layer, layer.training
+
+    def __enter__(self) -> None:
+        self.layer.eval()
+
+    def __exit__(self, *exc) -> None:
+        self.layer.train(self.was)

@@ -1,0 +1,157 @@
+"""The expert count changed after conversion (`core.resize`, `metrics.saliency`, `resize.expert_count`): the rows
+that go together go together, pruning to E is the identity, REAP removes a dead expert first and keeps a dominant
+one, growth shares each expert's softmax probability between its copies exactly, and grow-then-prune-back gives
+the layer's function again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from upcycle.config import ConvertConfig, MoEConfig
+from upcycle.conversion.pipeline import upcycle_model
+from upcycle.core.ffn import FFNWeights
+from upcycle.core.moe import MoELayer, moe_layers
+from upcycle.core.resize import duplicate_experts, select_experts
+from upcycle.errors import UpcycleError
+from upcycle.metrics.saliency import expert_saliency
+from upcycle.resize.expert_count import ExpertCount, grow_model, prune_model
+
+E, K, D, F = 6, 2, 8, 16
+
+
+def layer(router_bias: bool = True, **moe) -> MoELayer:
+    g = torch.Generator().manual_seed(0)
+    experts = FFNWeights(w_gate=torch.randn(E, F, D, generator=g), w_up=torch.randn(E, F, D, generator=g),
+                         w_down=torch.randn(E, D, F, generator=g) / 4, activation="silu")
+    made = MoELayer.from_init(experts, torch.randn(E, D, generator=g), config=MoEConfig(num_experts=E, top_k=K,
+                                                                                          **moe),
+                              router_bias_E=torch.randn(E, generator=g) if router_bias else None)
+    with torch.no_grad():
+        made.selection_bias.copy_(torch.randn(E, generator=g))
+    return made.eval()
+
+
+def x(n: int = 64) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(1))
+
+
+def test_selected_experts_keep_their_router_rows_biases_and_weights():
+    old = layer()
+    keep = [4, 1, 5]
+    new = select_experts(old, keep)
+    assert new.num_experts == 3 and new.top_k == K
+    assert torch.equal(new.router.weight, old.router.weight[keep])
+    assert torch.equal(new.router.bias, old.router.bias[keep])
+    assert torch.equal(new.selection_bias, old.selection_bias[keep])
+    for name, t in new.experts.weights().tensors().items():
+        assert torch.equal(t, old.experts.weights().tensors()[name][keep]), name
+    # the kept experts' logits are what they were, for every token
+    assert torch.equal(new.router(x()), old.router(x())[:, keep])
+
+
+def test_keeping_every_expert_is_the_identity():
+    old = layer()
+    assert torch.equal(select_experts(old, list(range(E)))(x()), old(x()))
+
+
+def test_growth_shares_each_experts_softmax_probability_between_its_copies():
+    """p'_c = p_e / n_e for each of the n_e copies of expert e (itself included): every original expert's
+    probability, summed over its copies, is what it was (the -log n_e shift, through a router bias it did not
+    have)."""
+    old = layer(router_bias=False)
+    sources = [1, 1, 3]
+    new = duplicate_experts(old, sources)
+    assert new.num_experts == E + 3 and new.top_k == K
+    p_old = old.router(x()).softmax(-1)
+    p_new = new.router(x()).softmax(-1)
+    owner = [*range(E), *sources]
+    copies = [owner.count(e) for e in range(E)]
+    for c, e in enumerate(owner):
+        torch.testing.assert_close(p_new[:, c], p_old[:, e] / copies[e], atol=1e-7, rtol=1e-5)
+    summed = torch.stack([p_new[:, [c for c, o in enumerate(owner) if o == e]].sum(-1) for e in range(E)], -1)
+    torch.testing.assert_close(summed, p_old, atol=1e-7, rtol=1e-5)
+    assert torch.equal(new.router.weight[E:], old.router.weight[sources])
+    assert torch.equal(new.experts.w_down[E:], old.experts.w_down[sources])
+
+
+def test_grow_then_prune_back_gives_the_layers_function():
+    """Every expert copied once (uniform, E -> 2E) shifts every logit by -log 2; pruning back to E removes the
+    copies first (exact copies of an earlier expert) and gives the kept ones their share back (+log 2): the same
+    routing and the same output."""
+    model = _upcycled()
+    ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(2))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    with torch.no_grad():
+        before = model(**batches[0]).logits
+    grown = grow_model(model, ExpertCount(8, "uniform"), batches)
+    assert all(r["copied"] == [0, 1, 2, 3] for r in grown.values())
+    pruned = prune_model(model, ExpertCount(4, "reap"), batches)
+    assert all(r["kept"] == [0, 1, 2, 3] and r["removed"] == [4, 5, 6, 7] for r in pruned.values())
+    assert all(r["copies_of"] == {4: 0, 5: 1, 6: 2, 7: 3} for r in pruned.values())
+    with torch.no_grad():
+        after = model(**batches[0]).logits
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def _upcycled(layers: int = 2):
+    model = make_tiny("llama", layers=layers)
+    cfg = ConvertConfig(model="x", method="noise", moe=MoEConfig(num_experts=4, top_k=2), seed=3)
+    upcycle_model(model, cfg, progress=False)
+    return model.eval()
+
+
+def test_reap_removes_a_dead_expert_first_and_keeps_a_dominant_one():
+    model = _upcycled()
+    name, moe = next(iter(moe_layers(model).items()))
+    with torch.no_grad():
+        moe.experts.w_down[2].zero_()           # a dead expert: every output 0, so g * ||f|| = 0
+        moe.experts.w_down[1].mul_(50)          # a dominant one
+    ids = torch.randint(3, 120, (4, 16), generator=torch.Generator().manual_seed(0))
+    report = prune_model(model, ExpertCount(3, "reap"), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    score = report[name]["saliency"]
+    assert score[2] == 0 and score[1] == max(score) and report[name]["removed"] == [2]
+    assert moe_layers(model)[name].num_experts == 3
+
+
+def test_pruning_to_every_expert_leaves_the_logits_equal():
+    model = _upcycled()
+    ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        before = model(**batch).logits
+    prune_model(model, ExpertCount(4, "frequency"), [batch])
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, before)
+
+
+def test_saliency_by_each_rule():
+    moe = layer()
+    tokens = x(256)
+    ids = moe.route(tokens).topk_ids_TK
+    frequency = expert_saliency(moe, tokens, "frequency")
+    assert frequency.sum().item() == pytest.approx(1.0) and frequency[0] == (ids == 0).sum() / ids.numel()
+    random = expert_saliency(moe, tokens, "random", seed=5)
+    assert torch.equal(random, expert_saliency(moe, tokens, "random", seed=5))
+    utility = expert_saliency(moe, tokens, "utility")
+    assert torch.equal(utility > 0, frequency > 0) and not torch.equal(utility, frequency)    # 0 where no token goes
+    with pytest.raises(ValueError, match="one of reap"):
+        expert_saliency(moe, tokens, "largest")
+
+
+@pytest.mark.parametrize(("grow", "n", "message"), [
+    (False, 1, "keeps at least 2 experts"), (False, 5, "use grow"), (True, 3, "use prune")])
+def test_impossible_counts_are_refused_before_any_layer_changes(grow, n, message):
+    model = _upcycled()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UpcycleError, match=message):
+        (grow_model if grow else prune_model)(model, ExpertCount(n, "uniform" if grow else "reap"), [])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_dense_model_and_a_sigmoid_router_are_refused():
+    with pytest.raises(UpcycleError, match="no upcycle MoE layer"):
+        prune_model(make_tiny("llama"), ExpertCount(2, "reap"), [])
+    with pytest.raises(UpcycleError, match="scores with sigmoid"):
+        duplicate_experts(layer(score="sigmoid"), [0])
