@@ -71,4 +71,47 @@ def test_an_impossible_count_is_refused_before_out_is_claimed(tiny_lm, tmp_path,
 def test_a_dense_model_is_refused_before_out_is_claimed(tiny_lm, tmp_path, capsys):
     dense, _, train, _ = tiny_lm
     assert main(["prune", str(dense), str(tmp_path / "out"), "--num-experts", "2", *_flags(train)]) == 2
-    assert "is not an upcycle folder" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert "is not an MoE folder" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("export_class", ["mixtral", "qwen2_moe"])
+def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcycle_folder_computes(
+        tiny_lm, tmp_path, export_class):
+    """The stock export of the upcycle folder, pruned, is the stock class again with the new count in its config;
+    transformers loads it in a process that never imports upcycle, and its logits are those of the upcycle folder
+    pruned the same way (the same experts removed: the routing and the experts are the same)."""
+    import subprocess
+    import sys
+
+    _, moe, train, _ = tiny_lm
+    stock, pruned_stock, pruned = tmp_path / "stock", tmp_path / "pruned-stock", tmp_path / "pruned"
+    assert main(["export", str(moe), str(stock), "--export-class", export_class]) == 0
+    flags = ["--num-experts", "3", "--by", "frequency", *_flags(train)]
+    assert main(["prune", str(stock), str(pruned_stock), *flags]) == 0
+    assert main(["prune", str(moe), str(pruned), *flags]) == 0
+    removed = json.loads((pruned / "resize_report.json").read_text())["layers"]
+    removed_stock = json.loads((pruned_stock / "resize_report.json").read_text())["layers"]
+    assert [r["removed"] for r in removed_stock.values()] == [r["removed"] for r in removed.values()]
+    config = json.loads((pruned_stock / "config.json").read_text())
+    assert config["model_type"] == export_class and 3 in (config.get("num_local_experts"), config.get("num_experts"))
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    code = ("import sys, torch, transformers\n"
+            "assert 'upcycle' not in sys.modules\n"
+            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+            "ids = torch.tensor(eval(sys.argv[2]))\n"
+            "with torch.no_grad():\n"
+            "    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits\n"
+            "assert 'upcycle' not in sys.modules\n"
+            "torch.save(logits, sys.argv[3])\n")
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(pruned_stock), str(ids.tolist()),
+                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stock_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    torch.testing.assert_close(stock_logits, _logits(pruned, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_stock_folder_cannot_grow(tiny_lm, tmp_path, capsys):
+    _, moe, train, _ = tiny_lm
+    assert main(["export", str(moe), str(tmp_path / "stock"), "--export-class", "mixtral"]) == 0
+    assert main(["grow", str(tmp_path / "stock"), str(tmp_path / "out"), "--num-experts", "6", *_flags(train)]) == 2
+    assert "router bias" in capsys.readouterr().err and not (tmp_path / "out").exists()

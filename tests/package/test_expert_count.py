@@ -151,7 +151,7 @@ def test_impossible_counts_are_refused_before_any_layer_changes(grow, n, message
 
 
 def test_a_dense_model_and_a_sigmoid_router_are_refused():
-    with pytest.raises(UpcycleError, match="no upcycle MoE layer"):
+    with pytest.raises(UpcycleError, match="has no MoE layer"):
         prune_model(make_tiny("llama"), ExpertCount(2, "reap"), [])
     with pytest.raises(UpcycleError, match="scores with sigmoid"):
         duplicate_experts(layer(score="sigmoid"), [0])

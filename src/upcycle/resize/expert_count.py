@@ -21,6 +21,7 @@ from torch import nn
 from ..core.layer_inputs import layer_inputs
 from ..core.moe import MoELayer, moe_layers
 from ..core.resize import copy_groups, duplicate_experts, select_experts
+from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
 
@@ -37,17 +38,20 @@ class ExpertCount:
     seed: int = 0
 
 
-def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict[str, MoELayer]:
-    """The model's MoE layers, once the request is possible for every one of them (refused before any change)."""
-    layers = moe_layers(model)
+def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict[str, nn.Module]:
+    """The model's MoE layers (upcycle's, or a stock class's sparse blocks), once the request is possible for
+    every one of them (refused before any change)."""
+    layers = moe_layers(model) or stock_moe_blocks(model)
     if not layers:
-        raise UpcycleError("the model has no upcycle MoE layer (a dense model, or a stock MoE class): "
-                           f"{'grow' if grow else 'prune'} takes an upcycle folder or a training run's model")
+        raise UpcycleError(f"the model has no MoE layer (a dense model): {'grow' if grow else 'prune'} takes an "
+                           f"upcycle folder, a training run's model or a stock MoE folder")
     choices = GROW_BY if grow else PRUNE_BY
     if request.by not in choices:
         raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
     for name, layer in layers.items():
-        E, k, N = layer.num_experts, layer.top_k, request.num_experts
+        E, k = (layer.num_experts, layer.top_k) if isinstance(layer, MoELayer) else \
+            (layer.gate.num_experts, layer.gate.top_k)
+        N = request.num_experts
         if grow and N < E:
             raise UpcycleError(f"{name} has {E} experts: growing to {N} would remove some (use prune)")
         if not grow and N > E:
@@ -58,14 +62,20 @@ def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict
 
 
 @torch.no_grad()
-def moe_inputs(model: nn.Module, layers: dict[str, MoELayer], batches: list[dict]) -> dict[str, torch.Tensor]:
+def moe_inputs(model: nn.Module, layers: dict[str, nn.Module], batches: list[dict]) -> dict[str, torch.Tensor]:
     """Each MoE layer's inputs at the real tokens of `batches` [N, D], from forwards of the model as it is."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    current: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def real_tokens(layer: nn.Module, x_TD: torch.Tensor) -> torch.Tensor | None:
+        mask = current["mask"]          # the batch's own (a stock block keeps no routing record of its own)
+        return mask.reshape(-1) if mask is not None and mask.numel() == x_TD.shape[0] else None
     try:
-        with layer_inputs(layers, lambda layer, x: layer.last_record.mask_T if layer.last_record else None) as got:
+        with layer_inputs(layers, real_tokens) as got:
             for batch in batches:
+                current["mask"] = batch.get("attention_mask")
                 model(**{k: v.to(device) for k, v in batch.items()})
     finally:
         model.train(was_training)
@@ -80,23 +90,60 @@ def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> 
     the experts kept and removed, and which were copies."""
     layers = check_request(model, request, grow=False)
     inputs = moe_inputs(model, layers, batches) if request.by != "random" else {}
+    activation = getattr(model.config.get_text_config(), "hidden_act", None) or "silu"
     report = {}
-    for index, (name, layer) in enumerate(layers.items()):
+    for index, (name, module) in enumerate(layers.items()):
+        stock = not isinstance(module, MoELayer)
+        layer = as_moe_layer(module, activation) if stock else module
         with _eval(layer):
             score = expert_saliency(layer, inputs.get(name, torch.empty(0)), request.by, seed=request.seed + index)
-        first = copy_groups(layer)
-        # an exact copy of an earlier expert adds no function of its own: copies go before any distinct expert
-        order = sorted(range(layer.num_experts), key=lambda e: (first[e] != e, -float(score[e]), e))
-        keep = sorted(order[: request.num_experts])
-        # the copies kept take back the removed copies' share of their group's probability: +log(n / m)
-        group = Counter(first)
-        kept = Counter(first[e] for e in keep)
-        shift = [math.log(group[first[e]] / kept[first[e]]) for e in keep]
-        _replace(model, name, select_experts(layer, keep, shift))
+        keep, shift, first = _choose(layer, score, request.num_experts)
+        if stock:
+            if any(shift):
+                raise UpcycleError(f"{name}: pruning its exact copies would need a router bias the stock class "
+                                   f"does not have; prune the upcycle folder instead")
+            _select_stock(module, keep)
+        else:
+            _replace(model, name, select_experts(layer, keep, shift))
         report[name] = {"saliency": [float(s) for s in score], "kept": keep,
                         "removed": [e for e in range(layer.num_experts) if e not in keep],
                         "copies_of": {e: first[e] for e in range(layer.num_experts) if first[e] != e}}
+    if stock_moe_blocks(model):              # a stock class's config says its expert count
+        _set_stock_count(model, request.num_experts)
     return report
+
+
+def _choose(layer: MoELayer, score: torch.Tensor, n: int) -> tuple[list[int], list[float], list[int]]:
+    """The experts kept (their indices, in order), each one's logit shift, and each expert's first exact copy:
+    copies go before any distinct expert, then the lowest score (of equal scores the lower index stays); the
+    copies of a group that stay take back the removed ones' share of its probability, +log(n / m)."""
+    first = copy_groups(layer)
+    order = sorted(range(layer.num_experts), key=lambda e: (first[e] != e, -float(score[e]), e))
+    keep = sorted(order[:n])
+    group, kept = Counter(first), Counter(first[e] for e in keep)
+    return keep, [math.log(group[first[e]] / kept[first[e]]) for e in keep], first
+
+
+@torch.no_grad()
+def _select_stock(block: nn.Module, keep: list[int]) -> None:
+    """A stock sparse block with only the experts `keep`: its router rows and stacked expert tensors (transformers
+    5's `gate_up_proj`, `down_proj` and their biases), and the counts the modules hold."""
+    index = torch.tensor(keep, dtype=torch.long, device=block.gate.weight.device)
+    for module in (block.gate, block.experts):
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter.shape[0] == module.num_experts:
+                setattr(module, name, nn.Parameter(parameter.index_select(0, index).clone(),
+                                                   requires_grad=parameter.requires_grad))
+        module.num_experts = len(keep)
+
+
+def _set_stock_count(model: nn.Module, n: int) -> None:
+    config = model.config.get_text_config()
+    keys = [k for k in ("num_local_experts", "num_experts") if isinstance(getattr(config, k, None), int)]
+    if not keys:
+        raise UpcycleError(f"{type(model).__name__}'s config names its expert count under no key upcycle knows")
+    for key in keys:
+        setattr(config, key, n)
 
 
 def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> dict:
@@ -104,6 +151,9 @@ def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> d
     once before any twice), or of every expert in turn (`uniform`); returns, per layer, the scores and the experts
     copied (expert E + i is a copy of `copied[i]`)."""
     layers = check_request(model, request, grow=True)
+    if not all(isinstance(layer, MoELayer) for layer in layers.values()):
+        raise UpcycleError("growing shifts the copies' logits through a router bias, which the stock MoE classes do "
+                           "not have: grow the upcycle folder, then export it")
     inputs = moe_inputs(model, layers, batches) if request.by == "utility" else {}
     report = {}
     for name, layer in layers.items():

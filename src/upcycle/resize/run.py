@@ -12,8 +12,9 @@ expert count of every MoE layer changed, written as a new upcycle folder, and wh
               function-preserving either, and the report says so rather than promising it)
     write     the upcycle folder, then resize_report.json
 
-Stock MoE folders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and a streamed, larger-than-memory pass are not taken yet:
-they are refused with that said.
+A stock MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) is pruned as that class and written as it again, loadable
+without upcycle; it cannot grow (its router has no bias to share a copied expert's probability through). A
+streamed, larger-than-memory pass is not there yet: the model is loaded whole.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from ..checkpoint.loading import load_model
 from ..checkpoint.upcycle_format import MOE_CONFIG, save_folder_files
 from ..config import CalibrationConfig, CheckConfig
 from ..conversion.calibration import text_batches
+from ..core.stock_moe import is_stock_moe
 from ..data.model_names import model_inputs
+from ..data.packing import document_ids
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, claim_output, inputs
-from ..probe import compare, make_probe, probe_output
+from ..probe import Probe, compare, make_probe, probe_output
 from .expert_count import GROW_BY, PRUNE_BY, ExpertCount, grow_model, prune_model
 
 REPORT = "resize_report.json"
@@ -41,14 +46,22 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
     """The folder's MoE layers as its upcycle_config.json lists them, once the request fits every one (no weight
     is read)."""
     folder = Path(model)
-    if not (folder.is_dir() and (folder / MOE_CONFIG).is_file()):
-        stock = folder.is_dir() and (folder / "config.json").is_file()
-        raise UpcycleError(f"{model} is not an upcycle folder (no {MOE_CONFIG}): {'grow' if grow else 'prune'} takes "
-                           f"a conversion's folder or a training run's model/" +
-                           ("; a stock MoE class's folder or a dense model is not taken yet" if stock else ""))
-    spec = read_json_file(folder / MOE_CONFIG, MOE_CONFIG)
-    layers = {str(layer.get("block", i)): layer for i, layer in enumerate(spec.get("layers") or [])
-              if isinstance(layer, dict)}
+    config = read_json_file(folder / "config.json", "config.json") if (folder / "config.json").is_file() else None
+    if folder.is_dir() and (folder / MOE_CONFIG).is_file():
+        spec = read_json_file(folder / MOE_CONFIG, MOE_CONFIG)
+        layers = {str(layer.get("block", i)): layer for i, layer in enumerate(spec.get("layers") or [])
+                  if isinstance(layer, dict)}
+    elif folder.is_dir() and config is not None and is_stock_moe(config):
+        if grow:
+            raise UpcycleError(f"{model} is a stock MoE folder ({config.get('model_type')}): growing shifts the "
+                               f"copies' logits through a router bias the stock classes do not have; grow the "
+                               f"upcycle folder, then export it")
+        count = next((config[k] for k in ("num_local_experts", "num_experts") if isinstance(config.get(k), int)), None)
+        layers = {"every MoE block": {"num_experts": count, "top_k": config.get("num_experts_per_tok")}}
+    else:
+        raise UpcycleError(f"{model} is not an MoE folder (no {MOE_CONFIG}, and no stock MoE config.json): "
+                           f"{'grow takes an upcycle folder' if grow else 'prune takes an upcycle folder'}, a "
+                           f"training run's model/" + ("" if grow else " or a stock MoE class's folder"))
     choices = GROW_BY if grow else PRUNE_BY
     if request.by not in choices:
         raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
@@ -84,12 +97,12 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, cal
             raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
         batches = text_batches(tokenizer, texts, budget, seed=request.seed,
                                embedding_rows=embedding_rows(loaded.config), where=f"calibration text ({source})")
-        probe_texts, probe_source = _held_out()
-        probe = make_probe(loaded, tokenizer, probe_texts, CheckConfig(), request.seed,
-                           text_source=probe_source or "random token ids")
-        before = probe_output(loaded, probe)
+        probe = _probe(loaded, tokenizer, request.seed)
+        # a stock class is not a row of the architecture table: its logits are what it is compared on
+        outputs = (("logits", True),) if is_stock_moe(loaded) else None
+        before = probe_output(loaded, probe, outputs)
         layers = (grow_model if grow else prune_model)(loaded, request, batches)
-        measured = compare(before, probe_output(loaded, probe))
+        measured = compare(before, probe_output(loaded, probe, outputs))
         report = {"kind": kind, "source": str(model), "request": asdict(request), "calibration": {
                       "source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)},
                   "probe": {"source": probe.source, "rows": measured["compared_rows"]},
@@ -97,7 +110,11 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, cal
                   "function_preserving": False if grow or any(layer["removed"] for layer in layers.values())
                   else True, "layers": layers}
         with claim.directory() as tmp:
-            save_folder_files(loaded, tmp, tokenizer=tokenizer)
+            if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
+                loaded.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            else:
+                save_folder_files(loaded, tmp, tokenizer=tokenizer)
             (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     if progress:
         print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
@@ -119,10 +136,26 @@ def _calibration_texts(calibration: str | None) -> tuple[list[str], str]:
             from None
 
 
-def _held_out() -> tuple[list[str] | None, str | None]:
+def _probe(model, tokenizer, seed: int) -> Probe:
+    """The held-out probe the new model is compared with the source on: the embedded held-out Wikipedia split as
+    the model's tokenizer reads it, else seeded random token ids (`probe.source` says which)."""
     from ..data.text import wikipedia_split
 
     try:
-        return wikipedia_split()[1], "held-out Wikipedia (embedded)"
+        texts, source = wikipedia_split()[1], "held-out Wikipedia (embedded)"
     except (FileNotFoundError, OSError):
-        return None, None
+        texts, source = None, "random token ids"
+    if not is_stock_moe(model):
+        return make_probe(model, tokenizer, texts, CheckConfig(), seed, text_source=source)
+    check, flat = CheckConfig(), []
+    for text in texts or []:                 # a stock class: the same rows make_probe makes, from the same text
+        flat += document_ids(tokenizer, text)
+        if len(flat) >= check.sequences * check.tokens:
+            break
+    if len(flat) >= check.sequences * check.tokens:
+        ids = torch.tensor(flat[: check.sequences * check.tokens]).view(check.sequences, check.tokens)
+    else:
+        source = "random token ids"
+        ids = torch.randint(0, embedding_rows(model.config), (check.sequences, check.tokens),
+                            generator=torch.Generator().manual_seed(seed))
+    return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, source)
