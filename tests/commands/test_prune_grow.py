@@ -115,3 +115,58 @@ def test_a_stock_folder_cannot_grow(tiny_lm, tmp_path, capsys):
     assert main(["export", str(moe), str(tmp_path / "stock"), "--export-class", "mixtral"]) == 0
     assert main(["grow", str(tmp_path / "stock"), str(tmp_path / "out"), "--num-experts", "6", *_flags(train)]) == 2
     assert "router bias" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_add_makes_one_expert_per_layer_from_another_fine_tune(tiny_lm, tmp_path):
+    """The new expert of each layer is the fine-tune's FFN of that block, exactly; its router row is the centroid
+    of the layer's inputs on the fine-tune's text, on the scale of the other rows; the rest is the model's."""
+    from conftest import fine_tune
+    from upcycle.core.architectures import family_of
+
+    dense, moe, train, held = tiny_lm
+    tuned = fine_tune(dense, tmp_path / "tuned", seed=5)
+    out = tmp_path / "added"
+    assert main(["grow", str(moe), str(out), "--add", str(tuned), "--calibration", str(held),
+                 "--calibration-tokens", "256", "--quiet"]) == 0
+    before, after = moe_layers(upcycle.load(str(moe))), moe_layers(upcycle.load(str(out)))
+    report = json.loads((out / "resize_report.json").read_text())
+    import transformers
+
+    ft = transformers.AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.float32)
+    for name, layer in after.items():
+        old = before[name]
+        assert layer.num_experts == old.num_experts + 1 and report["layers"][name]["added"] == old.num_experts
+        block = name.rsplit(".", 1)[0]
+        expected = family_of(ft.config).extract(ft.get_submodule(block), ft.config)
+        added = layer.experts.weights().expert(old.num_experts)
+        for key, t in expected.tensors().items():
+            assert torch.equal(added.tensors()[key], t.detach()), (name, key)
+        assert torch.equal(layer.router.weight[:-1], old.router.weight)
+        norms = torch.linalg.vector_norm(old.router.weight.detach(), dim=-1)
+        assert float(torch.linalg.vector_norm(layer.router.weight[-1].detach())) == pytest.approx(
+            float(norms.mean()), rel=1e-5)
+        assert 0 <= report["layers"][name]["top1_share_of_its_text"] <= 1
+    assert report["request"]["add"] == str(tuned) and report["function_preserving"] is False
+
+
+def test_add_refuses_a_fine_tune_of_another_base_or_tokenizer_before_out_is_claimed(tiny_lm, tmp_path, capsys):
+    import transformers
+
+    from conftest import fine_tune, make_tiny
+    from upcycle.data.clip_pairs import caption_tokenizer
+
+    dense, moe, train, held = tiny_lm
+    other_words = fine_tune(dense, tmp_path / "other-words", seed=1)
+    caption_tokenizer(["entirely", "other", "words"], max_length=64).save_pretrained(other_words)
+    narrow = tmp_path / "narrow"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**make_tiny("llama").config.to_dict(),
+                                                               "intermediate_size": 48})).save_pretrained(narrow)
+    for finetune, said in ((other_words, "does not share"), (narrow, "does not have the architecture")):
+        out = tmp_path / "out"
+        assert main(["grow", str(moe), str(out), "--add", str(finetune), "--calibration", str(held), "--quiet"]) == 2
+        assert said in capsys.readouterr().err and not out.exists()
+    assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(other_words), "--quiet"]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(other_words), "--num-experts", "6",
+                 "--calibration", str(held), "--quiet"]) == 2
+    assert "one of them" in capsys.readouterr().err and not (tmp_path / "out").exists()

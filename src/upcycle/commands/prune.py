@@ -4,6 +4,7 @@ frequency or random), the router rows and selection bias with them (`upcycle.res
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from .flags import whole_number
 
@@ -11,8 +12,12 @@ from .flags import whole_number
 def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> None:
     parser.add_argument("model", help="an upcycle folder: a conversion's, or a training run's model/")
     parser.add_argument("out", help="output folder (written atomically)")
-    parser.add_argument("--num-experts", type=whole_number, required=True, dest="num_experts",
+    parser.add_argument("--num-experts", type=whole_number, required=not grow, dest="num_experts",
                         help="the experts every MoE layer ends with")
+    if grow:
+        parser.add_argument("--add", metavar="FINETUNE",
+                            help="instead of copies: one expert per layer from FINETUNE (a dense fine-tune of the "
+                                 "model's base, same tokenizer), its router row from its text (--calibration)")
     choices = ("utility", "uniform") if grow else ("reap", "frequency", "random")
     parser.add_argument("--by", choices=choices, default=choices[0],
                         help=("which experts are copied: the highest utility (load x output norm), or each in turn"
@@ -28,11 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool = False) -> int:
+    from ..errors import UpcycleError
     from ..resize.expert_count import ExpertCount
-    from ..resize.run import resize
+    from ..resize.run import CALIBRATION, resize
 
-    resize(args.model, args.out, ExpertCount(args.num_experts, args.by, args.seed), grow=grow,
-           calibration=args.calibration, tokens=args.calibration_tokens, overwrite=bool(args.overwrite),
+    add = getattr(args, "add", None)
+    if grow and (add is None) == (args.num_experts is None):
+        raise UpcycleError("grow takes --num-experts N (copies of its experts) or --add FINETUNE (one expert from "
+                           "another fine-tune), one of them")
+    request = ExpertCount(args.num_experts, args.by, args.seed) if args.num_experts is not None else None
+    budget = dataclasses.replace(CALIBRATION, data=args.calibration, tokens=args.calibration_tokens)
+    resize(args.model, args.out, request, grow=grow, budget=budget, add=add, overwrite=bool(args.overwrite),
            progress=not args.quiet)
     print(f"wrote {args.out} (report: {args.out}/resize_report.json)")
     return 0

@@ -8,6 +8,7 @@ score function) and the shared experts stay as they were.
   select_experts(layer, keep)        the experts `keep`, in that order, with their router rows, router bias and
                                      selection bias: a token's logits for the kept experts are what they were
   copy_groups(layer)                 which experts are exact copies of an earlier one (as growth makes them)
+  append_experts(layer, experts, rows)  experts from elsewhere (another fine-tune's FFN) with their router rows
   duplicate_experts(layer, sources)  experts E..E+len(sources)-1 copies of `sources`, each with its source's router
                                      row, and every expert that now has n copies (itself included) its logits
                                      shifted by -log n through the router bias, so that under the softmax the n
@@ -25,6 +26,7 @@ import torch
 
 from ..config import MoEConfig
 from ..errors import UpcycleError
+from .ffn import FFNWeights
 from .moe import MoELayer
 
 
@@ -96,3 +98,36 @@ def duplicate_experts(layer: MoELayer, sources: list[int]) -> MoELayer:
     shift = torch.tensor([math.log(1 + copies[e]) for e in range(E)], dtype=base.dtype, device=base.device)
     shifted = base - shift                        # every copy of expert e (itself included): -log(copies + 1)
     return _rebuilt(layer, index, shifted.index_select(0, index.to(shifted.device)))
+
+
+def append_experts(layer: MoELayer, experts: FFNWeights, rows_ND: torch.Tensor,
+                   bias_N: torch.Tensor | None = None) -> MoELayer:
+    """The layer with `experts` (stacked, of the layer's expert shape) appended after its own, their router rows
+    `rows_ND` and router bias `bias_N` (None: 0 where the layer has a bias); selection bias 0."""
+    E, n = layer.num_experts, experts.num_experts
+    old = layer.experts.weights()
+    if experts.intermediate_size != old.intermediate_size or experts.gated != old.gated \
+            or experts.activation != old.activation or experts.hidden_size != old.hidden_size:
+        raise UpcycleError(f"an expert of width {experts.intermediate_size} ({experts.activation}, gated="
+                           f"{experts.gated}) does not fit a layer of experts {old.intermediate_size} wide "
+                           f"({old.activation}, gated={old.gated})")
+    present, added = old.tensors(), experts.tensors()
+    if set(present) != set(added):
+        raise UpcycleError(f"the new experts' tensors ({sorted(added)}) are not the layer's ({sorted(present)})")
+    device, dtype = old.w_down.device, old.w_down.dtype
+    stacked = FFNWeights(**{k: torch.cat([present[k], added[k].to(device, dtype)]) for k in present},
+                         activation=old.activation)
+    config = MoEConfig(**{**vars(layer.config), "num_experts": E + n})
+    router = torch.cat([layer.router.weight.detach(), rows_ND.to(layer.router.weight)])
+    bias = None
+    if layer.router.bias is not None or bias_N is not None:
+        base = layer.router.bias.detach() if layer.router.bias is not None else torch.zeros(E, device=router.device)
+        extra = bias_N.to(router) if bias_N is not None else torch.zeros(n, device=router.device)
+        bias = torch.cat([base, extra])
+    shared = layer.shared_experts.weights() if layer.shared_experts is not None else None
+    with torch.device(device):
+        new = MoELayer.from_init(stacked, router, config=config, shared=shared, router_bias_E=bias, dtype=dtype,
+                                 output_dropout=layer.dropout.p)
+    with torch.no_grad():
+        new.selection_bias[:E].copy_(layer.selection_bias)
+    return new.train(layer.training)

@@ -104,7 +104,7 @@ def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> 
                                    f"does not have; prune the upcycle folder instead")
             _select_stock(module, keep)
         else:
-            _replace(model, name, select_experts(layer, keep, shift))
+            replace_layer(model, name, select_experts(layer, keep, shift))
         report[name] = {"saliency": [float(s) for s in score], "kept": keep,
                         "removed": [e for e in range(layer.num_experts) if e not in keep],
                         "copies_of": {e: first[e] for e in range(layer.num_experts) if first[e] != e}}
@@ -165,12 +165,12 @@ def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> d
         else:
             score, ranked = None, list(range(E))
         copied = [ranked[i % E] for i in range(extra)]
-        _replace(model, name, duplicate_experts(layer, copied))
+        replace_layer(model, name, duplicate_experts(layer, copied))
         report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied}
     return report
 
 
-def _replace(model: nn.Module, name: str, layer: MoELayer) -> None:
+def replace_layer(model: nn.Module, name: str, layer: MoELayer) -> None:
     """Put `layer` where the MoE layer `name` is (its parent module's attribute of that name)."""
     parent, _, attribute = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attribute, layer)

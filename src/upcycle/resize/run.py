@@ -37,6 +37,7 @@ from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, claim_output, inputs
 from ..probe import Probe, compare, make_probe, probe_output
+from .add_expert import add_expert, check_finetune
 from .expert_count import GROW_BY, PRUNE_BY, ExpertCount, grow_model, prune_model
 
 REPORT = "resize_report.json"
@@ -80,15 +81,33 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
     return layers
 
 
-def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, calibration: str | None = None,
-           tokens: int = 4096, overwrite: bool = False, progress: bool = True) -> dict:
-    """Prune (or grow) the upcycle folder `model` into OUT as the module docstring says; returns the report."""
-    check_folder(model, request, grow=grow)
+CALIBRATION = CalibrationConfig(tokens=4096, sequence_length=256, batch_size=8)
+
+
+def resize(model: str, out: str | Path, request: ExpertCount | None, *, grow: bool,
+           budget: CalibrationConfig = CALIBRATION, add: str | None = None, overwrite: bool = False,
+           progress: bool = True) -> dict:
+    """Prune (or grow) the folder `model` into OUT as the module docstring says, scoring on `budget` (its `data`:
+    a text file; None, the embedded Wikipedia train split); with `add` (a dense fine-tune of the model's base), grow
+    by one expert made from it, routed by `budget.data` (the fine-tune's own text: needed). Returns the report."""
+    calibration = budget.data
+    if add is not None:
+        if not (Path(model) / MOE_CONFIG).is_file():
+            raise UpcycleError(f"{model} is not an upcycle folder: --add takes one (a conversion's or a merge's "
+                               f"folder, or a training run's model/)")
+        if calibration is None:
+            raise UpcycleError("--add needs the fine-tune's own text (--calibration FILE): its expert's router row "
+                               "is the centroid of the model's FFN inputs on that text")
+        check_finetune(model, add)
+        request = ExpertCount(0, "add", request.seed if request is not None else 0)
+    else:
+        check_folder(model, request, grow=grow)
     if calibration is not None and (problem := file_problem(calibration)):
         raise UpcycleError(f"--calibration {calibration}: {problem}")
-    budget = CalibrationConfig(data=calibration, tokens=tokens, sequence_length=256, batch_size=8)
     kind = "grow" if grow else "prune"
     given = [*(Input(what, path) for what, path in model_inputs(model)), *inputs(("calibration data", calibration))]
+    if add is not None:
+        given += [Input(f"--add {what}", path) for what, path in model_inputs(add)]
     with claim_output(out, kind=kind, given=given, overwrite=overwrite) as claim:
         loaded, tokenizer = load_model(model)
         loaded.eval()
@@ -101,13 +120,17 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, cal
         # a stock class is not a row of the architecture table: its logits are what it is compared on
         outputs = (("logits", True),) if is_stock_moe(loaded) else None
         before = probe_output(loaded, probe, outputs)
-        layers = (grow_model if grow else prune_model)(loaded, request, batches)
+        if add is not None:
+            layers = add_expert(loaded, load_model(add)[0].eval(), batches)
+        else:
+            layers = (grow_model if grow else prune_model)(loaded, request, batches)
         measured = compare(before, probe_output(loaded, probe, outputs))
-        report = {"kind": kind, "source": str(model), "request": asdict(request), "calibration": {
+        asked = {"add": add, "seed": request.seed} if add is not None else asdict(request)
+        report = {"kind": kind, "source": str(model), "request": asked, "calibration": {
                       "source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)},
                   "probe": {"source": probe.source, "rows": measured["compared_rows"]},
                   "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
-                  "function_preserving": False if grow or any(layer["removed"] for layer in layers.values())
+                  "function_preserving": False if grow or any(layer.get("removed") for layer in layers.values())
                   else True, "layers": layers}
         with claim.directory() as tmp:
             if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
