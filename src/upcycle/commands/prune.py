@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
     parser.add_argument("--calibration-tokens", type=whole_number, default=4096, dest="calibration_tokens",
                         help="real tokens scored (default 4096)")
     parser.add_argument("--seed", type=whole_number, default=0)
+    if not grow:
+        parser.add_argument("--streaming", action="store_true",
+                            help="a block at a time, for a model larger than memory (an upcycle folder)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--quiet", action="store_true")
 
@@ -41,9 +44,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
     if grow and (add is None) == (args.num_experts is None):
         raise UpcycleError("grow takes --num-experts N (copies of its experts) or --add FINETUNE (one expert from "
                            "another fine-tune), one of them")
-    request = ExpertCount(args.num_experts, args.by, args.seed) if args.num_experts is not None else None
+    request = ExpertCount(args.num_experts or 0, "add" if add else args.by, args.seed, add)
     budget = dataclasses.replace(CALIBRATION, data=args.calibration, tokens=args.calibration_tokens)
-    resize(args.model, args.out, request, grow=grow, budget=budget, add=add, overwrite=bool(args.overwrite),
-           progress=not args.quiet)
+    resize(args.model, args.out, request, grow=grow, budget=budget, streaming=bool(getattr(args, "streaming", False)),
+           overwrite=bool(args.overwrite), progress=not args.quiet)
     print(f"wrote {args.out} (report: {args.out}/resize_report.json)")
     return 0

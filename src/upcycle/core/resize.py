@@ -19,6 +19,7 @@ score function) and the shared experts stay as they were.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 
@@ -74,11 +75,23 @@ def copy_groups(layer: MoELayer) -> list[int]:
                layer.selection_bias.unsqueeze(-1)]
     if layer.router.bias is not None:
         tensors.append(layer.router.bias.detach().unsqueeze(-1))
-    first: dict[bytes, int] = {}
+
+    def digest(e: int) -> bytes:          # a hash of the expert's bytes, read in place (no copy of its weights)
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(memoryview(t[e].detach().contiguous().cpu().view(torch.uint8).numpy()))
+        return h.digest()
+
+    first: dict[bytes, list[int]] = {}
     out = []
     for e in range(layer.num_experts):
-        key = b"".join(t[e].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
-        out.append(first.setdefault(key, e))
+        # a hash match is checked tensor by tensor: two experts are copies only when their bytes are equal
+        candidates = first.setdefault(digest(e), [])
+        same = next((c for c in candidates if all(torch.equal(t[c].view(torch.uint8), t[e].view(torch.uint8))
+                                                  for t in tensors)), None)
+        if same is None:
+            candidates.append(e)
+        out.append(e if same is None else same)
     return out
 
 

@@ -36,6 +36,7 @@ class ExpertCount:
     num_experts: int
     by: str
     seed: int = 0
+    add: str | None = None          # grow by one expert from this fine-tune instead (`add_expert.py`)
 
 
 def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict[str, nn.Module]:
@@ -97,7 +98,8 @@ def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> 
         layer = as_moe_layer(module, activation) if stock else module
         with _eval(layer):
             score = expert_saliency(layer, inputs.get(name, torch.empty(0)), request.by, seed=request.seed + index)
-        keep, shift, first = _choose(layer, score, request.num_experts)
+        first = copy_groups(layer)
+        keep, shift = choose_experts(first, score, request.num_experts)
         if stock:
             if any(shift):
                 raise UpcycleError(f"{name}: pruning its exact copies would need a router bias the stock class "
@@ -113,15 +115,15 @@ def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> 
     return report
 
 
-def _choose(layer: MoELayer, score: torch.Tensor, n: int) -> tuple[list[int], list[float], list[int]]:
-    """The experts kept (their indices, in order), each one's logit shift, and each expert's first exact copy:
-    copies go before any distinct expert, then the lowest score (of equal scores the lower index stays); the
-    copies of a group that stay take back the removed ones' share of its probability, +log(n / m)."""
-    first = copy_groups(layer)
-    order = sorted(range(layer.num_experts), key=lambda e: (first[e] != e, -float(score[e]), e))
+def choose_experts(first: list[int], score: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
+    """The `n` experts kept (their indices, in order) and each one's logit shift, from the scores and each
+    expert's first exact copy (`core.resize.copy_groups`): copies go before any distinct expert, then the lowest
+    score (of equal scores the lower index stays); the copies of a group that stay take back the removed ones'
+    share of its probability, +log(n / m)."""
+    order = sorted(range(len(first)), key=lambda e: (first[e] != e, -float(score[e]), e))
     keep = sorted(order[:n])
     group, kept = Counter(first), Counter(first[e] for e in keep)
-    return keep, [math.log(group[first[e]] / kept[first[e]]) for e in keep], first
+    return keep, [math.log(group[first[e]] / kept[first[e]]) for e in keep]
 
 
 @torch.no_grad()

@@ -13,12 +13,13 @@ expert count of every MoE layer changed, written as a new upcycle folder, and wh
     write     the upcycle folder, then resize_report.json
 
 A stock MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) is pruned as that class and written as it again, loadable
-without upcycle; it cannot grow (its router has no bias to share a copied expert's probability through). A
-streamed, larger-than-memory pass is not there yet: the model is loaded whole.
+without upcycle; it cannot grow (its router has no bias to share a copied expert's probability through). With
+`--streaming` an upcycle folder is pruned a block at a time (`streamed.py`), so a model larger than memory prunes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -84,63 +85,101 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
 CALIBRATION = CalibrationConfig(tokens=4096, sequence_length=256, batch_size=8)
 
 
-def resize(model: str, out: str | Path, request: ExpertCount | None, *, grow: bool,
-           budget: CalibrationConfig = CALIBRATION, add: str | None = None, overwrite: bool = False,
-           progress: bool = True) -> dict:
+def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, budget: CalibrationConfig = CALIBRATION,
+           streaming: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Prune (or grow) the folder `model` into OUT as the module docstring says, scoring on `budget` (its `data`:
-    a text file; None, the embedded Wikipedia train split); with `add` (a dense fine-tune of the model's base), grow
-    by one expert made from it, routed by `budget.data` (the fine-tune's own text: needed). Returns the report."""
-    calibration = budget.data
-    if add is not None:
+    a text file; None, the embedded Wikipedia train split); `request.add` (a dense fine-tune of the model's base):
+    grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (prune of an
+    upcycle folder): a block at a time (`streamed.py`). Returns the report."""
+    given = check(model, request, grow=grow, budget=budget, streaming=streaming)      # every weight-free refusal
+    with claim_output(out, kind="grow" if grow else "prune", given=given, overwrite=overwrite) as claim:
+        texts, source = _calibration_texts(budget.data)
+        run = _streamed if streaming else _in_memory
+        report = run(model, request, grow, budget, (texts, source), claim)
+    if progress:
+        print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
+    return report
+
+
+def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:
+    """Every refusal that needs no weight (module docstring); the inputs OUT must never be."""
+    if request.add is not None:
         if not (Path(model) / MOE_CONFIG).is_file():
             raise UpcycleError(f"{model} is not an upcycle folder: --add takes one (a conversion's or a merge's "
                                f"folder, or a training run's model/)")
-        if calibration is None:
+        if budget.data is None:
             raise UpcycleError("--add needs the fine-tune's own text (--calibration FILE): its expert's router row "
                                "is the centroid of the model's FFN inputs on that text")
-        check_finetune(model, add)
-        request = ExpertCount(0, "add", request.seed if request is not None else 0)
+        check_finetune(model, request.add)
     else:
         check_folder(model, request, grow=grow)
-    if calibration is not None and (problem := file_problem(calibration)):
-        raise UpcycleError(f"--calibration {calibration}: {problem}")
-    kind = "grow" if grow else "prune"
-    given = [*(Input(what, path) for what, path in model_inputs(model)), *inputs(("calibration data", calibration))]
-    if add is not None:
-        given += [Input(f"--add {what}", path) for what, path in model_inputs(add)]
-    with claim_output(out, kind=kind, given=given, overwrite=overwrite) as claim:
-        loaded, tokenizer = load_model(model)
-        loaded.eval()
-        texts, source = _calibration_texts(calibration)
-        if tokenizer is None:
-            raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
-        batches = text_batches(tokenizer, texts, budget, seed=request.seed,
-                               embedding_rows=embedding_rows(loaded.config), where=f"calibration text ({source})")
-        probe = _probe(loaded, tokenizer, request.seed)
-        # a stock class is not a row of the architecture table: its logits are what it is compared on
-        outputs = (("logits", True),) if is_stock_moe(loaded) else None
-        before = probe_output(loaded, probe, outputs)
-        if add is not None:
-            layers = add_expert(loaded, load_model(add)[0].eval(), batches)
+    if streaming and (grow or not (Path(model) / MOE_CONFIG).is_file()):
+        raise UpcycleError("--streaming prunes an upcycle folder a block at a time; growing, adding and stock "
+                           "folders run in memory")
+    if budget.data is not None and (problem := file_problem(budget.data)):
+        raise UpcycleError(f"--calibration {budget.data}: {problem}")
+    given = [*(Input(what, path) for what, path in model_inputs(model)), *inputs(("calibration data", budget.data))]
+    return given + [Input(f"--add {what}", path) for what, path in model_inputs(request.add)] if request.add \
+        else given
+
+
+def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, probe: Probe, measured: dict,
+            layers: dict) -> dict:
+    return {"kind": "grow" if grow else "prune", "source": str(model), "request": asdict(request),
+            "calibration": calibration, "probe": {"source": probe.source, "rows": measured["compared_rows"]},
+            "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
+            "function_preserving": not grow and not any(layer.get("removed") for layer in layers.values()),
+            "layers": layers}
+
+
+def _in_memory(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim) -> dict:
+    texts, source = text
+    loaded, tokenizer = load_model(model)
+    loaded.eval()
+    if tokenizer is None:
+        raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
+    batches = text_batches(tokenizer, texts, budget, seed=request.seed, embedding_rows=embedding_rows(loaded.config),
+                           where=f"calibration text ({source})")
+    probe = _probe(loaded, tokenizer, request.seed)
+    # a stock class is not a row of the architecture table: its logits are what it is compared on
+    outputs = (("logits", True),) if is_stock_moe(loaded) else None
+    before = probe_output(loaded, probe, outputs)
+    if request.add is not None:
+        layers = add_expert(loaded, load_model(request.add)[0].eval(), batches)
+    else:
+        layers = (grow_model if grow else prune_model)(loaded, request, batches)
+    measured = compare(before, probe_output(loaded, probe, outputs))
+    calibration = {"source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)}
+    report = _report(model, request, grow, calibration, probe, measured, layers)
+    with claim.directory() as tmp:
+        if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
+            loaded.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         else:
-            layers = (grow_model if grow else prune_model)(loaded, request, batches)
-        measured = compare(before, probe_output(loaded, probe, outputs))
-        asked = {"add": add, "seed": request.seed} if add is not None else asdict(request)
-        report = {"kind": kind, "source": str(model), "request": asked, "calibration": {
-                      "source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)},
-                  "probe": {"source": probe.source, "rows": measured["compared_rows"]},
-                  "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
-                  "function_preserving": False if grow or any(layer.get("removed") for layer in layers.values())
-                  else True, "layers": layers}
-        with claim.directory() as tmp:
-            if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
-                loaded.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-            else:
-                save_folder_files(loaded, tmp, tokenizer=tokenizer)
-            (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
-    if progress:
-        print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
+            save_folder_files(loaded, tmp, tokenizer=tokenizer)
+        (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
+    return report
+
+
+def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim) -> dict:
+    from ..checkpoint.loading import load_tokenizer
+    from .streamed import open_folder, prune_streamed
+
+    texts, source = text
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
+    skeleton = open_folder(Path(model)).model          # the config and the shapes, no weight
+    one = dataclasses.replace(budget, batch_size=2**16)      # one batch: every layer scored on every token at once
+    (batch,) = text_batches(tokenizer, texts, one, seed=request.seed, embedding_rows=embedding_rows(skeleton.config),
+                            where=f"calibration text ({source})")
+    probe = _probe(skeleton, tokenizer, request.seed)
+    with claim.directory() as tmp:
+        layers, before, after = prune_streamed(Path(model), tmp, request, batch, probe)
+        measured = compare(before, after)
+        calibration = {"source": source, "tokens": int(batch["attention_mask"].sum()), "streamed": True}
+        report = _report(model, request, grow, calibration, probe, measured, layers)
+        (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     return report
 
 
