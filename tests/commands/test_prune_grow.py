@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import upcycle
 from upcycle.cli import main
@@ -47,6 +48,15 @@ def test_pruning_to_every_expert_writes_the_same_function(tiny_lm, tmp_path):
     assert torch.equal(_logits(out, ids), _logits(moe, ids))
     report = json.loads((out / "resize_report.json").read_text())
     assert report["function_preserving"] is True and report["kl_to_source"] == pytest.approx(0, abs=1e-9)
+    # held-out perplexity on the report's probe, before and after, is what `upcycle eval`'s function computes
+    from upcycle.resize.run import _probe
+    from upcycle.tasks.evaluate import perplexity
+
+    source = upcycle.load(str(moe))
+    probe = _probe(source, transformers.AutoTokenizer.from_pretrained(moe), 0)
+    expected = perplexity(source, probe.inputs["input_ids"], probe.inputs["attention_mask"])["perplexity"]
+    assert report["held_out_perplexity"]["before"] == pytest.approx(expected, rel=1e-5)
+    assert report["held_out_perplexity"]["after"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_grow_adds_copies_and_says_it_is_not_function_preserving(tiny_lm, tmp_path):

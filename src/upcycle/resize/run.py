@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, claim_output, inputs
-from ..probe import Probe, compare, make_probe, probe_output
+from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output
 from .add_expert import add_expert, check_finetune
 from .expert_count import GROW_BY, PRUNE_BY, ExpertCount, grow_model, prune_model
 
@@ -123,11 +124,13 @@ def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationCo
         else given
 
 
-def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, probe: Probe, measured: dict,
-            layers: dict) -> dict:
+def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, probe: Probe,
+            outputs: tuple[ProbeOutput, ProbeOutput], layers: dict) -> dict:
+    measured = compare(*outputs)
     return {"kind": "grow" if grow else "prune", "source": str(model), "request": asdict(request),
             "calibration": calibration, "probe": {"source": probe.source, "rows": measured["compared_rows"]},
             "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
+            "held_out_perplexity": {"before": _perplexity(probe, outputs[0]), "after": _perplexity(probe, outputs[1])},
             "function_preserving": not grow and not any(layer.get("removed") for layer in layers.values()),
             "layers": layers}
 
@@ -148,9 +151,9 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
         layers = add_expert(loaded, load_model(request.add)[0].eval(), batches)
     else:
         layers = (grow_model if grow else prune_model)(loaded, request, batches)
-    measured = compare(before, probe_output(loaded, probe, outputs))
+    after = probe_output(loaded, probe, outputs)
     calibration = {"source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)}
-    report = _report(model, request, grow, calibration, probe, measured, layers)
+    report = _report(model, request, grow, calibration, probe, (before, after), layers)
     with claim.directory() as tmp:
         if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
             loaded.save_pretrained(tmp)
@@ -176,9 +179,8 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
     probe = _probe(skeleton, tokenizer, request.seed)
     with claim.directory() as tmp:
         layers, before, after = prune_streamed(Path(model), tmp, request, batch, probe)
-        measured = compare(before, after)
         calibration = {"source": source, "tokens": int(batch["attention_mask"].sum()), "streamed": True}
-        report = _report(model, request, grow, calibration, probe, measured, layers)
+        report = _report(model, request, grow, calibration, probe, (before, after), layers)
         (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     return report
 
@@ -221,3 +223,16 @@ def _probe(model, tokenizer, seed: int) -> Probe:
         ids = torch.randint(0, embedding_rows(model.config), (check.sequences, check.tokens),
                             generator=torch.Generator().manual_seed(seed))
     return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, source)
+
+
+def _perplexity(probe: Probe, output: ProbeOutput) -> float | None:
+    """The perplexity of the probe's rows from a causal LM's logits at every position (token t predicts t+1);
+    None for a model whose output is no next-token distribution (an encoder)."""
+    ids = probe.inputs.get("input_ids")
+    if ids is None or output.name != "logits" or not output.is_distribution or \
+            output.values_NC.shape[0] != ids.numel():
+        return None
+    logits = output.values_NC.view(*ids.shape, -1)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                                            ids[:, 1:].reshape(-1))
+    return math.exp(float(nll)) if float(nll) < 709 else math.inf
