@@ -75,11 +75,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
         length = min(length, limit)
     ids, source = None, "random token ids"
     if tokenizer is not None and texts:
-        flat = []
-        for text in texts:
-            flat += document_ids(tokenizer, text)
-            if len(flat) >= check.sequences * length:
-                break
+        flat = text_ids(tokenizer, texts, check.sequences * length)
         if len(flat) < check.sequences * length:
             # random ids in its place would check another thing than the user asked for, and say so only in JSON
             raise UpcycleError(f"the probe text ({text_source}) holds {len(flat):,} tokens; the probe needs "
@@ -92,6 +88,16 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
         ids = torch.randint(0, text_cfg.vocab_size, (check.sequences, length), generator=generator)
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     return Probe(inputs, source)
+
+
+def text_ids(tokenizer, texts: list[str], count: int) -> list[int]:
+    """The token ids of `texts`, document after document, until there are at least `count` (or the texts end)."""
+    flat: list[int] = []
+    for text in texts:
+        flat += document_ids(tokenizer, text)
+        if len(flat) >= count:
+            break
+    return flat
 
 
 def input_device(model: nn.Module) -> torch.device:

@@ -46,20 +46,29 @@ def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict
     if not layers:
         raise UpcycleError(f"the model has no MoE layer (a dense model): {'grow' if grow else 'prune'} takes an "
                            f"upcycle folder, a training run's model or a stock MoE folder")
+    check_counts({name: (layer.num_experts, layer.top_k) if isinstance(layer, MoELayer) else
+                  (layer.gate.num_experts, layer.gate.top_k) for name, layer in layers.items()}, request, grow=grow)
+    return layers
+
+
+def check_counts(layers: dict[str, tuple[int | None, int | None]], request: ExpertCount, *, grow: bool) -> None:
+    """The request refused unless its rule is one of the command's and its count is possible for every layer,
+    given as name -> (experts, top-k) (None where a folder's files do not say: the loaded model's check does)."""
     choices = GROW_BY if grow else PRUNE_BY
     if request.by not in choices:
         raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
-    for name, layer in layers.items():
-        E, k = (layer.num_experts, layer.top_k) if isinstance(layer, MoELayer) else \
-            (layer.gate.num_experts, layer.gate.top_k)
-        N = request.num_experts
+    if request.num_experts < 1:
+        raise UpcycleError(f"--num-experts must be >= 1, got {request.num_experts}")
+    N = request.num_experts
+    for name, (E, k) in layers.items():
+        if not isinstance(E, int) or not isinstance(k, int):
+            continue
         if grow and N < E:
             raise UpcycleError(f"{name} has {E} experts: growing to {N} would remove some (use prune)")
         if not grow and N > E:
             raise UpcycleError(f"{name} has {E} experts: pruning to {N} would add some (use grow)")
         if not grow and N < k:
             raise UpcycleError(f"{name} routes each token to top-{k}: it keeps at least {k} experts, not {N}")
-    return layers
 
 
 @torch.no_grad()
@@ -110,7 +119,7 @@ def prune_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> 
         report[name] = {"saliency": [float(s) for s in score], "kept": keep,
                         "removed": [e for e in range(layer.num_experts) if e not in keep],
                         "copies_of": {e: first[e] for e in range(layer.num_experts) if first[e] != e}}
-    if stock_moe_blocks(model):              # a stock class's config says its expert count
+    if not all(isinstance(m, MoELayer) for m in layers.values()):    # a stock class's config says its count
         _set_stock_count(model, request.num_experts)
     return report
 

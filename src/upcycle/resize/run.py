@@ -33,14 +33,13 @@ from ..config import CalibrationConfig, CheckConfig
 from ..conversion.calibration import text_batches
 from ..core.stock_moe import is_stock_moe
 from ..data.model_names import model_inputs
-from ..data.packing import document_ids
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, claim_output, inputs
-from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output
+from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_ids
 from .add_expert import add_expert, check_finetune
-from .expert_count import GROW_BY, PRUNE_BY, ExpertCount, grow_model, prune_model
+from .expert_count import ExpertCount, check_counts, grow_model, prune_model
 
 REPORT = "resize_report.json"
 
@@ -65,21 +64,8 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
         raise UpcycleError(f"{model} is not an MoE folder (no {MOE_CONFIG}, and no stock MoE config.json): "
                            f"{'grow takes an upcycle folder' if grow else 'prune takes an upcycle folder'}, a "
                            f"training run's model/" + ("" if grow else " or a stock MoE class's folder"))
-    choices = GROW_BY if grow else PRUNE_BY
-    if request.by not in choices:
-        raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
-    if request.num_experts < 1:
-        raise UpcycleError(f"--num-experts must be >= 1, got {request.num_experts}")
-    for name, layer in layers.items():
-        E, k, N = layer.get("num_experts"), layer.get("top_k"), request.num_experts
-        if not isinstance(E, int) or not isinstance(k, int):
-            continue            # the loaded model's own check (expert_count.check_request) says it then
-        if grow and N < E:
-            raise UpcycleError(f"{name} has {E} experts: growing to {N} would remove some (use prune)")
-        if not grow and N > E:
-            raise UpcycleError(f"{name} has {E} experts: pruning to {N} would add some (use grow)")
-        if not grow and N < k:
-            raise UpcycleError(f"{name} routes each token to top-{k}: it keeps at least {k} experts, not {N}")
+    check_counts({name: (layer.get("num_experts"), layer.get("top_k")) for name, layer in layers.items()}, request,
+                 grow=grow)
     return layers
 
 
@@ -211,11 +197,8 @@ def _probe(model, tokenizer, seed: int) -> Probe:
         texts, source = None, "random token ids"
     if not is_stock_moe(model):
         return make_probe(model, tokenizer, texts, CheckConfig(), seed, text_source=source)
-    check, flat = CheckConfig(), []
-    for text in texts or []:                 # a stock class: the same rows make_probe makes, from the same text
-        flat += document_ids(tokenizer, text)
-        if len(flat) >= check.sequences * check.tokens:
-            break
+    check = CheckConfig()            # a stock class: the rows make_probe makes, from the same text
+    flat = text_ids(tokenizer, texts or [], check.sequences * check.tokens)
     if len(flat) >= check.sequences * check.tokens:
         ids = torch.tensor(flat[: check.sequences * check.tokens]).view(check.sequences, check.tokens)
     else:

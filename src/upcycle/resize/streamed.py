@@ -36,7 +36,7 @@ from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
 from ..probe import Probe, ProbeOutput, lazy_probe_output
-from .expert_count import ExpertCount, choose_experts
+from .expert_count import ExpertCount, check_counts, choose_experts
 
 COMPUTE = torch.float32
 COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja")
@@ -146,10 +146,8 @@ def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: di
     """Score on `batch`, choose, write into `out` (module docstring); (the per-layer report, the probe's output
     through the source and through the written folder)."""
     source = open_folder(source_path)
-    for name, layer in moe_layers(source.model).items():
-        if request.num_experts > layer.num_experts or request.num_experts < layer.top_k:
-            raise UpcycleError(f"{name}: {layer.num_experts} experts, top-{layer.top_k}: cannot keep "
-                               f"{request.num_experts}")
+    check_counts({name: (layer.num_experts, layer.top_k) for name, layer in moe_layers(source.model).items()},
+                 request, grow=False)
     scores = streamed_scores(source, batch, request)
     report, choices = {}, {}
     for name, (score, first) in scores.items():
