@@ -62,8 +62,10 @@ def test_pruning_to_every_expert_writes_the_same_function(tiny_lm, tmp_path):
 def test_grow_adds_copies_and_says_it_is_not_function_preserving(tiny_lm, tmp_path):
     _, moe, train, _ = tiny_lm
     out = tmp_path / "grown"
-    assert main(["grow", str(moe), str(out), "--num-experts", "6", "--by", "utility", *_flags(train)]) == 0
+    assert main(["grow", str(moe), str(out), "--num-experts", "6", "--by", "utility", "--perturb", "drop",
+                 *_flags(train)]) == 0
     report = json.loads((out / "resize_report.json").read_text())
+    assert report["request"]["perturb"] == "drop" and all(r["perturbed"] == "drop" for r in report["layers"].values())
     assert all(layer.num_experts == 6 for layer in moe_layers(upcycle.load(str(out))).values())
     assert all(len(r["copied"]) == 2 and len(set(r["copied"])) == 2 for r in report["layers"].values())
     assert report["kind"] == "grow" and report["function_preserving"] is False
@@ -180,6 +182,9 @@ def test_add_refuses_a_fine_tune_of_another_base_or_tokenizer_before_out_is_clai
     assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(other_words), "--num-experts", "6",
                  "--calibration", str(held), "--quiet"]) == 2
     assert "one of them" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(other_words), "--perturb", "noise",
+                 "--calibration", str(held), "--quiet"]) == 2
+    assert "--perturb" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_a_streamed_prune_writes_what_the_in_memory_prune_writes(tiny_lm, tmp_path):
@@ -278,3 +283,77 @@ def test_a_streamed_prune_holds_far_less_than_the_model(tiny_lm, tmp_path):
     code, whole = _peak(["prune", str(folder), str(tmp_path / "memory"), *flags], tmp_path)
     assert code == 0 and whole > weights, (whole, weights)
     shutil.rmtree(folder)
+
+
+def _random_stock(kind: str, folder, tokenizer_from) -> None:
+    """A random 2-block Qwen3-MoE or OLMoE of 4 experts, top-2 (not from an upcycle export), with the tiny
+    tokenizer, saved to `folder`."""
+    import shutil
+
+    from upcycle.checkpoint.loading import TOKENIZER_FILES
+
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(5)
+    if kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**sizes, moe_intermediate_size=48,
+                                                                             head_dim=8, norm_topk_prob=True))
+    else:                   # OLMoE: top-k weights not renormalized (its default)
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**sizes))
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, folder / name)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+def test_a_pruned_qwen3_moe_or_olmoe_folder_loads_without_upcycle_and_is_the_class_with_those_experts_cut(
+        tiny_lm, tmp_path, kind):
+    """A stock Qwen3-MoE / OLMoE folder pruned 4 -> 3 stays its class and loads in a process that never imports
+    upcycle; its logits are those of the source model with, in every block, the report's kept experts' router
+    rows and expert tensors taken by hand from its state dict (an independent reference: transformers' own class
+    with the count set to 3)."""
+    import copy
+    import subprocess
+    import sys
+
+    _, moe, train, _ = tiny_lm
+    source, pruned = tmp_path / "source", tmp_path / "pruned"
+    _random_stock(kind, source, moe)
+    assert main(["prune", str(source), str(pruned), "--num-experts", "3", "--by", "reap", *_flags(train)]) == 0
+    report = json.loads((pruned / "resize_report.json").read_text())
+    kept = {name: r["kept"] for name, r in report["layers"].items()}
+    assert len(kept) == 2 and all(len(k) == 3 for k in kept.values())
+    config = json.loads((pruned / "config.json").read_text())
+    assert config["model_type"] == kind and config.get("num_experts", config.get("num_local_experts")) == 3
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = original.state_dict()
+    for name, keep in kept.items():                  # e.g. model.layers.0.mlp: its router and its experts
+        index = torch.tensor(keep)
+        for key in [k for k in state if k.startswith(f"{name}.gate.") or k.startswith(f"{name}.experts.")]:
+            assert state[key].shape[0] == 4, key
+            state[key] = state[key].index_select(0, index)
+    config = copy.deepcopy(original.config)
+    config.num_experts = 3                  # Qwen3-MoE maps it to num_local_experts
+    expected = type(original)(config).eval()
+    expected.load_state_dict(state, strict=True)
+
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    code = ("import sys, torch, transformers\n"
+            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+            "ids = torch.tensor(eval(sys.argv[2]))\n"
+            "with torch.no_grad():\n"
+            "    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits\n"
+            "assert 'upcycle' not in sys.modules\n"
+            "torch.save(logits, sys.argv[3])\n")
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(pruned), str(ids.tolist()),
+                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with torch.no_grad():
+        reference = expected(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt", weights_only=True), reference, atol=1e-5,
+                               rtol=1e-5)
+    with torch.no_grad():            # and the cut is not the identity: the source computes otherwise
+        assert not torch.allclose(original.eval()(input_ids=ids).logits, reference, atol=1e-3)

@@ -155,3 +155,50 @@ def test_a_dense_model_and_a_sigmoid_router_are_refused():
         prune_model(make_tiny("llama"), ExpertCount(2, "reap"), [])
     with pytest.raises(UpcycleError, match="scores with sigmoid"):
         duplicate_experts(layer(score="sigmoid"), [0])
+
+
+@pytest.mark.parametrize("how", ["noise", "drop"])
+def test_perturbed_growth_changes_only_the_copies_as_the_init_method_does(how):
+    """--perturb: the copies' weights move (noise: every matrix entry, by about 0.01 of the matrix's std; drop:
+    half of each copy's neurons re-drawn, the rest bit for bit its source's), while the experts they copy, every
+    router row and the -log n shift stay as exact growth makes them."""
+    ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(2))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    exact, perturbed = _upcycled(), _upcycled()
+    grow_model(exact, ExpertCount(8, "uniform"), batches)
+    report = grow_model(perturbed, ExpertCount(8, "uniform", seed=5, perturb=how), batches)
+    assert all(r["perturbed"] == how for r in report.values())
+    for name, old in moe_layers(exact).items():
+        new = moe_layers(perturbed)[name]
+        assert torch.equal(new.router.weight, old.router.weight) and torch.equal(new.router.bias, old.router.bias)
+        w_old, w_new = old.experts.weights(), new.experts.weights()
+        for field in ("w_gate", "w_up", "w_down"):
+            a, b = getattr(w_old, field), getattr(w_new, field)
+            assert torch.equal(b[:4], a[:4]), field                     # the sources untouched
+            changed = b[4:] != a[4:]
+            if how == "noise":
+                assert changed.float().mean() > 0.99, field
+                ratio = ((b[4:] - a[4:]).std(dim=(1, 2)) / a[4:].std(dim=(1, 2)))
+                assert torch.all((ratio > 0.008) & (ratio < 0.012)), (field, ratio)   # 0.01, +-20 %
+            else:
+                F_ = a.shape[1] if field != "w_down" else a.shape[2]
+                neuron_dim = 2 if field == "w_up" or field == "w_gate" else 1   # a neuron's whole row / column
+                neurons = changed.any(dim=neuron_dim)
+                assert torch.all(neurons.sum(-1) == round(0.5 * F_)), field
+        # the same neurons in the gate, up and down projections of each copy
+        if how == "drop":
+            rows = (w_new.w_up[4:] != w_old.w_up[4:]).any(-1)
+            cols = (w_new.w_down[4:] != w_old.w_down[4:]).any(-2)
+            assert torch.equal(rows, cols)
+    # the same seed draws the same perturbation
+    again = _upcycled()
+    grow_model(again, ExpertCount(8, "uniform", seed=5, perturb=how), batches)
+    assert all(torch.equal(moe_layers(again)[n].experts.w_down, m.experts.w_down)
+               for n, m in moe_layers(perturbed).items())
+
+
+def test_perturb_is_refused_for_pruning_and_an_unknown_kind():
+    with pytest.raises(UpcycleError, match="--perturb"):
+        prune_model(_upcycled(), ExpertCount(2, "reap", perturb="noise"), [])
+    with pytest.raises(UpcycleError, match="--perturb"):
+        grow_model(_upcycled(), ExpertCount(8, "uniform", perturb="jitter"), [])

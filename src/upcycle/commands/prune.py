@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
                         help=("which experts are copied: the highest utility (load x output norm), or each in turn"
                               if grow else "which experts stay: REAP saliency, routing frequency, or a seeded draw")
                         + f" (default {choices[0]})")
+    if grow:
+        parser.add_argument("--perturb", choices=("none", "noise", "drop"), default="none",
+                            help="the copies perturbed so that training can part them: as the noise init does "
+                                 "(Gaussian, std 0.01 of each matrix's) or as drop does (half the neurons "
+                                 "re-drawn); default none (exact copies)")
     parser.add_argument("--calibration", help="text (.txt, .jsonl) the experts are scored on (default: the embedded "
                                               "Wikipedia train split)")
     parser.add_argument("--calibration-tokens", type=whole_number, default=4096, dest="calibration_tokens",
@@ -44,7 +49,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
     if grow and (add is None) == (args.num_experts is None):
         raise UpcycleError("grow takes --num-experts N (copies of its experts) or --add FINETUNE (one expert from "
                            "another fine-tune), one of them")
-    request = ExpertCount(args.num_experts or 0, "add" if add else args.by, args.seed, add)
+    request = ExpertCount(args.num_experts or 0, "add" if add else args.by, args.seed, add,
+                          getattr(args, "perturb", "none"))
     budget = dataclasses.replace(CALIBRATION, data=args.calibration, tokens=args.calibration_tokens)
     resize(args.model, args.out, request, grow=grow, budget=budget, streaming=bool(getattr(args, "streaming", False)),
            overwrite=bool(args.overwrite), progress=not args.quiet)

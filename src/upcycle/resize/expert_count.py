@@ -24,6 +24,7 @@ from ..core.resize import copy_groups, duplicate_experts, select_experts
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
+from .perturb import PERTURB, perturb_copies
 
 PRUNE_BY = ("reap", "frequency", "random")
 GROW_BY = ("utility", "uniform")
@@ -37,6 +38,7 @@ class ExpertCount:
     by: str
     seed: int = 0
     add: str | None = None          # grow by one expert from this fine-tune instead (`add_expert.py`)
+    perturb: str = "none"           # grow: the copies perturbed as `noise` or `drop` initializes (`perturb.py`)
 
 
 def check_request(model: nn.Module, request: ExpertCount, *, grow: bool) -> dict[str, nn.Module]:
@@ -57,6 +59,8 @@ def check_counts(layers: dict[str, tuple[int | None, int | None]], request: Expe
     choices = GROW_BY if grow else PRUNE_BY
     if request.by not in choices:
         raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
+    if request.perturb not in (PERTURB if grow else ("none",)):
+        raise UpcycleError(f"--perturb is growth's ({', '.join(PERTURB)}), got {request.perturb!r}")
     if request.num_experts < 1:
         raise UpcycleError(f"--num-experts must be >= 1, got {request.num_experts}")
     N = request.num_experts
@@ -166,6 +170,7 @@ def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> d
         raise UpcycleError("growing shifts the copies' logits through a router bias, which the stock MoE classes do "
                            "not have: grow the upcycle folder, then export it")
     inputs = moe_inputs(model, layers, batches) if request.by == "utility" else {}
+    generator = torch.Generator().manual_seed(request.seed)       # the copies' perturbation, layer after layer
     report = {}
     for name, layer in layers.items():
         E, extra = layer.num_experts, request.num_experts - layer.num_experts
@@ -176,8 +181,11 @@ def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> d
         else:
             score, ranked = None, list(range(E))
         copied = [ranked[i % E] for i in range(extra)]
-        replace_layer(model, name, duplicate_experts(layer, copied))
-        report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied}
+        grown = duplicate_experts(layer, copied)
+        perturb_copies(grown, range(E, E + extra), request.perturb, generator)
+        replace_layer(model, name, grown)
+        report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied,
+                        "perturbed": request.perturb}
     return report
 
 

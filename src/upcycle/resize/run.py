@@ -94,6 +94,8 @@ def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationCo
         if not (Path(model) / MOE_CONFIG).is_file():
             raise UpcycleError(f"{model} is not an upcycle folder: --add takes one (a conversion's or a merge's "
                                f"folder, or a training run's model/)")
+        if request.perturb != "none":
+            raise UpcycleError("--perturb changes grown copies; --add adds a fine-tune's expert as it is")
         if budget.data is None:
             raise UpcycleError("--add needs the fine-tune's own text (--calibration FILE): its expert's router row "
                                "is the centroid of the model's FFN inputs on that text")
