@@ -5,6 +5,8 @@ impossible request is refused before OUT is claimed."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,22 @@ def _logits(folder, ids):
     model = upcycle.load(str(folder)).eval()
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def _stock_logits_without_upcycle(folder, ids: torch.Tensor, tmp_path) -> torch.Tensor:
+    """The logits transformers' Auto class computes for `folder`, in an isolated interpreter (`python -I`, run
+    from tmp_path) that never imports upcycle: what a user without upcycle gets from the folder."""
+    code = ("import json, sys, torch, transformers\n"
+            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+            "ids = torch.tensor(json.loads(sys.argv[2]))\n"
+            "with torch.no_grad():\n"
+            "    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits\n"
+            "assert 'upcycle' not in sys.modules\n"
+            "torch.save(logits, sys.argv[3])\n")
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(folder), json.dumps(ids.tolist()),
+                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(tmp_path / "logits.pt", weights_only=True)
 
 
 def test_prune_writes_a_folder_with_fewer_experts_and_says_what_went(tiny_lm, tmp_path):
@@ -92,8 +110,6 @@ def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcy
     """The stock export of the upcycle folder, pruned, is the stock class again with the new count in its config;
     transformers loads it in a process that never imports upcycle, and its logits are those of the upcycle folder
     pruned the same way (the same experts removed: the routing and the experts are the same)."""
-    import subprocess
-    import sys
 
     _, moe, train, _ = tiny_lm
     stock, pruned_stock, pruned = tmp_path / "stock", tmp_path / "pruned-stock", tmp_path / "pruned"
@@ -107,19 +123,8 @@ def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcy
     config = json.loads((pruned_stock / "config.json").read_text())
     assert config["model_type"] == export_class and 3 in (config.get("num_local_experts"), config.get("num_experts"))
     ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
-    code = ("import sys, torch, transformers\n"
-            "assert 'upcycle' not in sys.modules\n"
-            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
-            "ids = torch.tensor(eval(sys.argv[2]))\n"
-            "with torch.no_grad():\n"
-            "    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits\n"
-            "assert 'upcycle' not in sys.modules\n"
-            "torch.save(logits, sys.argv[3])\n")
-    done = subprocess.run([sys.executable, "-I", "-c", code, str(pruned_stock), str(ids.tolist()),
-                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    stock_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
-    torch.testing.assert_close(stock_logits, _logits(pruned, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_stock_logits_without_upcycle(pruned_stock, ids, tmp_path), _logits(pruned, ids),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_a_stock_folder_cannot_grow(tiny_lm, tmp_path, capsys):
@@ -234,8 +239,6 @@ print(code, peak[0])
 
 def _peak(argv: list[str], cwd) -> tuple[int, int]:
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1",
@@ -315,8 +318,6 @@ def test_a_pruned_qwen3_moe_or_olmoe_folder_loads_without_upcycle_and_is_the_cla
     rows and expert tensors taken by hand from its state dict (an independent reference: transformers' own class
     with the count set to 3)."""
     import copy
-    import subprocess
-    import sys
 
     _, moe, train, _ = tiny_lm
     source, pruned = tmp_path / "source", tmp_path / "pruned"
@@ -341,19 +342,8 @@ def test_a_pruned_qwen3_moe_or_olmoe_folder_loads_without_upcycle_and_is_the_cla
     expected.load_state_dict(state, strict=True)
 
     ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
-    code = ("import sys, torch, transformers\n"
-            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
-            "ids = torch.tensor(eval(sys.argv[2]))\n"
-            "with torch.no_grad():\n"
-            "    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits\n"
-            "assert 'upcycle' not in sys.modules\n"
-            "torch.save(logits, sys.argv[3])\n")
-    done = subprocess.run([sys.executable, "-I", "-c", code, str(pruned), str(ids.tolist()),
-                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
     with torch.no_grad():
         reference = expected(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt", weights_only=True), reference, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(_stock_logits_without_upcycle(pruned, ids, tmp_path), reference, atol=1e-5, rtol=1e-5)
     with torch.no_grad():            # and the cut is not the identity: the source computes otherwise
         assert not torch.allclose(original.eval()(input_ids=ids).logits, reference, atol=1e-3)
