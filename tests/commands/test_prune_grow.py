@@ -58,6 +58,22 @@ def test_prune_writes_a_folder_with_fewer_experts_and_says_what_went(tiny_lm, tm
     assert report["calibration"]["tokens"] >= 256
 
 
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_prune_shows_each_phase_unless_quiet_and_always_says_what_it_wrote(tiny_lm, tmp_path, capsys, streaming):
+    _, moe, train, _ = tiny_lm
+    flags = [f for f in _flags(train) if f != "--quiet"] + ["--streaming"] * streaming
+    assert main(["prune", str(moe), str(tmp_path / "shown"), "--num-experts", "3", *flags]) == 0
+    said = capsys.readouterr()
+    phases = 7 if streaming else 5
+    assert f"{phases}/{phases}" in said.err and f"written to {tmp_path / 'shown'}" in said.err
+    assert "calibration text read" in said.err and "compared with the source" not in said.out
+    assert json.loads(said.out.splitlines()[0])["kind"] == "prune"
+    assert main(["prune", str(moe), str(tmp_path / "quiet"), "--num-experts", "3", *flags, "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert "upcycle prune" not in said.err and "phase" not in said.err
+    assert json.loads(said.out.splitlines()[0])["kind"] == "prune" and "wrote" in said.out.splitlines()[1]
+
 def test_pruning_to_every_expert_writes_the_same_function(tiny_lm, tmp_path):
     _, moe, train, _ = tiny_lm
     out = tmp_path / "same"

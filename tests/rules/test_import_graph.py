@@ -88,7 +88,7 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
 # the command) and the metrics cell by cell; the commands and the CLI are on top.
 LAYERS = {
     "upcycle.errors": 0, "upcycle.version": 0,
-    "upcycle.config": 1, "upcycle.files": 1,
+    "upcycle.config": 1, "upcycle.files": 1, "upcycle.progress": 1,
     "upcycle.outputs": 2,
     "upcycle.core": 3, "upcycle.data": 3, "upcycle.machine": 3, "upcycle.config_table": 3, "upcycle.figures": 3,
     "upcycle.config_reader": 3, "upcycle.runs": 3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from .flags import whole_number
 
@@ -52,7 +53,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
     request = ExpertCount(args.num_experts or 0, "add" if add else args.by, args.seed, add,
                           getattr(args, "perturb", "none"))
     budget = dataclasses.replace(CALIBRATION, data=args.calibration, tokens=args.calibration_tokens)
-    resize(args.model, args.out, request, grow=grow, budget=budget, streaming=bool(getattr(args, "streaming", False)),
-           overwrite=bool(args.overwrite), progress=not args.quiet)
+    report = resize(args.model, args.out, request, grow=grow, budget=budget,
+                    streaming=bool(getattr(args, "streaming", False)), overwrite=bool(args.overwrite),
+                    progress=not args.quiet)
+    print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
     print(f"wrote {args.out} (report: {args.out}/resize_report.json)")
     return 0

@@ -26,12 +26,13 @@ from ..config import ConvertConfig, to_dict
 from ..errors import UpcycleError
 from ..files import json_text
 from ..outputs.claims import Claim, claim_output
+from ..progress import Phases
 from .in_memory import convert_in_memory
 from .inputs import ConversionInputs, promises_dense_function, with_resolved_dtype
 from .model_data import read_inputs
 from .plan import ConversionPlan, make_plan
 from .report import ConversionReport, PreservationError, checked_report
-from .routes import ROUTES, Phases
+from .routes import ROUTES
 from .validate import validate
 
 __all__ = ["Conversion", "PreservationError", "convert", "upcycle_model", "validate"]
@@ -73,7 +74,7 @@ def execute(plan: ConversionPlan, claim: Claim | None, progress: bool = True, pl
             ) -> Conversion:
     """Carry out `plan` into the claimed output (None: in memory only, nothing written). The report's load
     time counts `planning_s` (the config and headers read) and the inputs read, as well as the weights."""
-    phases = Phases(5 if claim is not None else 4, progress)
+    phases = Phases(5 if claim is not None else 4, progress, "upcycle convert")
     try:
         started = time.perf_counter()
         inputs = read_inputs(plan)                      # before minutes of loading the weights

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoint.loading import dense_weights
 from ..core.devices import resolve_device
@@ -88,16 +87,3 @@ class MergedRoute(Route):
 
 ROUTES: dict[str, type[Route]] = {IN_MEMORY: InMemoryRoute, STREAMED: StreamedRoute, MERGED: MergedRoute}
 
-
-class Phases:
-    """A progress bar whose steps are the conversion's phases (the per-block phase has its own bar)."""
-
-    def __init__(self, total: int, progress: bool):
-        self.bar = tqdm(total=total, desc="upcycle convert", unit="phase", disable=not progress)
-
-    def __call__(self, message: str) -> None:
-        self.bar.set_postfix_str(message)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()

@@ -20,7 +20,6 @@ without upcycle; it cannot grow (its router has no bias to share a copied expert
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, claim_output, inputs
 from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_ids
+from ..progress import Phases
 from .add_expert import add_expert, check_finetune
 from .expert_count import ExpertCount, check_counts, grow_model, prune_model
 
@@ -79,12 +79,17 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, bud
     grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (prune of an
     upcycle folder): a block at a time (`streamed.py`). Returns the report."""
     given = check(model, request, grow=grow, budget=budget, streaming=streaming)      # every weight-free refusal
-    with claim_output(out, kind="grow" if grow else "prune", given=given, overwrite=overwrite) as claim:
-        texts, source = _calibration_texts(budget.data)
-        run = _streamed if streaming else _in_memory
-        report = run(model, request, grow, budget, (texts, source), claim)
-    if progress:
-        print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
+    kind = "grow" if grow else "prune"
+    phases = Phases(7 if streaming else 5, progress, f"upcycle {kind}")
+    try:
+        with claim_output(out, kind=kind, given=given, overwrite=overwrite) as claim:
+            texts, source = _calibration_texts(budget.data)
+            phases(f"calibration text read: {source}")
+            run = _streamed if streaming else _in_memory
+            report = run(model, request, grow, budget, (texts, source), claim, phases)
+        phases(f"written to {out}")
+    finally:
+        phases.close()
     return report
 
 
@@ -123,12 +128,14 @@ def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, pro
             "layers": layers}
 
 
-def _in_memory(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim) -> dict:
+def _in_memory(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim,
+               phases: Phases) -> dict:
     texts, source = text
     loaded, tokenizer = load_model(model)
     loaded.eval()
     if tokenizer is None:
         raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
+    phases("model loaded")
     batches = text_batches(tokenizer, texts, budget, seed=request.seed, embedding_rows=embedding_rows(loaded.config),
                            where=f"calibration text ({source})")
     probe = _probe(loaded, tokenizer, request.seed)
@@ -139,9 +146,11 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
         layers = add_expert(loaded, load_model(request.add)[0].eval(), batches)
     else:
         layers = (grow_model if grow else prune_model)(loaded, request, batches)
+    phases(f"{len(layers)} MoE layers scored and {'grown' if grow else 'pruned'}")
     after = probe_output(loaded, probe, outputs)
     calibration = {"source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)}
     report = _report(model, request, grow, calibration, probe, (before, after), layers)
+    phases(f"compared with the source on the probe ({_distance(report)})")
     with claim.directory() as tmp:
         if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
             loaded.save_pretrained(tmp)
@@ -152,7 +161,8 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
     return report
 
 
-def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim) -> dict:
+def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim,
+              phases: Phases) -> dict:
     from ..checkpoint.loading import load_tokenizer
     from .streamed import open_folder, prune_streamed
 
@@ -165,12 +175,21 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
     (batch,) = text_batches(tokenizer, texts, one, seed=request.seed, embedding_rows=embedding_rows(skeleton.config),
                             where=f"calibration text ({source})")
     probe = _probe(skeleton, tokenizer, request.seed)
+    phases("tokenizer and config read (no weight)")
     with claim.directory() as tmp:
-        layers, before, after = prune_streamed(Path(model), tmp, request, batch, probe)
+        layers, before, after = prune_streamed(Path(model), tmp, request, batch, probe, phases)
         calibration = {"source": source, "tokens": int(batch["attention_mask"].sum()), "streamed": True}
         report = _report(model, request, grow, calibration, probe, (before, after), layers)
         (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     return report
+
+
+def _distance(report: dict) -> str:
+    """The new model's distance to the source, as a phase says it: the KL, or for an output that is no
+    distribution (an encoder's hidden states) the largest difference."""
+    if report["kl_to_source"] is not None:
+        return f"KL {report['kl_to_source']:.3g}"
+    return f"largest difference {report['max_abs_logit_diff']:.3g}"
 
 
 def _calibration_texts(calibration: str | None) -> tuple[list[str], str]:

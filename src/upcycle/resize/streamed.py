@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,10 +142,11 @@ def write_pruned(source_path: Path, out: Path, choices: dict[str, tuple[list[int
     return spec
 
 
-def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: dict,
-                   probe: Probe | None = None) -> tuple[dict, ProbeOutput | None, ProbeOutput | None]:
+def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: dict, probe: Probe | None = None,
+                   phase: Callable[[str], None] = lambda _: None
+                   ) -> tuple[dict, ProbeOutput | None, ProbeOutput | None]:
     """Score on `batch`, choose, write into `out` (module docstring); (the per-layer report, the probe's output
-    through the source and through the written folder)."""
+    through the source and through the written folder). `phase` is told as each pass over the weights ends."""
     source = open_folder(source_path)
     check_counts({name: (layer.num_experts, layer.top_k) for name, layer in moe_layers(source.model).items()},
                  request, grow=False)
@@ -156,9 +158,14 @@ def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: di
         report[name] = {"saliency": [float(s) for s in score], "kept": keep,
                         "removed": [e for e in range(len(score)) if e not in keep],
                         "copies_of": {e: first[e] for e in range(len(score)) if first[e] != e}}
+    phase(f"{len(scores)} MoE layers scored, a block at a time")
     before = _probe_through(source_path, probe)
+    phase("the probe through the source, a block at a time")
     write_pruned(source_path, out, choices)
-    return report, before, _probe_through(out, probe)
+    phase("pruned tensors written")
+    after = _probe_through(out, probe)
+    phase("the probe through the pruned folder, a block at a time")
+    return report, before, after
 
 
 def _probe_through(folder: Path, probe: Probe | None) -> ProbeOutput | None:
