@@ -120,6 +120,20 @@ def test_a_dense_model_is_refused_before_out_is_claimed(tiny_lm, tmp_path, capsy
     assert "is not an MoE folder" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["prune", "grow"])
+def test_a_training_run_folder_or_a_missing_one_is_refused_naming_what_to_pass(tiny_lm, tmp_path, capsys, command):
+    import shutil
+
+    _, moe, train, _ = tiny_lm
+    run = tmp_path / "run"
+    shutil.copytree(moe, run / "model")
+    out = tmp_path / "out"
+    assert main([command, str(run), str(out), "--num-experts", "5" if command == "grow" else "3", *_flags(train)]) == 2
+    assert f"pass its model, {run / 'model'}" in capsys.readouterr().err and not out.exists()
+    assert main([command, str(tmp_path / "nowhere"), str(out), "--num-experts", "3", *_flags(train)]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("export_class", ["mixtral", "qwen2_moe"])
 def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcycle_folder_computes(
         tiny_lm, tmp_path, export_class):

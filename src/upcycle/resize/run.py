@@ -61,9 +61,7 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
         count = next((config[k] for k in ("num_local_experts", "num_experts") if isinstance(config.get(k), int)), None)
         layers = {"every MoE block": {"num_experts": count, "top_k": config.get("num_experts_per_tok")}}
     else:
-        raise UpcycleError(f"{model} is not an MoE folder (no {MOE_CONFIG}, and no stock MoE config.json): "
-                           f"{'grow takes an upcycle folder' if grow else 'prune takes an upcycle folder'}, a "
-                           f"training run's model/" + ("" if grow else " or a stock MoE class's folder"))
+        raise UpcycleError(_not_moe(folder, grow))
     check_counts({name: (layer.get("num_experts"), layer.get("top_k")) for name, layer in layers.items()}, request,
                  grow=grow)
     return layers
@@ -93,10 +91,23 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, bud
     return report
 
 
+def _not_moe(folder: Path, grow: bool) -> str:
+    """Why `folder` cannot be resized, and what to pass instead where that can be told."""
+    if not folder.exists():
+        return f"{folder} does not exist"
+    if (folder / "model" / MOE_CONFIG).is_file():     # a training run's folder: its model is one level down
+        return f"{folder} is a training run's folder: pass its model, {folder / 'model'}"
+    takes = "an upcycle folder or a training run's model/" + ("" if grow else ", or a stock MoE class's folder")
+    return (f"{folder} is not an MoE folder (no {MOE_CONFIG}, and no stock MoE config.json): "
+            f"{'grow' if grow else 'prune'} takes {takes}")
+
+
 def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:
     """Every refusal that needs no weight (module docstring); the inputs OUT must never be."""
     if request.add is not None:
         if not (Path(model) / MOE_CONFIG).is_file():
+            if not Path(model).exists() or (Path(model) / "model" / MOE_CONFIG).is_file():
+                raise UpcycleError(_not_moe(Path(model), grow=True))
             raise UpcycleError(f"{model} is not an upcycle folder: --add takes one (a conversion's or a merge's "
                                f"folder, or a training run's model/)")
         if request.perturb != "none":
