@@ -34,9 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
     parser.add_argument("--calibration-tokens", type=whole_number, default=4096, dest="calibration_tokens",
                         help="real tokens scored (default 4096)")
     parser.add_argument("--seed", type=whole_number, default=0)
-    if not grow:
-        parser.add_argument("--streaming", action="store_true",
-                            help="a block at a time, for a model larger than memory (an upcycle folder)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="a block at a time, for a model larger than memory (an upcycle folder)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--quiet", action="store_true")
 

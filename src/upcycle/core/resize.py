@@ -15,6 +15,7 @@ score function) and the shared experts stay as they were.
                                      copies share exactly the probability the one expert had (sum_i p_i is
                                      unchanged for every token); with top-k fixed the output is not the same
                                      function (two copies take two slots of k), which the caller reports
+  grown_router_bias(bias, sources, E)  that router bias, from the old one alone (a streamed grow writes it)
 """
 
 from __future__ import annotations
@@ -105,12 +106,19 @@ def duplicate_experts(layer: MoELayer, sources: list[int]) -> MoELayer:
     if not all(0 <= e < E for e in sources):
         raise UpcycleError(f"experts to copy must be indices below {E}, got {sources}")
     index = torch.tensor([*range(E), *sources], dtype=torch.long)
+    bias = layer.router.bias.detach() if layer.router.bias is not None else None
+    return _rebuilt(layer, index, grown_router_bias(bias, sources, E, device=layer.router.weight.device))
+
+
+def grown_router_bias(bias_E: torch.Tensor | None, sources: list[int], E: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """The router bias of a layer of E experts (`bias_E`, None: zeros in float32) grown by copies of `sources`:
+    [E + len(sources)], every copy of expert e (itself included) at its bias - log(copies + 1)."""
     copies = Counter(sources)
-    base = layer.router.bias.detach().clone() if layer.router.bias is not None else \
-        torch.zeros(E, dtype=torch.float32, device=layer.router.weight.device)
+    base = bias_E.clone() if bias_E is not None else torch.zeros(E, dtype=torch.float32, device=device)
     shift = torch.tensor([math.log(1 + copies[e]) for e in range(E)], dtype=base.dtype, device=base.device)
-    shifted = base - shift                        # every copy of expert e (itself included): -log(copies + 1)
-    return _rebuilt(layer, index, shifted.index_select(0, index.to(shifted.device)))
+    shifted = base - shift
+    return shifted.index_select(0, torch.tensor([*range(E), *sources], dtype=torch.long, device=base.device))
 
 
 def append_experts(layer: MoELayer, experts: FFNWeights, rows_ND: torch.Tensor,

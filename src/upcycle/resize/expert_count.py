@@ -173,20 +173,25 @@ def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> d
     generator = torch.Generator().manual_seed(request.seed)       # the copies' perturbation, layer after layer
     report = {}
     for name, layer in layers.items():
-        E, extra = layer.num_experts, request.num_experts - layer.num_experts
+        E = layer.num_experts
+        score = None
         if request.by == "utility":
             with _eval(layer):
                 score = expert_saliency(layer, inputs[name], "utility")
-            ranked = sorted(range(E), key=lambda e: (-float(score[e]), e))
-        else:
-            score, ranked = None, list(range(E))
-        copied = [ranked[i % E] for i in range(extra)]
+        copied = choose_copies(score, E, request.num_experts)
         grown = duplicate_experts(layer, copied)
-        perturb_copies(grown, range(E, E + extra), request.perturb, generator)
+        perturb_copies(grown.experts, range(E, request.num_experts), request.perturb, generator)
         replace_layer(model, name, grown)
         report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied,
                         "perturbed": request.perturb}
     return report
+
+
+def choose_copies(score: torch.Tensor | None, E: int, n: int) -> list[int]:
+    """The experts copied to grow E experts to `n`: of the highest score first, each once before any twice (ties:
+    the lower index), or each in turn when there is no score (`uniform`); new expert E + i copies the i-th."""
+    ranked = sorted(range(E), key=lambda e: (-float(score[e]), e)) if score is not None else list(range(E))
+    return [ranked[i % E] for i in range(n - E)]
 
 
 def replace_layer(model: nn.Module, name: str, layer: MoELayer) -> None:

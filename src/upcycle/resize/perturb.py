@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.moe import MoELayer
+from ..core.moe import Experts
 from ..errors import UpcycleError
 from ..methods.drop import DropArgs, drop
 from ..methods.noise import NoiseArgs, noise
@@ -21,14 +21,15 @@ from ..methods.registry import LayerInputs
 PERTURB = ("none", "noise", "drop")
 
 
-def perturb_copies(layer: MoELayer, copies: range, how: str, generator: torch.Generator) -> None:
-    """Experts `copies` of `layer` (the copies growth appended) perturbed in place by `how` (`PERTURB`), each from
-    its own weights, drawn from `generator`."""
+def perturb_copies(experts: Experts, copies: range, how: str, generator: torch.Generator) -> None:
+    """Experts `copies` of a layer's `experts` (the copies growth appended) perturbed in place by `how`
+    (`PERTURB`), each from its own weights, drawn from `generator` (one generator through the layers in order:
+    the in-memory and the streamed grow draw alike)."""
     if how not in PERTURB:
         raise UpcycleError(f"--perturb must be one of {', '.join(PERTURB)}, got {how!r}")
     if how == "none":
         return
-    stack = layer.experts.weights()                  # views of the layer's parameters (gate and up unfused)
+    stack = experts.weights()                        # views of the layer's parameters (gate and up unfused)
     one = LayerInputs(num_experts=1, top_k=1, generator=generator)
     with torch.no_grad():
         for e in copies:

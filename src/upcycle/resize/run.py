@@ -14,7 +14,8 @@ expert count of every MoE layer changed, written as a new upcycle folder, and wh
 
 A stock MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) is pruned as that class and written as it again, loadable
 without upcycle; it cannot grow (its router has no bias to share a copied expert's probability through). With
-`--streaming` an upcycle folder is pruned a block at a time (`streamed.py`), so a model larger than memory prunes.
+`--streaming` an upcycle folder is pruned or grown a block at a time (`streamed.py`), so a model larger than memory
+is resized.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, bud
            streaming: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Prune (or grow) the folder `model` into OUT as the module docstring says, scoring on `budget` (its `data`:
     a text file; None, the embedded Wikipedia train split); `request.add` (a dense fine-tune of the model's base):
-    grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (prune of an
-    upcycle folder): a block at a time (`streamed.py`). Returns the report."""
+    grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (an upcycle
+    folder): a block at a time (`streamed.py`). Returns the report."""
     given = check(model, request, grow=grow, budget=budget, streaming=streaming)      # every weight-free refusal
     kind = "grow" if grow else "prune"
     phases = Phases(7 if streaming else 5, progress, f"upcycle {kind}")
@@ -118,8 +119,8 @@ def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationCo
         check_finetune(model, request.add)
     else:
         check_folder(model, request, grow=grow)
-    if streaming and (grow or not (Path(model) / MOE_CONFIG).is_file()):
-        raise UpcycleError("--streaming prunes an upcycle folder a block at a time; growing, adding and stock "
+    if streaming and (request.add is not None or not (Path(model) / MOE_CONFIG).is_file()):
+        raise UpcycleError("--streaming prunes or grows an upcycle folder a block at a time; adding and stock "
                            "folders run in memory")
     if budget.data is not None and (problem := file_problem(budget.data)):
         raise UpcycleError(f"--calibration {budget.data}: {problem}")
@@ -175,7 +176,7 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
 def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim,
               phases: Phases) -> dict:
     from ..checkpoint.loading import load_tokenizer
-    from .streamed import open_folder, prune_streamed
+    from .streamed import grow_streamed, open_folder, prune_streamed
 
     texts, source = text
     tokenizer = load_tokenizer(model)
@@ -188,7 +189,8 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
     probe = _probe(skeleton, tokenizer, request.seed)
     phases("tokenizer and config read (no weight)")
     with claim.directory() as tmp:
-        layers, before, after = prune_streamed(Path(model), tmp, request, batch, probe, phases)
+        resize_streamed = grow_streamed if grow else prune_streamed
+        layers, before, after = resize_streamed(Path(model), tmp, request, batch, probe, phases)
         calibration = {"source": source, "tokens": int(batch["attention_mask"].sum()), "streamed": True}
         report = _report(model, request, grow, calibration, probe, (before, after), layers)
         (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")

@@ -1,16 +1,21 @@
-"""`upcycle prune --streaming`: an upcycle folder pruned a block at a time, so a model larger than memory prunes.
+"""`upcycle prune --streaming` and `upcycle grow --streaming`: an upcycle folder resized a block at a time, so a
+model larger than memory prunes or grows.
 
     score   the calibration batch runs through the model as the streaming conversion's probe does, each block
             read from disk for its forward and released after it (`probe.lazy_probe_output`); while a block is
-            in memory, its MoE layer's experts are scored on the layer's inputs (`metrics.saliency`) and its
-            exact copies found (`core.resize.copy_groups`): a number per expert is all that is kept
-    write   the folder's tensors copied one at a time into planned shards (`checkpoint.writer.ShardedWriter`), an
-            MoE layer's router rows, biases and stacked experts reduced to the kept experts as they pass (the
-            kept copies' router bias shifted, as `expert_count.prune_model` does)
+            in memory, its MoE layer's experts are scored on the layer's inputs (`metrics.saliency`: REAP,
+            frequency or random to prune, utility to grow; growing by turn needs no pass) and, to prune, its exact
+            copies found (`core.resize.copy_groups`): a number per expert is all that is kept
+    write   the folder's tensors copied into planned shards (`checkpoint.writer.ShardedWriter`), an MoE layer's
+            router rows, selection bias and stacked experts indexed by the experts it ends with as they pass
+            (`write_resized`), its router bias as the in-memory prune or grow makes it; grown copies perturbed
+            (`--perturb`) with a layer's expert tensors together, layer after layer in the model's order, so the
+            draws are the in-memory grow's
     compare the probe through the source and through the output, again a block at a time, for the KL
 
-What is in memory at once: one block and the batch's hidden states, then one tensor. The kept experts, the order
-and the shifts are the in-memory prune's (`expert_count._choose`), so both write the same tensors (a test).
+What is in memory at once: one block and the batch's hidden states, then one tensor (a perturbed grow: one layer's
+expert tensors). The experts kept or copied, the order and the shifts are the in-memory path's
+(`expert_count.choose_experts`, `choose_copies`), so both write the same tensors (tests).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,13 +37,14 @@ from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
 from ..checkpoint.upcycle_format import MOE_CONFIG, read_spec, saved_dtype
 from ..checkpoint.writer import ShardedWriter
-from ..core.moe import MoELayer, moe_layers
-from ..core.resize import copy_groups
+from ..core.moe import STRUCTURE, Experts, ExpertShape, MoELayer, moe_layers
+from ..core.resize import copy_groups, grown_router_bias
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
 from ..probe import Probe, ProbeOutput, lazy_probe_output
-from .expert_count import ExpertCount, check_counts, choose_experts
+from .expert_count import ExpertCount, check_counts, choose_copies, choose_experts
+from .perturb import perturb_copies
 
 COMPUTE = torch.float32
 COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja")
@@ -94,52 +101,95 @@ def streamed_scores(source: StreamSource, batch: dict, request: ExpertCount) -> 
     return found
 
 
-def write_pruned(source_path: Path, out: Path, choices: dict[str, tuple[list[int], list[float]]]) -> dict:
-    """The folder at `source_path` with every MoE layer reduced to its kept experts (`choices`: name -> (kept,
-    logit shifts)), written into the existing folder `out`; returns the new spec."""
+@dataclass(frozen=True)
+class Resized:
+    """What becomes of one MoE layer's tensors: new expert i is old expert `index[i]` (its weights, router row and
+    selection bias); `router_bias` is the new router bias from the old one (None when the layer has none), or None
+    for no bias; `change`, when given, changes the layer's new expert tensors in place (named as in the folder,
+    all of them at once: perturbing grown copies)."""
+
+    index: list[int]
+    router_bias: Callable[[torch.Tensor | None], torch.Tensor | None]
+    change: Callable[[dict[str, torch.Tensor]], None] | None = None
+
+
+def write_resized(source_path: Path, out: Path, changes: dict[str, Resized]) -> dict:
+    """The folder at `source_path` with every MoE layer of `changes` resized, written into the existing folder
+    `out` layer by layer in the order of `changes` (a layer's expert tensors one at a time, or together when it
+    has a `change`), then every other tensor as it is; returns the new spec."""
     spec, _ = read_spec(source_path)
     reader = CheckpointReader(source_path)
     names = list(reader.names())
-    moe = {name: next((layer for layer in choices if name.startswith(layer + ".")), None) for name in names}
-    specs, added = [], {}
-    for name in names:
-        shape, dtype = reader.shape(name), reader.dtype(name)
-        layer = moe[name]
-        if layer is not None and not name.startswith(layer + ".shared_experts."):
-            shape = (len(choices[layer][0]), *shape[1:])
-        specs.append((name, tuple(shape), dtype))
-        if layer is not None and name == f"{layer}.router.weight" and f"{layer}.router.bias" not in names \
-                and any(choices[layer][1]):
-            added[f"{layer}.router.bias"] = layer          # a shift needs a bias the layer did not have
-            specs.append((f"{layer}.router.bias", (len(choices[layer][0]),), torch.float32))
+    owner = {name: next((layer for layer in changes if name.startswith(layer + ".")), None) for name in names}
+    resized = {name for name, layer in owner.items()
+               if layer is not None and not name.startswith(layer + ".shared_experts.")}
+    biases = {layer: change.router_bias(reader.get(f"{layer}.router.bias") if f"{layer}.router.bias" in owner
+                                        else None) for layer, change in changes.items()}
+    specs = [(name, (len(changes[owner[name]].index), *reader.shape(name)[1:]) if name in resized
+              else tuple(reader.shape(name)), reader.dtype(name))
+             for name in names if name not in {f"{layer}.router.bias" for layer in changes}]
+    specs += [(f"{layer}.router.bias", tuple(bias.shape), bias.dtype) for layer, bias in biases.items()
+              if bias is not None]
     writer = ShardedWriter(out, specs)
     try:
+        for layer, change in changes.items():
+            index = torch.tensor(change.index, dtype=torch.long)
+            own = [name for name in names if owner[name] == layer and name in resized
+                   and name != f"{layer}.router.bias"]
+            experts = [name for name in own if name.startswith(layer + ".experts.")]
+            if change.change is not None:          # the layer's experts together, changed, then written
+                tensors = {name: reader.get(name).index_select(0, index) for name in experts}
+                change.change(tensors)
+                for name in experts:
+                    writer.write(name, tensors.pop(name))
+            for name in own:
+                if change.change is None or name not in experts:
+                    writer.write(name, reader.get(name).index_select(0, index))
+            if biases[layer] is not None:
+                writer.write(f"{layer}.router.bias", biases[layer])
         for name in names:
-            tensor, layer = reader.get(name), moe[name]
-            if layer is not None and not name.startswith(layer + ".shared_experts."):
-                keep, shift = choices[layer]
-                tensor = tensor.index_select(0, torch.tensor(keep, dtype=torch.long))
-                if name == f"{layer}.router.bias":
-                    tensor = tensor + torch.tensor(shift, dtype=tensor.dtype)
-            writer.write(name, tensor)
-            del tensor
-            if layer is not None and f"{layer}.router.bias" in added and name == f"{layer}.router.weight":
-                writer.write(f"{layer}.router.bias", torch.tensor(choices[layer][1], dtype=torch.float32))
+            if owner[name] is None or (name not in resized and not name.endswith(".router.bias")):
+                writer.write(name, reader.get(name))
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    for layer, (keep, _) in choices.items():
+    for layer, change in changes.items():
         entry = next((e for e in spec["layers"] if layer.startswith(e["block"] + ".")), None)
         if entry is None:
             raise UpcycleError(f"{layer} is in no block {MOE_CONFIG} lists")
-        entry["num_experts"] = len(keep)
-        entry["router_bias"] = entry.get("router_bias", False) or f"{layer}.router.bias" in added
+        entry["num_experts"] = len(change.index)
+        entry["router_bias"] = biases[layer] is not None
     for name in COPIED:
         if (source_path / name).is_file():
             shutil.copyfile(source_path / name, out / name)
     (out / MOE_CONFIG).write_text(json.dumps(spec, indent=2))
     return spec
+
+
+def _pruned(keep: list[int], shift: list[float]) -> Resized:
+    """The kept experts, their router bias shifted by `shift` (a bias made when the layer has none and a shift is
+    not 0), as `core.resize.select_experts` does."""
+    def bias(old: torch.Tensor | None) -> torch.Tensor | None:
+        if old is None:
+            return torch.tensor(shift, dtype=torch.float32) if any(shift) else None
+        return old.index_select(0, torch.tensor(keep, dtype=torch.long)) + torch.tensor(shift, dtype=old.dtype)
+    return Resized(keep, bias)
+
+
+def _grown(entry: dict, E: int, copied: list[int], perturb: str, generator: torch.Generator) -> Resized:
+    """Experts 0..E-1 and copies of `copied` with the -log n router bias (`core.resize.grown_router_bias`), the
+    copies perturbed as `perturb_copies` perturbs them in memory (the same draws from `generator`)."""
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        prefix = next(iter(tensors)).rsplit(".", 1)[0] + "."
+        with torch.device("meta"):
+            experts = Experts(E + len(copied), ExpertShape(**{k: entry[k] for k in STRUCTURE}),
+                              dtype=next(iter(tensors.values())).dtype)
+        experts.load_state_dict({name[len(prefix):]: t for name, t in tensors.items()}, assign=True)
+        perturb_copies(experts, range(E, E + len(copied)), perturb, generator)   # in place, in `tensors`
+
+    return Resized([*range(E), *copied], lambda old: grown_router_bias(old, copied, E),
+                   change if perturb != "none" else None)
 
 
 def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: dict, probe: Probe | None = None,
@@ -151,21 +201,53 @@ def prune_streamed(source_path: Path, out: Path, request: ExpertCount, batch: di
     check_counts({name: (layer.num_experts, layer.top_k) for name, layer in moe_layers(source.model).items()},
                  request, grow=False)
     scores = streamed_scores(source, batch, request)
-    report, choices = {}, {}
+    report, changes = {}, {}
     for name, (score, first) in scores.items():
         keep, shift = choose_experts(first, score, request.num_experts)
-        choices[name] = (keep, shift)
+        changes[name] = _pruned(keep, shift)
         report[name] = {"saliency": [float(s) for s in score], "kept": keep,
                         "removed": [e for e in range(len(score)) if e not in keep],
                         "copies_of": {e: first[e] for e in range(len(score)) if first[e] != e}}
     phase(f"{len(scores)} MoE layers scored, a block at a time")
+    return report, *_written(source_path, out, changes, probe, phase)
+
+
+def grow_streamed(source_path: Path, out: Path, request: ExpertCount, batch: dict, probe: Probe | None = None,
+                  phase: Callable[[str], None] = lambda _: None
+                  ) -> tuple[dict, ProbeOutput | None, ProbeOutput | None]:
+    """Copies chosen by utility (scored on `batch` a block at a time) or in turn, written into `out` layer by
+    layer as `expert_count.grow_model` makes them in memory (the same tensors); as `prune_streamed` returns."""
+    spec, _ = read_spec(source_path)
+    source = open_folder(source_path)
+    layers = moe_layers(source.model)
+    check_counts({name: (layer.num_experts, layer.top_k) for name, layer in layers.items()}, request, grow=True)
+    if any(layer.config.score != "softmax" for layer in layers.values()):
+        raise UpcycleError("growing splits a softmax router's probability between copies; this model's router "
+                           "scores otherwise")
+    scores = streamed_scores(source, batch, request) if request.by == "utility" else {}
+    generator = torch.Generator().manual_seed(request.seed)       # the copies' perturbation, layer after layer
+    report, changes = {}, {}
+    for name, layer in layers.items():
+        score = scores[name][0] if scores else None
+        copied = choose_copies(score, layer.num_experts, request.num_experts)
+        entry = next(e for e in spec["layers"] if name.startswith(e["block"] + "."))
+        changes[name] = _grown(entry, layer.num_experts, copied, request.perturb, generator)
+        report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied,
+                        "perturbed": request.perturb}
+    phase(f"{len(layers)} MoE layers scored, a block at a time" if scores else f"{len(layers)} MoE layers planned")
+    return report, *_written(source_path, out, changes, probe, phase)
+
+
+def _written(source_path: Path, out: Path, changes: dict[str, Resized], probe: Probe | None,
+             phase: Callable[[str], None]) -> tuple[ProbeOutput | None, ProbeOutput | None]:
+    """The probe through the source, the resized folder written, the probe through it (each pass a phase)."""
     before = _probe_through(source_path, probe)
     phase("the probe through the source, a block at a time")
-    write_pruned(source_path, out, choices)
-    phase("pruned tensors written")
+    write_resized(source_path, out, changes)
+    phase("resized tensors written")
     after = _probe_through(out, probe)
-    phase("the probe through the pruned folder, a block at a time")
-    return report, before, after
+    phase("the probe through the resized folder, a block at a time")
+    return before, after
 
 
 def _probe_through(folder: Path, probe: Probe | None) -> ProbeOutput | None:
