@@ -276,6 +276,26 @@ def test_a_streamed_grow_writes_what_the_in_memory_grow_writes(tiny_lm, tmp_path
     assert torch.equal(_logits(tmp_path / "b-memory", ids), _logits(tmp_path / "b-streamed", ids))
 
 
+
+@pytest.mark.parametrize(("command", "n"), [("prune", "3"), ("grow", "6")])
+def test_a_streamed_resize_keeps_the_shared_expert_as_the_in_memory_one_does(tiny_lm, tmp_path, command, n):
+    """SPRI's layers have a shared expert beside the routed ones: streamed or not, it is written unchanged and the
+    routed experts are resized alike."""
+    from safetensors.torch import load_file
+
+    dense, _, train, _ = tiny_lm
+    spri = tmp_path / "spri"
+    assert main(["convert", str(dense), str(spri), "--method", "spri", "--num-experts", "4", "--top-k", "2",
+                 "--quiet"]) == 0
+    for how in ("memory", "streamed"):
+        assert main([command, str(spri), str(tmp_path / how), "--num-experts", n, *_flags(train),
+                     *(["--streaming"] if how == "streamed" else [])]) == 0
+    source, memory, streamed = (load_file(tmp_path / f / "model.safetensors") for f in ("spri", "memory", "streamed"))
+    shared = [k for k in source if ".shared_experts." in k]
+    assert shared and all(torch.equal(memory[k], source[k]) and torch.equal(streamed[k], source[k]) for k in shared)
+    assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory)
+    assert all(memory[k].shape[0] == int(n) for k in memory if k.endswith(".experts.w_down"))
+
 def test_streaming_refuses_add_and_stock_folders_before_out_is_claimed(tiny_lm, tmp_path, capsys):
     dense, moe, train, _ = tiny_lm
     out = tmp_path / "out"

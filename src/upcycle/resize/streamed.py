@@ -147,8 +147,8 @@ def write_resized(source_path: Path, out: Path, changes: dict[str, Resized]) -> 
                     writer.write(name, reader.get(name).index_select(0, index))
             if biases[layer] is not None:
                 writer.write(f"{layer}.router.bias", biases[layer])
-        for name in names:
-            if owner[name] is None or (name not in resized and not name.endswith(".router.bias")):
+        for name in names:                  # the rest as it is (a resized layer's old router bias is replaced)
+            if name not in resized:
                 writer.write(name, reader.get(name))
         writer.close()
     except BaseException:
