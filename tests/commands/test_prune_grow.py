@@ -5,6 +5,7 @@ impossible request is refused before OUT is claimed."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -295,6 +296,53 @@ def test_a_streamed_resize_keeps_the_shared_expert_as_the_in_memory_one_does(tin
     assert shared and all(torch.equal(memory[k], source[k]) and torch.equal(streamed[k], source[k]) for k in shared)
     assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory)
     assert all(memory[k].shape[0] == int(n) for k in memory if k.endswith(".experts.w_down"))
+
+
+def _tensor_bytes_and_count(folder) -> tuple[int, int]:
+    from upcycle.checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(folder, check_values=False)
+    sizes = [(math.prod(reader.shape(n)), torch.empty((), dtype=reader.dtype(n)).element_size())
+             for n in reader.names()]
+    return sum(c * b for c, b in sizes), sum(c for c, _ in sizes)
+
+
+@pytest.mark.parametrize(("command", "n", "stock"), [("prune", "3", False), ("grow", "6", False),
+                                                     ("prune", "2", True)])
+def test_dry_run_writes_nothing_and_plans_the_sizes_the_command_then_writes(tiny_lm, tmp_path, capsys, command, n,
+                                                                             stock):
+    """The plan's parameters and bytes after are those of the folder the command then writes, exactly (a grow
+    of a folder without a router bias gains one); before, those of the source."""
+    _, moe, train, _ = tiny_lm
+    source = moe
+    if stock:
+        source = tmp_path / "stock"
+        assert main(["export", str(moe), str(source), "--export-class", "qwen2_moe"]) == 0
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main([command, str(source), str(out), "--num-experts", n, *_flags(train), "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert not out.exists() and f"{command} plan for {source}" in said and f"4 -> {n}" in said
+    plan = {line.split()[0]: line.split() for line in said.splitlines()[1:]}
+    assert main([command, str(source), str(out), "--num-experts", n, *_flags(train)]) == 0
+    (b0, p0), (b1, p1) = _tensor_bytes_and_count(source), _tensor_bytes_and_count(out)
+    assert plan["parameters"][1] == f"{p0 / 1e9:.3f}" and plan["parameters"][4] == f"{p1 / 1e9:.3f}"
+    from upcycle.resize.expert_count import ExpertCount
+    from upcycle.resize.plan import plan_resize
+
+    exact = plan_resize(str(source), ExpertCount(int(n), "reap" if command == "prune" else "utility"),
+                        grow=command == "grow", streaming=False)
+    assert exact.parameters == (p0, p1) and exact.bytes_on_disk == (b0, b1) and p1 != p0
+
+
+def test_dry_run_refuses_what_the_command_would_refuse(tiny_lm, tmp_path, capsys):
+    dense, moe, train, _ = tiny_lm
+    assert main(["prune", str(moe), str(tmp_path / "out"), "--num-experts", "1", *_flags(train), "--dry-run"]) == 2
+    assert "keeps at least 2 experts" in capsys.readouterr().err
+    assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(dense), "--calibration", str(train),
+                 "--dry-run"]) == 2
+    assert "--dry-run plans a prune or a grow by --num-experts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 def test_streaming_refuses_add_and_stock_folders_before_out_is_claimed(tiny_lm, tmp_path, capsys):
     dense, moe, train, _ = tiny_lm

@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
     parser.add_argument("--streaming", action="store_true",
                         help="a block at a time, for a model larger than memory (an upcycle folder)")
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--dry-run", action="store_true", dest="dry_run",
+                        help="print the experts, parameters and bytes on disk before and after from the config and "
+                             "checkpoint headers (no weight read), write nothing")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool = False) -> int:
@@ -52,6 +55,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
     request = ExpertCount(args.num_experts or 0, "add" if add else args.by, args.seed, add,
                           getattr(args, "perturb", "none"))
     budget = dataclasses.replace(CALIBRATION, data=args.calibration, tokens=args.calibration_tokens)
+    if args.dry_run:
+        from ..resize.run import dry_run
+
+        print(dry_run(args.model, request, grow=grow, budget=budget, streaming=bool(args.streaming)).summary())
+        return 0
     report = resize(args.model, args.out, request, grow=grow, budget=budget,
                     streaming=bool(getattr(args, "streaming", False)), overwrite=bool(args.overwrite),
                     progress=not args.quiet)

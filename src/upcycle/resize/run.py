@@ -41,6 +41,7 @@ from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_
 from ..progress import Phases
 from .add_expert import add_expert, check_finetune
 from .expert_count import ExpertCount, check_counts, grow_model, prune_model
+from .plan import ResizePlan, plan_resize
 
 REPORT = "resize_report.json"
 
@@ -101,6 +102,16 @@ def _not_moe(folder: Path, grow: bool) -> str:
     takes = "an upcycle folder or a training run's model/" + ("" if grow else ", or a stock MoE class's folder")
     return (f"{folder} is not an MoE folder (no {MOE_CONFIG}, and no stock MoE config.json): "
             f"{'grow' if grow else 'prune'} takes {takes}")
+
+
+def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool
+            ) -> ResizePlan:
+    """What `resize` would write (`plan.py`), after every refusal it would make before claiming OUT; nothing is
+    read but configs, headers and the calibration file's existence, nothing is written."""
+    check(model, request, grow=grow, budget=budget, streaming=streaming)
+    if request.add is not None:
+        raise UpcycleError("--dry-run plans a prune or a grow by --num-experts; --add adds one expert per layer")
+    return plan_resize(model, request, grow=grow, streaming=streaming)
 
 
 def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:
