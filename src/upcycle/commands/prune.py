@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
         print(dry_run(args.model, request, grow=grow, budget=budget, streaming=bool(args.streaming)).summary())
         return 0
     report = resize(args.model, args.out, request, grow=grow, budget=budget,
-                    streaming=bool(getattr(args, "streaming", False)), overwrite=bool(args.overwrite),
+                    streaming=bool(args.streaming), overwrite=bool(args.overwrite),
                     progress=not args.quiet)
     print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
     print(f"wrote {args.out} (report: {args.out}/resize_report.json)")

@@ -15,7 +15,8 @@ score function) and the shared experts stay as they were.
                                      copies share exactly the probability the one expert had (sum_i p_i is
                                      unchanged for every token); with top-k fixed the output is not the same
                                      function (two copies take two slots of k), which the caller reports
-  grown_router_bias(bias, sources, E)  that router bias, from the old one alone (a streamed grow writes it)
+  grown_router_bias(bias, sources, E)  that router bias, from the old one alone (a streamed grow writes it), as
+  pruned_router_bias(bias, keep, shift) is select_experts' (a streamed prune writes it)
 """
 
 from __future__ import annotations
@@ -59,14 +60,21 @@ def select_experts(layer: MoELayer, keep: list[int], logit_shift: list[float] | 
         raise UpcycleError(f"experts to keep must be distinct indices below {E}, got {keep}")
     if len(keep) < k:
         raise UpcycleError(f"a layer routing each token to {k} experts keeps at least {k}, not {len(keep)}")
-    index = torch.tensor(keep, dtype=torch.long)
-    device = layer.router.weight.device
-    bias = layer.router.bias.detach().index_select(0, index.to(device)).clone() \
-        if layer.router.bias is not None else None
+    bias = layer.router.bias.detach() if layer.router.bias is not None else None
+    return _rebuilt(layer, torch.tensor(keep, dtype=torch.long),
+                    pruned_router_bias(bias, keep, logit_shift, device=layer.router.weight.device))
+
+
+def pruned_router_bias(bias_E: torch.Tensor | None, keep: list[int], logit_shift: list[float] | None = None,
+                       device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The router bias of a layer cut to the experts `keep` (`bias_E`, None: the layer has none), plus
+    `logit_shift` in float32 (a bias made of the shift alone when the layer has none and a shift is not 0)."""
+    bias = bias_E.index_select(0, torch.tensor(keep, dtype=torch.long, device=bias_E.device)).clone() \
+        if bias_E is not None else None
     if logit_shift is not None and any(logit_shift):
-        shift = torch.tensor(logit_shift, dtype=torch.float32, device=device)
+        shift = torch.tensor(logit_shift, dtype=torch.float32, device=bias.device if bias is not None else device)
         bias = shift if bias is None else bias + shift
-    return _rebuilt(layer, index, bias)
+    return bias
 
 
 def copy_groups(layer: MoELayer) -> list[int]:
@@ -100,14 +108,20 @@ def duplicate_experts(layer: MoELayer, sources: list[int]) -> MoELayer:
     """The layer with copies of the experts `sources` appended (module docstring); refused for a sigmoid router,
     whose scores do not share out as a softmax's do."""
     E = layer.num_experts
-    if layer.config.score != "softmax":
-        raise UpcycleError(f"growing splits a softmax router's probability between copies; this layer's router "
-                           f"scores with {layer.config.score}")
+    check_growable(layer)
     if not all(0 <= e < E for e in sources):
         raise UpcycleError(f"experts to copy must be indices below {E}, got {sources}")
     index = torch.tensor([*range(E), *sources], dtype=torch.long)
     bias = layer.router.bias.detach() if layer.router.bias is not None else None
     return _rebuilt(layer, index, grown_router_bias(bias, sources, E, device=layer.router.weight.device))
+
+
+def check_growable(layer: MoELayer) -> None:
+    """Refused for a router that does not score with a softmax: copies share a softmax's probability, not a
+    sigmoid's scores."""
+    if layer.config.score != "softmax":
+        raise UpcycleError(f"growing splits a softmax router's probability between copies; this layer's router "
+                           f"scores with {layer.config.score}")
 
 
 def grown_router_bias(bias_E: torch.Tensor | None, sources: list[int], E: int,

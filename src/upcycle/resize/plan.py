@@ -60,7 +60,7 @@ def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool
     for name in names:
         shape = reader.shape(name)
         count = _numel(shape)
-        nbytes = count * torch.empty((), dtype=reader.dtype(name)).element_size()
+        nbytes = count * reader.dtype(name).itemsize
         before[0], before[1] = before[0] + count, before[1] + nbytes
         group = next((g for prefix, g in groups.items() if name == prefix or
                       (prefix.endswith(".") and name.startswith(prefix))), None)

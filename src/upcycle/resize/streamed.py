@@ -38,7 +38,7 @@ from ..checkpoint.streamed import StreamSource
 from ..checkpoint.upcycle_format import MOE_CONFIG, read_spec, saved_dtype
 from ..checkpoint.writer import ShardedWriter
 from ..core.moe import STRUCTURE, Experts, ExpertShape, MoELayer, moe_layers
-from ..core.resize import copy_groups, grown_router_bias
+from ..core.resize import check_growable, copy_groups, grown_router_bias, pruned_router_bias
 from ..core.surgery import install, track_padding_masks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
@@ -168,22 +168,20 @@ def write_resized(source_path: Path, out: Path, changes: dict[str, Resized]) -> 
 
 
 def _pruned(keep: list[int], shift: list[float]) -> Resized:
-    """The kept experts, their router bias shifted by `shift` (a bias made when the layer has none and a shift is
-    not 0), as `core.resize.select_experts` does."""
-    def bias(old: torch.Tensor | None) -> torch.Tensor | None:
-        if old is None:
-            return torch.tensor(shift, dtype=torch.float32) if any(shift) else None
-        return old.index_select(0, torch.tensor(keep, dtype=torch.long)) + torch.tensor(shift, dtype=old.dtype)
-    return Resized(keep, bias)
+    """The kept experts, their router bias as `core.resize.select_experts` makes it."""
+    return Resized(keep, lambda old: pruned_router_bias(old, keep, shift))
 
 
-def _grown(entry: dict, E: int, copied: list[int], perturb: str, generator: torch.Generator) -> Resized:
-    """Experts 0..E-1 and copies of `copied` with the -log n router bias (`core.resize.grown_router_bias`), the
-    copies perturbed as `perturb_copies` perturbs them in memory (the same draws from `generator`)."""
+def _grown(layer: MoELayer, copied: list[int], perturb: str, generator: torch.Generator) -> Resized:
+    """Experts 0..E-1 of `layer` (its skeleton: shapes only) and copies of `copied` with the -log n router bias
+    (`core.resize.grown_router_bias`), the copies perturbed as `perturb_copies` perturbs them in memory (the same
+    draws from `generator`)."""
+    E, shape = layer.num_experts, layer.spec()
+
     def change(tensors: dict[str, torch.Tensor]) -> None:
         prefix = next(iter(tensors)).rsplit(".", 1)[0] + "."
         with torch.device("meta"):
-            experts = Experts(E + len(copied), ExpertShape(**{k: entry[k] for k in STRUCTURE}),
+            experts = Experts(E + len(copied), ExpertShape(**{k: shape[k] for k in STRUCTURE}),
                               dtype=next(iter(tensors.values())).dtype)
         experts.load_state_dict({name[len(prefix):]: t for name, t in tensors.items()}, assign=True)
         perturb_copies(experts, range(E, E + len(copied)), perturb, generator)   # in place, in `tensors`
@@ -217,21 +215,18 @@ def grow_streamed(source_path: Path, out: Path, request: ExpertCount, batch: dic
                   ) -> tuple[dict, ProbeOutput | None, ProbeOutput | None]:
     """Copies chosen by utility (scored on `batch` a block at a time) or in turn, written into `out` layer by
     layer as `expert_count.grow_model` makes them in memory (the same tensors); as `prune_streamed` returns."""
-    spec, _ = read_spec(source_path)
     source = open_folder(source_path)
     layers = moe_layers(source.model)
     check_counts({name: (layer.num_experts, layer.top_k) for name, layer in layers.items()}, request, grow=True)
-    if any(layer.config.score != "softmax" for layer in layers.values()):
-        raise UpcycleError("growing splits a softmax router's probability between copies; this model's router "
-                           "scores otherwise")
+    for layer in layers.values():
+        check_growable(layer)
     scores = streamed_scores(source, batch, request) if request.by == "utility" else {}
     generator = torch.Generator().manual_seed(request.seed)       # the copies' perturbation, layer after layer
     report, changes = {}, {}
     for name, layer in layers.items():
         score = scores[name][0] if scores else None
         copied = choose_copies(score, layer.num_experts, request.num_experts)
-        entry = next(e for e in spec["layers"] if name.startswith(e["block"] + "."))
-        changes[name] = _grown(entry, layer.num_experts, copied, request.perturb, generator)
+        changes[name] = _grown(layer, copied, request.perturb, generator)
         report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied,
                         "perturbed": request.perturb}
     phase(f"{len(layers)} MoE layers scored, a block at a time" if scores else f"{len(layers)} MoE layers planned")
