@@ -6,6 +6,8 @@ the unpruned model) and the embedded all-MiniLM-L6-v2 (in-batch contrastive, pai
     .venv/bin/python benchmarks/studies/expert_count_study.py          # every part of both tasks, then --collect
     .venv/bin/python benchmarks/studies/expert_count_study.py --task lm --part prune   # one part
     .venv/bin/python benchmarks/studies/expert_count_study.py --collect   # the JSON and figure from WORK
+    .venv/bin/python benchmarks/studies/expert_count_study.py --part grow   # the growth rows again (their copy
+                                                     # model trained first), the pruning rows kept from the JSON
 
 Parts, per task (rerunning one skips what is finished):
     train   upcycle compare MODEL WORK/TASK/compare --methods copy,cluster --seeds 0 --config RECIPE --set BUDGET
@@ -109,7 +111,9 @@ def trained(work: Path, task: str, method: str) -> Path:
 def part_train(work: Path, task: str, args: argparse.Namespace) -> None:
     spec = TASKS[task]
     folder(work / task)
-    run("compare", spec["model"], str(work / task / "compare"), "--methods", ",".join(METHODS), "--seeds", "0",
+    # growth starts from the copy model alone: a run of the grow part trains only what it needs
+    methods = ("copy",) if args.part == "grow" else METHODS
+    run("compare", spec["model"], str(work / task / "compare"), "--methods", ",".join(methods), "--seeds", "0",
         "--config", spec["recipe"], *budget(task, args.steps[task]), "--num-experts", "8", "--top-k", "2",
         "--every", "2", "--keep", "models", "--quiet")
 
@@ -280,18 +284,31 @@ def collect(work: Path, args: argparse.Namespace) -> None:
     result = {"machine": machine(), "collected": time.strftime("%Y-%m-%d %H:%M:%S"),
               "commands": json.loads((work / "commands.json").read_text()) if (work / "commands.json").is_file()
               else [], "tasks": {}}
+    # a part run again alone (--part grow) replaces its rows; the other part's rows stay those of the last
+    # collection, which the JSON names with its date
+    earlier = json.loads((RESULTS / "expert_count.json").read_text()) if (RESULTS / "expert_count.json").is_file() \
+        else {"tasks": {}}
     for task in TASKS:
         if not (work / task / "grow").is_dir():
             continue
         comparison = json.loads((work / task / "compare" / "comparison.json").read_text())
+        before = earlier["tasks"].get(task, {})
+        pruned = (work / task / "prune").is_dir()
+        if not pruned and "prune" not in before:
+            raise SystemExit(f"{work / task / 'prune'} is missing and no earlier results hold its rows")
+        trained_now = {cell["name"]: cell["evals"][-1] if "evals" in cell else cell.get("eval")
+                       for cell in comparison.get("cells", [])}
         result["tasks"][task] = {
             "quality": "held-out perplexity (lower is better)" if task == "lm" else
             "pair retrieval MRR, query to document (higher is better)", "distance": DISTANCE[task],
             "budget": {"recipe": TASKS[task]["recipe"], "set": TASKS[task]["budget"], "steps": args.steps[task],
                        "grow_steps": args.grow_steps[task]},
-            "trained": {cell["name"]: cell["evals"][-1] if "evals" in cell else cell.get("eval")
-                        for cell in comparison.get("cells", [])},
-            "prune": collect_prune(work, task), "grow": collect_grow(work, task)}
+            "trained": trained_now if pruned else {**before.get("trained", {}), **trained_now},
+            "prune": collect_prune(work, task) if pruned else before["prune"],
+            "measured": {"prune": result["collected"] if pruned else
+                         before.get("measured", {}).get("prune", earlier.get("collected")),
+                         "grow": result["collected"]},
+            "grow": collect_grow(work, task)}
         result["tasks"][task]["differences_beyond_seed_spread"] = differences(result["tasks"][task])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "expert_count.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -361,11 +378,11 @@ def main() -> None:
         parts = {"train": part_train, "prune": part_prune, "grow": part_grow}
         for task in TASKS if args.task == "all" else (args.task,):
             for name, part in parts.items():
-                if args.part in (name, "all"):
+                if args.part in (name, "all") or (args.part == "grow" and name == "train"):
                     part(work, task, args)
                     recorded.write_text(json.dumps(COMMANDS, indent=1) + "\n")
                     note(recorded)
-    if args.collect or (args.task == "all" and args.part == "all"):
+    if args.collect or (args.task == "all" and args.part in ("all", "grow")):
         collect(work, args)
 
 

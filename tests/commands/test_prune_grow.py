@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -158,11 +159,90 @@ def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcy
                                atol=1e-4, rtol=1e-4)
 
 
-def test_a_stock_folder_cannot_grow(tiny_lm, tmp_path, capsys):
+def test_a_stock_folder_cannot_grow_but_its_upcycle_folder_grows_and_exports(tiny_lm, tmp_path, capsys):
+    """The refusal says what works: grow the upcycle folder, then export the grown one; the grown folder (copies
+    with their sources' logits, no router bias) exports to Mixtral, which transformers loads without upcycle and
+    computes what upcycle's grown model computes."""
     _, moe, train, _ = tiny_lm
     assert main(["export", str(moe), str(tmp_path / "stock"), "--export-class", "mixtral"]) == 0
     assert main(["grow", str(tmp_path / "stock"), str(tmp_path / "out"), "--num-experts", "6", *_flags(train)]) == 2
-    assert "router bias" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert "grow the upcycle folder the stock one was exported from, then export the grown folder" in err
+    assert not (tmp_path / "out").exists()
+    grown, stock = tmp_path / "grown", tmp_path / "grown-stock"
+    assert main(["grow", str(moe), str(grown), "--num-experts", "6", *_flags(train)]) == 0
+    assert main(["export", str(grown), str(stock), "--export-class", "mixtral"]) == 0
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_stock_logits_without_upcycle(stock, ids, tmp_path), _logits(grown, ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+def _trained(moe, train, held, tmp_path):
+    """The MoE folder `moe` after 8 training steps at a high learning rate (routers moved off their init)."""
+    run = tmp_path / "trained"
+    assert main(["train", str(moe), str(run), "--data", str(train), "--eval-data", str(held), "--steps", "8",
+                 "--batch-size", "4", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=64",
+                 "--set", "lr=0.01", "--set", "warmup=0"]) == 0
+    return run / "model"
+
+
+@pytest.mark.parametrize("source", ["noise top-1", "trained"])
+@pytest.mark.parametrize(("n", "by", "streaming"), [("6", "utility", False), ("12", "uniform", False),
+                                                    ("6", "utility", True)])
+def test_every_grown_copy_is_reached_on_the_probe_and_the_report_gives_each_load(tiny_lm, tmp_path, source, n, by,
+                                                                               streaming):
+    """The report gives each layer's per-expert load on the probe through the source and the grown model, and
+    every copy of an expert holding a fifth of the probe's slots takes tokens (copies whose logits were shifted by
+    -log n took none:
+    [256, 256, 0, 0, 0, 0]), for a freshly converted top-1 model and for it trained, calibrated on text of the
+    probe's kind (the embedded Wikipedia); the slots the probe fills are the same before and after (top-k is
+    fixed), and the warnings name exactly the layers with a copy no token reached (copies of experts the probe
+    hardly reaches, or whose few tokens a dominant expert's copies took: the tiny random model routes most tokens
+    to one expert, its logits nearly tied)."""
+    dense, _, train, held = tiny_lm
+    folder = tmp_path / "source"
+    assert main(["convert", str(dense), str(folder), "--method", "noise", "--num-experts", "4", "--top-k", "1",
+                 "--quiet"]) == 0
+    if source == "trained":
+        folder = _trained(folder, train, held, tmp_path)
+    out = tmp_path / "grown"
+    assert main(["grow", str(folder), str(out), "--num-experts", n, "--by", by, "--calibration-tokens", "2048",
+                 "--quiet", *["--streaming"] * streaming]) == 0
+    report = json.loads((out / "resize_report.json").read_text())
+    silent = []
+    for name, layer in report["layers"].items():
+        before, after = layer["load_before"], layer["load_after"]
+        assert len(before) == 4 and len(after) == int(n) and sum(before) == sum(after) > 0, name
+        for c, e in enumerate(layer["copied"], start=4):
+            # an expert the probe reaches, copied once: its copy is reached too (split three ways, the few tokens
+            # of a tiny model's minor expert may leave one member empty: the warning below says so)
+            if before[e] >= 0.2 * sum(before) and layer["copied"].count(e) == 1:
+                assert after[c] > 0, (name, e, before, after)
+        if any(after[c] == 0 for c in range(4, int(n))):
+            silent.append(name)
+    assert [w.split(":")[0] for w in report["warnings"]] == silent
+
+
+def test_a_copy_no_token_reaches_is_warned_of(tiny_lm, tmp_path, capsys):
+    """An expert switched off by its selection bias, copied: its copy is switched off too, and the command says
+    so on stderr and in the report's warnings (and still writes the folder it was asked for)."""
+    from safetensors.torch import load_file, save_file
+
+    _, moe, train, _ = tiny_lm
+    off = tmp_path / "off"
+    shutil.copytree(moe, off)
+    tensors = load_file(off / "model.safetensors")
+    for name in [k for k in tensors if k.endswith("selection_bias")]:
+        tensors[name][0] = -1e4
+    save_file(tensors, off / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "grown"
+    capsys.readouterr()
+    assert main(["grow", str(off), str(out), "--num-experts", "8", "--by", "uniform", *_flags(train)]) == 0
+    err = capsys.readouterr().err
+    report = json.loads((out / "resize_report.json").read_text())
+    assert len(report["warnings"]) == len(report["layers"]) > 0
+    assert "WARNING" in err and "no token of the probe reaches the copies [4] (of [0])" in err
+    assert all(layer["load_after"][0] == layer["load_after"][4] == 0 for layer in report["layers"].values())
 
 
 def test_add_makes_one_expert_per_layer_from_another_fine_tune(tiny_lm, tmp_path):
@@ -250,9 +330,9 @@ def test_a_streamed_prune_writes_what_the_in_memory_prune_writes(tiny_lm, tmp_pa
 
 @pytest.mark.parametrize(("by", "perturb"), [("utility", "noise"), ("uniform", "drop"), ("utility", "none")])
 def test_a_streamed_grow_writes_what_the_in_memory_grow_writes(tiny_lm, tmp_path, by, perturb):
-    """--streaming grows layer by layer from the folder's tensors: the same copies, router bias (made here: the
-    copy-upcycled layers have none; then kept and shifted again when the grown folder grows once more), the same
-    perturbation draws, so the same tensors and logits as the in-memory grow."""
+    """--streaming grows layer by layer from the folder's tensors: the same copies, no router bias made, the same
+    perturbation draws, router rows equal to rounding, so the same tensors and logits (to rounding) as the
+    in-memory grow, once and again when the grown folder grows once more."""
     from safetensors.torch import load_file
 
     _, moe, train, _ = tiny_lm
@@ -264,9 +344,14 @@ def test_a_streamed_grow_writes_what_the_in_memory_grow_writes(tiny_lm, tmp_path
                          *(["--streaming"] if how == "streamed" else [])]) == 0
         memory, streamed = (load_file(tmp_path / f"{tag}-{how}" / "model.safetensors")
                             for how in ("memory", "streamed"))
-        assert memory.keys() == streamed.keys() and any(k.endswith("router.bias") for k in memory)
-        assert all(torch.equal(memory[k], streamed[k]) for k in memory), \
+        assert memory.keys() == streamed.keys() and not any(k.endswith("router.bias") for k in memory)
+        # the copies' router rows come from the calibration forward, run in batches of 8 rows in memory and in one
+        # batch streamed: equal to rounding; every other tensor bit for bit
+        rows = [k for k in memory if k.endswith("router.weight")]
+        assert all(torch.equal(memory[k], streamed[k]) for k in memory if k not in rows), \
             [k for k in memory if not torch.equal(memory[k], streamed[k])]
+        for k in rows:
+            torch.testing.assert_close(memory[k], streamed[k], atol=1e-5, rtol=1e-4)
         a, b = (json.loads((tmp_path / f"{tag}-{how}" / "resize_report.json").read_text())
                 for how in ("memory", "streamed"))
         assert [r["copied"] for r in a["layers"].values()] == [r["copied"] for r in b["layers"].values()]
@@ -274,7 +359,8 @@ def test_a_streamed_grow_writes_what_the_in_memory_grow_writes(tiny_lm, tmp_path
         assert (tmp_path / f"{tag}-streamed" / "upcycle_config.json").read_text() == \
             (tmp_path / f"{tag}-memory" / "upcycle_config.json").read_text()
     ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(_logits(tmp_path / "b-memory", ids), _logits(tmp_path / "b-streamed", ids))
+    torch.testing.assert_close(_logits(tmp_path / "b-memory", ids), _logits(tmp_path / "b-streamed", ids),
+                               atol=1e-4, rtol=1e-4)
 
 
 

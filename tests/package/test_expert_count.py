@@ -1,9 +1,11 @@
 """The expert count changed after conversion (`core.resize`, `metrics.saliency`, `resize.expert_count`): the rows
 that go together go together, pruning to E is the identity, REAP removes a dead expert first and keeps a dominant
-one, growth shares each expert's softmax probability between its copies exactly, and grow-then-prune-back gives
-the layer's function again."""
+one, growth keeps every expert's logits and shares its tokens out between it and its copies so the router reaches
+every copy, and a folder grown with shifted copies prunes back to the layer's function."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -13,10 +15,11 @@ from upcycle.config import ConvertConfig, MoEConfig
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer, moe_layers
-from upcycle.core.resize import duplicate_experts, select_experts
+from upcycle.core.resize import copy_groups, duplicate_experts, select_experts
+from upcycle.core.router_split import copy_row_offsets, simplex_vertices
 from upcycle.errors import UpcycleError
 from upcycle.metrics.saliency import expert_saliency
-from upcycle.resize.expert_count import ExpertCount, grow_model, prune_model
+from upcycle.resize.expert_count import ExpertCount, grow_model, prune_model, replace_layer
 
 E, K, D, F = 6, 2, 8, 16
 
@@ -25,8 +28,8 @@ def layer(router_bias: bool = True, **moe) -> MoELayer:
     g = torch.Generator().manual_seed(0)
     experts = FFNWeights(w_gate=torch.randn(E, F, D, generator=g), w_up=torch.randn(E, F, D, generator=g),
                          w_down=torch.randn(E, D, F, generator=g) / 4, activation="silu")
-    made = MoELayer.from_init(experts, torch.randn(E, D, generator=g), config=MoEConfig(num_experts=E, top_k=K,
-                                                                                          **moe),
+    made = MoELayer.from_init(experts, torch.randn(E, D, generator=g), config=MoEConfig(**{"num_experts": E, "top_k": K,
+                                                                                            **moe}),
                               router_bias_E=torch.randn(E, generator=g) if router_bias else None)
     with torch.no_grad():
         made.selection_bias.copy_(torch.randn(E, generator=g))
@@ -56,37 +59,69 @@ def test_keeping_every_expert_is_the_identity():
     assert torch.equal(select_experts(old, list(range(E)))(x()), old(x()))
 
 
-def test_growth_shares_each_experts_softmax_probability_between_its_copies():
-    """p'_c = p_e / n_e for each of the n_e copies of expert e (itself included): every original expert's
-    probability, summed over its copies, is what it was (the -log n_e shift, through a router bias it did not
-    have)."""
-    old = layer(router_bias=False)
+def test_copies_keep_their_sources_logits_and_weights_and_add_their_row_offsets():
+    """No logit is shifted: the experts that were there route exactly as before, and copy i's logit is its
+    source's plus offsets[i] . x (its weights, router bias and selection bias its source's)."""
+    old = layer(router_bias=True)
     sources = [1, 1, 3]
-    new = duplicate_experts(old, sources)
+    offsets = torch.randn(3, D, generator=torch.Generator().manual_seed(7)) / 10
+    new = duplicate_experts(old, sources, offsets)
     assert new.num_experts == E + 3 and new.top_k == K
-    p_old = old.router(x()).softmax(-1)
-    p_new = new.router(x()).softmax(-1)
-    owner = [*range(E), *sources]
-    copies = [owner.count(e) for e in range(E)]
-    for c, e in enumerate(owner):
-        torch.testing.assert_close(p_new[:, c], p_old[:, e] / copies[e], atol=1e-7, rtol=1e-5)
-    summed = torch.stack([p_new[:, [c for c, o in enumerate(owner) if o == e]].sum(-1) for e in range(E)], -1)
-    torch.testing.assert_close(summed, p_old, atol=1e-7, rtol=1e-5)
-    assert torch.equal(new.router.weight[E:], old.router.weight[sources])
+    z_old, z_new = old.router(x()), new.router(x())
+    assert torch.equal(z_new[:, :E], z_old)
+    torch.testing.assert_close(z_new[:, E:], z_old[:, sources] + x() @ offsets.T, atol=1e-6, rtol=1e-6)
+    assert torch.equal(new.router.bias[E:], old.router.bias[sources])
+    assert torch.equal(new.selection_bias[E:], old.selection_bias[sources])
     assert torch.equal(new.experts.w_down[E:], old.experts.w_down[sources])
+    assert torch.equal(duplicate_experts(old, sources).router.weight[E:], old.router.weight[sources])
 
 
-def test_grow_then_prune_back_gives_the_layers_function():
-    """Every expert copied once (uniform, E -> 2E) shifts every logit by -log 2; pruning back to E removes the
-    copies first (exact copies of an earlier expert) and gives the kept ones their share back (+log 2): the same
-    routing and the same output."""
+def test_simplex_vertices_are_unit_equidistant_and_sum_to_zero():
+    for n in (1, 2, 3, 7):
+        s = simplex_vertices(n)
+        assert s.shape == (n + 1, n)
+        torch.testing.assert_close(s.norm(dim=1), torch.ones(n + 1, dtype=torch.float64))
+        torch.testing.assert_close(s.sum(0), torch.zeros(n, dtype=torch.float64), atol=1e-12, rtol=0)
+        dots = s @ s.T
+        off = dots[~torch.eye(n + 1, dtype=torch.bool)]
+        torch.testing.assert_close(off, torch.full_like(off, -1 / n))      # a regular simplex: cos = -1/n
+
+
+@pytest.mark.parametrize(("top_k", "sources"), [(1, [0, 1, 2, 3, 4, 5]), (2, [0, 0, 0]), (1, [4, 4])])
+def test_the_split_shares_each_sources_tokens_between_it_and_its_copies(top_k, sources):
+    """On the calibration tokens the source took, the source and each of its copies take a part: none empty and
+    none over 3/4 of them (a median split of a Gaussian cloud gives about 1/(n + 1) each, 0.33 measured for two
+    copies); with top-1 and one expert copied, each of its tokens goes to one member of its group (the others'
+    logits are unchanged)."""
+    old = layer(router_bias=False, top_k=top_k)
+    with torch.no_grad():
+        old.selection_bias.zero_()             # no expert switched off by its selection bias
+    tokens = torch.randn(4000, D, generator=torch.Generator().manual_seed(3)) + 0.5
+    before = old.route(tokens).topk_ids_TK
+    new = duplicate_experts(old, sources, copy_row_offsets(old, tokens, sources))
+    after = new.route(tokens).topk_ids_TK
+    members = {e: [e, *(E + i for i, s in enumerate(sources) if s == e)] for e in set(sources)}
+    for e, group in members.items():
+        took = (before == e).any(dim=1)
+        share = torch.stack([(after[took] == m).any(dim=1).float().mean() for m in group])
+        assert torch.all(share > 0.05) and torch.all(share < 0.75), (e, share)
+        if len(members) == 1 and top_k == 1:
+            assert share.sum() == 1, share
+
+
+def test_a_folder_grown_with_shifted_copies_prunes_back_to_its_function():
+    """A folder grown before copies kept their logits holds exact copies (rows, biases, weights) whose logits were
+    shifted by -log n: pruning back to E removes the copies first (exact copies of an earlier expert) and gives
+    the kept ones their share back (+log 2): the same routing and the same output."""
     model = _upcycled()
     ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(2))
     batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     with torch.no_grad():
         before = model(**batches[0]).logits
-    grown = grow_model(model, ExpertCount(8, "uniform"), batches)
-    assert all(r["copied"] == [0, 1, 2, 3] for r in grown.values())
+    for name, moe in moe_layers(model).items():
+        grown = duplicate_experts(moe, [0, 1, 2, 3])           # exact copies, then the old -log 2 shift
+        grown.router.bias = torch.nn.Parameter(torch.full((8,), -math.log(2)))
+        replace_layer(model, name, grown)
     pruned = prune_model(model, ExpertCount(4, "reap"), batches)
     assert all(r["kept"] == [0, 1, 2, 3] and r["removed"] == [4, 5, 6, 7] for r in pruned.values())
     assert all(r["copies_of"] == {4: 0, 5: 1, 6: 2, 7: 3} for r in pruned.values())
@@ -95,9 +130,27 @@ def test_grow_then_prune_back_gives_the_layers_function():
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-def _upcycled(layers: int = 2):
+@pytest.mark.parametrize(("method", "top_k", "n", "by"), [("noise", 1, 6, "utility"), ("noise", 2, 12, "uniform"),
+                                                          ("copy", 2, 6, "utility")])
+def test_grown_copies_are_reached_and_are_no_exact_copies(method, top_k, n, by):
+    """After growth every expert, copies included, takes some of the calibration tokens (the bug this guards:
+    copies whose logits were shifted down by -log n lost every top-k choice, and the experts they copied with
+    them); no copy is an exact copy of its source, so a later prune does not mistake it for an old shifted one."""
+    model = _upcycled(method=method, top_k=top_k)
+    ids = torch.randint(3, 120, (8, 32), generator=torch.Generator().manual_seed(2))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    grow_model(model, ExpertCount(n, by), batches)
+    with torch.no_grad():
+        model(**batches[0])
+    for moe in moe_layers(model).values():
+        load = torch.bincount(moe.last_record.topk_ids_TK.reshape(-1), minlength=n)
+        assert torch.all(load > 0), load
+        assert copy_groups(moe) == list(range(n))
+
+
+def _upcycled(layers: int = 2, method: str = "noise", top_k: int = 2):
     model = make_tiny("llama", layers=layers)
-    cfg = ConvertConfig(model="x", method="noise", moe=MoEConfig(num_experts=4, top_k=2), seed=3)
+    cfg = ConvertConfig(model="x", method=method, moe=MoEConfig(num_experts=4, top_k=top_k), seed=3)
     upcycle_model(model, cfg, progress=False)
     return model.eval()
 
@@ -160,17 +213,17 @@ def test_a_dense_model_and_a_sigmoid_router_are_refused():
 @pytest.mark.parametrize("how", ["noise", "drop"])
 def test_perturbed_growth_changes_only_the_copies_as_the_init_method_does(how):
     """--perturb: the copies' weights move (noise: every matrix entry, by about 0.01 of the matrix's std; drop:
-    half of each copy's neurons re-drawn, the rest bit for bit its source's), while the experts they copy, every
-    router row and the -log n shift stay as exact growth makes them."""
+    half of each copy's neurons re-drawn, the rest bit for bit its source's), while the experts they copy, the
+    router rows and the biases stay as unperturbed growth makes them."""
     ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(2))
     batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     exact, perturbed = _upcycled(), _upcycled()
-    grow_model(exact, ExpertCount(8, "uniform"), batches)
+    grow_model(exact, ExpertCount(8, "uniform", seed=5), batches)
     report = grow_model(perturbed, ExpertCount(8, "uniform", seed=5, perturb=how), batches)
     assert all(r["perturbed"] == how for r in report.values())
     for name, old in moe_layers(exact).items():
         new = moe_layers(perturbed)[name]
-        assert torch.equal(new.router.weight, old.router.weight) and torch.equal(new.router.bias, old.router.bias)
+        assert torch.equal(new.router.weight, old.router.weight) and new.router.bias is None is old.router.bias
         w_old, w_new = old.experts.weights(), new.experts.weights()
         for field in ("w_gate", "w_up", "w_down"):
             a, b = getattr(w_old, field), getattr(w_new, field)

@@ -1,6 +1,6 @@
 """`upcycle grow MODEL OUT --num-experts N`: every MoE layer gains copies of its experts (by utility, or each in
-turn), each copy's router row its source's and every copied expert's logits shifted by -log n, so that its n copies
-share the probability it had (`upcycle.resize`)."""
+turn), each copy's router row its source's plus an offset that shares the source's calibration tokens out between
+them, no logit shifted, so the router reaches every copy (`upcycle.resize`, `upcycle.core.router_split`)."""
 
 from __future__ import annotations
 

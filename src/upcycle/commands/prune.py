@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from .flags import whole_number
 
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
     report = resize(args.model, args.out, request, grow=grow, budget=budget,
                     streaming=bool(args.streaming), overwrite=bool(args.overwrite),
                     progress=not args.quiet)
+    for line in report["warnings"]:          # a copy no token reaches: said where the user looks, not only in JSON
+        print(f"WARNING: {line}", file=sys.stderr)
     print(json.dumps({k: report[k] for k in ("kind", "kl_to_source", "max_abs_logit_diff")}))
     print(f"wrote {args.out} (report: {args.out}/resize_report.json)")
     return 0

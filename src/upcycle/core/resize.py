@@ -9,21 +9,23 @@ score function) and the shared experts stay as they were.
                                      selection bias: a token's logits for the kept experts are what they were
   copy_groups(layer)                 which experts are exact copies of an earlier one (as growth makes them)
   append_experts(layer, experts, rows)  experts from elsewhere (another fine-tune's FFN) with their router rows
-  duplicate_experts(layer, sources)  experts E..E+len(sources)-1 copies of `sources`, each with its source's router
-                                     row, and every expert that now has n copies (itself included) its logits
-                                     shifted by -log n through the router bias, so that under the softmax the n
-                                     copies share exactly the probability the one expert had (sum_i p_i is
-                                     unchanged for every token); with top-k fixed the output is not the same
-                                     function (two copies take two slots of k), which the caller reports
-  grown_router_bias(bias, sources, E)  that router bias, from the old one alone (a streamed grow writes it), as
-  pruned_router_bias(bias, keep, shift) is select_experts' (a streamed prune writes it)
+  duplicate_experts(layer, sources, offsets)  experts E..E+len(sources)-1 copies of `sources`: each its source's
+                                     weights, router bias and selection bias, and its source's router row plus
+                                     an offset (`core.router_split`: the source's tokens shared out between it
+                                     and its copies); no logit is shifted, so the router reaches the copies as it
+                                     reaches the experts they copy (Expert Upcycling's router extension). With
+                                     top-k fixed the output is not the same function, which the caller reports
+  pruned_router_bias(bias, keep, shift)  select_experts' router bias from the old one alone (a streamed prune and
+                                     grow write it)
+
+A folder grown before copies kept their source's logits shifted each copied expert by -log n through the router
+bias (its n copies shared its softmax probability, and lost every top-k choice to the unshifted experts); pruning
+such exact copies (`copy_groups`) gives the kept ones their share back (`resize.expert_count.choose_experts`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections import Counter
 
 import torch
 
@@ -104,35 +106,29 @@ def copy_groups(layer: MoELayer) -> list[int]:
     return out
 
 
-def duplicate_experts(layer: MoELayer, sources: list[int]) -> MoELayer:
-    """The layer with copies of the experts `sources` appended (module docstring); refused for a sigmoid router,
-    whose scores do not share out as a softmax's do."""
+def duplicate_experts(layer: MoELayer, sources: list[int], offsets_ND: torch.Tensor | None = None) -> MoELayer:
+    """The layer with copies of the experts `sources` appended (module docstring), copy i's router row its
+    source's plus `offsets_ND[i]` (None: plus 0, an exact copy); refused for a sigmoid router, whose top-k this
+    split of a softmax router's tokens is not made for."""
     E = layer.num_experts
     check_growable(layer)
     if not all(0 <= e < E for e in sources):
         raise UpcycleError(f"experts to copy must be indices below {E}, got {sources}")
-    index = torch.tensor([*range(E), *sources], dtype=torch.long)
+    index = [*range(E), *sources]
     bias = layer.router.bias.detach() if layer.router.bias is not None else None
-    return _rebuilt(layer, index, grown_router_bias(bias, sources, E, device=layer.router.weight.device))
+    grown = _rebuilt(layer, torch.tensor(index, dtype=torch.long), pruned_router_bias(bias, index))
+    if offsets_ND is not None:
+        with torch.no_grad():
+            grown.router.weight[E:] += offsets_ND.to(grown.router.weight)
+    return grown
 
 
 def check_growable(layer: MoELayer) -> None:
-    """Refused for a router that does not score with a softmax: copies share a softmax's probability, not a
-    sigmoid's scores."""
+    """Refused for a router that does not score with a softmax (a sigmoid router scores each expert on its own;
+    its copies' split is not made for it)."""
     if layer.config.score != "softmax":
-        raise UpcycleError(f"growing splits a softmax router's probability between copies; this layer's router "
+        raise UpcycleError(f"growing shares a softmax router's tokens between copies; this layer's router "
                            f"scores with {layer.config.score}")
-
-
-def grown_router_bias(bias_E: torch.Tensor | None, sources: list[int], E: int,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """The router bias of a layer of E experts (`bias_E`, None: zeros in float32) grown by copies of `sources`:
-    [E + len(sources)], every copy of expert e (itself included) at its bias - log(copies + 1)."""
-    copies = Counter(sources)
-    base = bias_E.clone() if bias_E is not None else torch.zeros(E, dtype=torch.float32, device=device)
-    shift = torch.tensor([math.log(1 + copies[e]) for e in range(E)], dtype=base.dtype, device=base.device)
-    shifted = base - shift
-    return shifted.index_select(0, torch.tensor([*range(E), *sources], dtype=torch.long, device=base.device))
 
 
 def append_experts(layer: MoELayer, experts: FFNWeights, rows_ND: torch.Tensor,

@@ -1,12 +1,14 @@
 """The expert count of an upcycled model changed after conversion: `prune_model` keeps the N most salient experts
 of every MoE layer (REAP, frequency or random; `metrics.saliency`), `grow_model` adds copies of the experts chosen
-by utility, or of every expert in turn (`core.resize`).
+by utility, or of every expert in turn (`core.resize`), each copy's router row its source's plus the offset that
+shares the source's calibration tokens out between them (`core.router_split`).
 
 Both work on a model in memory, layer by layer: the layer's inputs on the calibration tokens are taken from one
 forward of the original model, each layer is rebuilt and installed, and the report says, per layer, what was
-removed or copied with the scores it was chosen by. The caller measures the KL of the new model to the old one:
-pruning keeps only part of the function, and growth under a fixed top-k is not function-preserving either (the
-copies of an expert share its probability but take two of the k slots).
+removed or copied with the scores it was chosen by. The caller measures the KL of the new model to the old one
+and each expert's load: pruning keeps only part of the function, and growth under a fixed top-k is not
+function-preserving either (a token may take two copies of one expert among its k, or a copy's logit in its
+source's place).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from torch import nn
 from ..core.layer_inputs import layer_inputs
 from ..core.moe import MoELayer, moe_layers
 from ..core.resize import copy_groups, duplicate_experts, select_experts
+from ..core.router_split import copy_row_offsets
 from ..core.stock_moe import as_moe_layer, stock_moe_blocks
 from ..errors import UpcycleError
 from ..metrics.saliency import expert_saliency
 from .perturb import PERTURB, perturb_copies
 
 PRUNE_BY = ("reap", "frequency", "random")
+GROW_STOCK = ("grow takes an upcycle folder (a stock MoE class's router has no selection bias to keep for the "
+              "copies): grow the upcycle folder the stock one was exported from, then export the grown folder")
 GROW_BY = ("utility", "uniform")
 
 
@@ -163,23 +168,25 @@ def _set_stock_count(model: nn.Module, n: int) -> None:
 
 def grow_model(model: nn.Module, request: ExpertCount, batches: list[dict]) -> dict:
     """Add `request.num_experts - E` copies to every MoE layer: of the experts of highest utility (each expert
-    once before any twice), or of every expert in turn (`uniform`); returns, per layer, the scores and the experts
-    copied (expert E + i is a copy of `copied[i]`)."""
+    once before any twice), or of every expert in turn (`uniform`), their router rows split on the calibration
+    tokens (`core.router_split`); returns, per layer, the scores and the experts copied (expert E + i is a copy of
+    `copied[i]`)."""
     layers = check_request(model, request, grow=True)
     if not all(isinstance(layer, MoELayer) for layer in layers.values()):
-        raise UpcycleError("growing shifts the copies' logits through a router bias, which the stock MoE classes do "
-                           "not have: grow the upcycle folder, then export it")
-    inputs = moe_inputs(model, layers, batches) if request.by == "utility" else {}
+        raise UpcycleError(GROW_STOCK)
+    inputs = moe_inputs(model, layers, batches)
     generator = torch.Generator().manual_seed(request.seed)       # the copies' perturbation, layer after layer
     report = {}
-    for name, layer in layers.items():
+    for index, (name, layer) in enumerate(layers.items()):
         E = layer.num_experts
         score = None
         if request.by == "utility":
             with _eval(layer):
                 score = expert_saliency(layer, inputs[name], "utility")
         copied = choose_copies(score, E, request.num_experts)
-        grown = duplicate_experts(layer, copied)
+        with _eval(layer):
+            offsets = copy_row_offsets(layer, inputs[name], copied, seed=request.seed + index)
+        grown = duplicate_experts(layer, copied, offsets)
         perturb_copies(grown.experts, range(E, request.num_experts), request.perturb, generator)
         replace_layer(model, name, grown)
         report[name] = {"utility": None if score is None else [float(s) for s in score], "copied": copied,

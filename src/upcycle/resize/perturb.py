@@ -2,10 +2,10 @@
 a copy of the dense FFN (Qwen2 / OLMoE noise upcycling; Drop-Upcycling, arXiv:2502.19261; docs/methods.md §2.2-2.3),
 with those methods' defaults.
 
-An exact copy sits on its source's router row with its source's weights: the two score every token alike and,
-taking the same tokens, receive the same gradient, so training alone may never tell them apart (Expert Upcycling,
-arXiv:2604.19835, perturbs its copies for this reason). Only the copies are changed; the expert they copy, its
-router row and the shared -log n shift stay as `core.resize.duplicate_experts` made them.
+A copy has its source's weights: where the two take the same token (both among its top-k) they receive the same
+gradient, and the router split (`core.router_split`) only shares their tokens out, so training alone may part them
+slowly (Expert Upcycling, arXiv:2604.19835, perturbs its copies for this reason). Only the copies' weights are
+changed; the expert they copy and every router row stay as `core.resize.duplicate_experts` made them.
 """
 
 from __future__ import annotations

@@ -71,10 +71,6 @@ def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool
         layers[layer] = (E, request.num_experts)
         after[0] += count // E * request.num_experts
         after[1] += nbytes // E * request.num_experts
-    if grow:                # a layer without a router bias gains one (the -log n shift of its copies)
-        missing = [layer for layer in layers if f"{layer}.router.bias" not in names]
-        after[0] += len(missing) * request.num_experts
-        after[1] += len(missing) * request.num_experts * 4
     return ResizePlan(model, "grow" if grow else "prune", request, layers, (before[0], after[0]),
                       (before[1], after[1]), streaming)
 

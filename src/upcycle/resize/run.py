@@ -9,11 +9,14 @@ expert count of every MoE layer changed, written as a new upcycle folder, and wh
               random token ids: the report says which)
     change    `expert_count.prune_model` / `grow_model`, layer by layer
     measure   the KL of the new model to the source on the probe (growth under a fixed top-k is not
-              function-preserving either, and the report says so rather than promising it)
+              function-preserving either, and the report says so rather than promising it), and each MoE layer's
+              per-expert load on the probe before and after (`loads.py`): a grown copy no token reaches is warned
+              of, in the report and on stderr
     write     the upcycle folder, then resize_report.json
 
 A stock MoE folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) is pruned as that class and written as it again, loadable
-without upcycle; it cannot grow (its router has no bias to share a copied expert's probability through). With
+without upcycle; growth takes the upcycle folder it was exported from, whose grown folder exports again (copies
+need no router bias). With
 `--streaming` an upcycle folder is pruned or grown a block at a time (`streamed.py`), so a model larger than memory
 is resized.
 """
@@ -40,7 +43,8 @@ from ..outputs.claims import Input, claim_output, inputs
 from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_ids
 from ..progress import Phases
 from .add_expert import add_expert, check_finetune
-from .expert_count import ExpertCount, check_counts, grow_model, prune_model
+from .expert_count import GROW_STOCK, ExpertCount, check_counts, grow_model, prune_model
+from .loads import add_loads, counted_loads, silent_copies
 from .plan import ResizePlan, plan_resize
 
 REPORT = "resize_report.json"
@@ -57,9 +61,7 @@ def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
                   if isinstance(layer, dict)}
     elif folder.is_dir() and config is not None and is_stock_moe(config):
         if grow:
-            raise UpcycleError(f"{model} is a stock MoE folder ({config.get('model_type')}): growing shifts the "
-                               f"copies' logits through a router bias the stock classes do not have; grow the "
-                               f"upcycle folder, then export it")
+            raise UpcycleError(f"{model} is a stock MoE folder ({config.get('model_type')}): {GROW_STOCK}")
         count = next((config[k] for k in ("num_local_experts", "num_experts") if isinstance(config.get(k), int)), None)
         layers = {"every MoE block": {"num_experts": count, "top_k": config.get("num_experts_per_tok")}}
     else:
@@ -148,7 +150,7 @@ def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, pro
             "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
             "held_out_perplexity": {"before": _perplexity(probe, outputs[0]), "after": _perplexity(probe, outputs[1])},
             "function_preserving": not grow and not any(layer.get("removed") for layer in layers.values()),
-            "layers": layers}
+            "warnings": silent_copies(layers), "layers": layers}
 
 
 def _in_memory(model: str, request: ExpertCount, grow: bool, budget: CalibrationConfig, text: tuple, claim,
@@ -164,13 +166,16 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
     probe = _probe(loaded, tokenizer, request.seed)
     # a stock class is not a row of the architecture table: its logits are what it is compared on
     outputs = (("logits", True),) if is_stock_moe(loaded) else None
-    before = probe_output(loaded, probe, outputs)
+    with counted_loads(loaded) as loads_before:
+        before = probe_output(loaded, probe, outputs)
     if request.add is not None:
         layers = add_expert(loaded, load_model(request.add)[0].eval(), batches)
     else:
         layers = (grow_model if grow else prune_model)(loaded, request, batches)
     phases(f"{len(layers)} MoE layers scored and {'grown' if grow else 'pruned'}")
-    after = probe_output(loaded, probe, outputs)
+    with counted_loads(loaded) as loads_after:
+        after = probe_output(loaded, probe, outputs)
+    add_loads(layers, loads_before, loads_after)
     calibration = {"source": source, "tokens": sum(int(b["attention_mask"].sum()) for b in batches)}
     report = _report(model, request, grow, calibration, probe, (before, after), layers)
     phases(f"compared with the source on the probe ({_distance(report)})")
