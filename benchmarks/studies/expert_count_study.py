@@ -236,7 +236,7 @@ def final_eval(log: Path) -> dict:
 def collect_grow(work: Path, task: str) -> dict:
     rows = {}
     for n, by in (*GROW, (8, None)):
-        start, end, far, seconds = [], [], [], []
+        start, end, far, seconds, reached = [], [], [], [], []
         for seed in SEEDS:
             name = f"{n}-{by}-{seed}" if by else f"8-{seed}"
             evals = final_eval(work / task / "grow" / f"{name}.log.jsonl")
@@ -244,10 +244,16 @@ def collect_grow(work: Path, task: str) -> dict:
             end.append(score(task, evals["end"]))
             seconds.append(evals["step_seconds"])
             if by is not None:
-                far.append(distance(task, json.loads((work / task / "grow" / f"{name}.report.json").read_text())))
+                report = json.loads((work / task / "grow" / f"{name}.report.json").read_text())
+                far.append(distance(task, report))
+                reached.append(min(min(layer["load_after"]) / (sum(layer["load_after"]) / len(layer["load_after"]))
+                                   for layer in report["layers"].values() if layer.get("load_after")))
         rows[f"{n} {by}" if by else "8 (not grown)"] = {
             "experts": n, "by": by, "after_growth": spread(start), "after_training": spread(end),
             "distance": spread(far) if far else None, "median_step_seconds": spread(seconds),
+            # the least-loaded expert's load on the probe right after growth, over the mean load (0: an expert
+            # no token reaches; copies whose logits were shifted by -log n gave 0)
+            "least_load_over_mean_after_growth": spread(reached) if reached else None,
             "change_in_training": spread([b - a for a, b in zip(start, end, strict=True)])}
     return rows
 

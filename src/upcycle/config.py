@@ -164,14 +164,17 @@ def check_fields(cfg, section: str = "") -> None:
                                f"got {short_value(value)}")
 
 
+MAX_EXPERTS = 2**16        # experts in one MoE layer (an index of the routing record fits int16 in a kernel)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """The MoE layer's routing options (docs/methods.md §1), one object for the run config, the layer
     (`MoELayer.config`), its saved spec (upcycle_config.json), the conversion and the exporter. It refuses an
     impossible combination when it is made, so no layer is built from one."""
 
-    num_experts: int = ranged(8, 1, 2**16)
-    top_k: int = ranged(2, 1, 2**16)
+    num_experts: int = ranged(8, 1, MAX_EXPERTS)
+    top_k: int = ranged(2, 1, MAX_EXPERTS)
     normalize_topk: bool = True            # renormalize the top-k weights to sum to 1 (exact copy preservation)
     capacity_factor_train: float | None = ranged(None, 0, math.inf, low_open=True, high_open=True)  # None: dropless
     capacity_factor_eval: float | None = ranged(None, 0, math.inf, low_open=True, high_open=True)

@@ -52,5 +52,5 @@ def test_dry_run_every_other_block_and_its_refusals(tmp_path, capsys):
     added = plan["parameters"]["after"]["total"] - plan["parameters"]["before"]["total"]
     assert added == 40 * (3 * per_layer + 16 * 8192)          # 4x the FFN - the FFN, plus the router
     assert main(["convert", str(tmp_path), "--dry-run", "--set", "method_args.granularity=5", "--method",
-                 "granular"]) == 2
+                 "granular", "--num-experts", "10", "--top-k", "5"]) == 2
     assert "granularity 5 must divide the FFN width 28672" in capsys.readouterr().err

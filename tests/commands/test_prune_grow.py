@@ -380,7 +380,12 @@ def test_a_streamed_resize_keeps_the_shared_expert_as_the_in_memory_one_does(tin
     source, memory, streamed = (load_file(tmp_path / f / "model.safetensors") for f in ("spri", "memory", "streamed"))
     shared = [k for k in source if ".shared_experts." in k]
     assert shared and all(torch.equal(memory[k], source[k]) and torch.equal(streamed[k], source[k]) for k in shared)
-    assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory)
+    # a grown copy's router row comes from a forward of another batch shape: equal to rounding
+    rows = [k for k in memory if k.endswith("router.weight")] if command == "grow" else []
+    assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory
+                                                    if k not in rows)
+    for k in rows:
+        torch.testing.assert_close(memory[k], streamed[k], atol=1e-5, rtol=1e-4)
     assert all(memory[k].shape[0] == int(n) for k in memory if k.endswith(".experts.w_down"))
 
 

@@ -32,10 +32,10 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def check_checkpoint(model: nn.Module, reader: CheckpointReader, what: str) -> None:
+def check_checkpoint(model: nn.Module, reader: CheckpointReader, what: str, *, values: bool = True) -> None:
     """Refuse a checkpoint whose tensors disagree with `model` (built from its config): integer tensors for
-    floating-point parameters (headers only), and, when the config ties tensors, two tied names stored with
-    different values."""
+    floating-point parameters (headers only), and, when the config ties tensors and `values`, two tied names
+    stored with different values (the two tensors read: a dry run leaves that to its run)."""
     stored, _ = checkpoint_names(model, reader)      # model name -> the checkpoint's name for it
     tensors = model.state_dict(keep_vars=True)
     wrong = [f"{stored[n]} ({str(reader.dtype(stored[n])).removeprefix('torch.')})" for n, t in tensors.items()
@@ -44,7 +44,7 @@ def check_checkpoint(model: nn.Module, reader: CheckpointReader, what: str) -> N
         raise UpcycleError(f"{what}: the checkpoint stores {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''} "
                            f"as integers where the model has floating-point weights: a quantized checkpoint, which "
                            f"upcycle does not read (give it the model's floating-point weights)")
-    for names in tied_names(model):
+    for names in tied_names(model) if values else ():
         both = list(dict.fromkeys(stored[n] for n in names if n in stored))
         if len(both) < 2:
             continue
@@ -79,7 +79,7 @@ def _skeleton(config) -> nn.Module:
     return _SKELETONS[key]
 
 
-def check_dense_checkpoint(path: str, config, what: str) -> None:
+def check_dense_checkpoint(path: str, config, what: str, *, values: bool = True) -> None:
     """`check_checkpoint` for a dense model's local folder (a hub id is read by transformers, as it reads it)."""
     if not Path(path).is_dir():
         return
@@ -93,6 +93,6 @@ def check_dense_checkpoint(path: str, config, what: str) -> None:
             model = _skeleton(config)
         except Exception:       # a config that does not build (an unknown activation...): its loader says why
             return
-        check_checkpoint(model, reader, what)
+        check_checkpoint(model, reader, what, values=values)
     finally:
         reader.close()

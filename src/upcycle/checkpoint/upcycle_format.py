@@ -21,9 +21,11 @@ or failed run leaves no partial output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -223,18 +225,26 @@ def build(path: str | os.PathLike, spec: dict, config, dtype: torch.dtype) -> nn
     cls = getattr(transformers, spec["model_class"], None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UpcycleError(f"{path}: transformers has no model class {spec['model_class']}")
-    try:
+    with one_line_errors(path):
         model = cls._from_config(config, dtype=dtype)
         for layer_spec in spec["layers"]:
             layer_spec = dict(layer_spec)
             block = layer_spec.pop("block")
             install(model, block, MoELayer.from_spec(layer_spec, dtype=model.dtype))
+    return model
+
+
+@contextlib.contextmanager
+def one_line_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Building a folder's model from its config and MoE spec: whatever a bad spec or config raises (a count
+    written as a string, an unknown argument) said in one line naming the folder."""
+    try:
+        yield
     except UpcycleError as e:   # a layer spec out of range
         raise UpcycleError(f"{path}: a layer of {MOE_CONFIG} is not valid ({e})") from None
     except Exception as e:      # a spec or config that does not build (a bad size, an unknown argument)
         raise UpcycleError(f"{path}: the model does not build from its config and {MOE_CONFIG} "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
-    return model
 
 
 def saved_dtype(path: str | os.PathLike) -> torch.dtype:

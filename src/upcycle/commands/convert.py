@@ -104,17 +104,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     cfg = convert_config(args)
     if args.dry_run and cfg.sources.experts:
         raise UpcycleError("--dry-run does not plan a merge of several sources yet")
+    # the recipe's file (a packaged one for a name) is an input, which OUT must not be
+    recipe = None if args.config is None else str(recipe_path(args.config, "convert"))
     if args.dry_run:
         from ..conversion.dry_run import describe, dry_run
 
-        report = dry_run(cfg)
+        report = dry_run(cfg, args.out, overwrite=bool(args.overwrite), recipe=recipe)
         print(describe(report))
         print(dumps(report))
         return 0
     if args.out is None:
         raise UpcycleError("convert needs an output folder OUT (or --dry-run)")
-    # the recipe's file (a packaged one for a name) is an input, which OUT must not be
-    recipe = None if args.config is None else str(recipe_path(args.config, "convert"))
     report = convert(cfg, args.out, overwrite=bool(args.overwrite), progress=not args.quiet,
                      recipe=recipe).report.to_dict()
     summary = {k: report[k] for k in ("method", "num_moe_layers", "num_experts", "top_k", "max_abs_logit_diff",

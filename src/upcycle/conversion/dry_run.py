@@ -19,12 +19,16 @@ its JSON holds the estimate next to the measured peak.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..checkpoint.lazy import block_paths
 from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, tensor_specs
 from ..config import ConvertConfig
 from ..core.moe import moe_layers
+from ..outputs.claims import check_claim
+from .model_data import read_inputs
 from .plan import ConversionPlan, make_plan
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
@@ -103,8 +107,15 @@ def describe(report: dict) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: ConvertConfig) -> dict:
+def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = False, recipe: str | None = None
+            ) -> dict:
     """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
-    checks them, then the plan; no weight is read."""
+    checks them, OUT (when given) as the run's claim checks it, then the plan; no weight is read, nothing is
+    written."""
     # a dry run writes nothing, the model cache too; it plans as a run with OUT would
-    return estimate(make_plan(cfg, writing=True, build=False))
+    plan = make_plan(cfg, writing=True, build=False, recipe=recipe)
+    if out is not None:
+        check_claim(out, kind="convert", given=plan.given, overwrite=overwrite)
+    if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
+        read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
+    return estimate(plan)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.agreement import check_dense_checkpoint
 from ..checkpoint.loading import DTYPES, dense_config
 from ..checkpoint.streamed import NotStreamable, StreamSource
 from ..config import ConvertConfig
@@ -91,6 +92,8 @@ def make_plan(cfg: ConvertConfig, *, writing: bool = True, build: bool = True, r
             raise UpcycleError("a merge of several source models is streamed to a folder: give OUT")
         return _merge_plan(cfg, method, args, given)
     path, config = dense_config(cfg.model, build=build)
+    # integer weights (a quantized checkpoint) are refused from the headers, by the run and its dry run alike
+    check_dense_checkpoint(path, config, f"model {cfg.model!r}", values=False)
     cfg = with_resolved_dtype(cfg, config)              # the report states the dtype used
     layout_of = layout_function(method, args)
     planned, targets = _planned(path, config, cfg, layout_of)

@@ -20,12 +20,15 @@ def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
     """The method and its resolved arguments, once everything the conversion will need is known to be there."""
     method = get_method(cfg.method)
     args = method.resolve_args(cfg.method_args)
+    method.counts(cfg.moe.num_experts, cfg.moe.top_k, args)
     resolve_device(cfg.device)
     parse_size(cfg.shard_size)
     if cfg.export_class != "auto" and cfg.export_class not in STOCK_CLASSES:
         raise UpcycleError(f"export_class must be auto or one of {', '.join(STOCK_CLASSES)}, got {cfg.export_class!r}")
     if cfg.check.text is not None and (problem := file_problem(cfg.check.text)):
         raise UpcycleError(f"check.text {cfg.check.text}: {problem}")
+    if cfg.calibration.data is not None and (problem := file_problem(cfg.calibration.data)):
+        raise UpcycleError(f"calibration data {cfg.calibration.data}: {problem}")
     if cfg.sources.experts:
         _check_sources(cfg, method)
     return method, args

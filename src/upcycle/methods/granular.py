@@ -38,6 +38,12 @@ def _layout(width: int, granularity: int) -> LayerLayout:
     return LayerLayout(width // granularity)
 
 
+def _counts(E: int, top_k: int, G: int) -> None:
+    """Every replica is G shards and a token takes whole replicas: E and top-k multiples of G."""
+    if E % G or top_k % G:
+        raise UpcycleError(f"granular: num_experts ({E}) and top_k ({top_k}) must be multiples of granularity {G}")
+
+
 @dataclass(frozen=True)
 class GranularArgs:
     """The arguments of `granular` (`--set method_args.NAME=VALUE`): their types, allowed values and defaults."""
@@ -49,7 +55,8 @@ class GranularArgs:
 @register("granular", paper="He et al. 2024, Upcycling Large Language Models into Mixture of Experts, "
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
           preserves_function=lambda args, normalize_topk, dropless: dropless,
-          layout=lambda width, args: _layout(width, args["granularity"]))
+          layout=lambda width, args: _layout(width, args["granularity"]),
+          counts=lambda num_experts, top_k, args: _counts(num_experts, top_k, args["granularity"]))
 def granular(ffn: FFNWeights, layer: LayerInputs, args: GranularArgs) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""
     num_experts, top_k = layer.num_experts, layer.top_k
@@ -58,8 +65,7 @@ def granular(ffn: FFNWeights, layer: LayerInputs, args: GranularArgs) -> ExpertI
     G, F, E = granularity, ffn.intermediate_size, num_experts
     if F % G:                   # G >= 1 is declared; the width is known only here
         raise UpcycleError(f"granular: granularity {G} must divide the FFN width {F}")
-    if E % G or top_k % G:
-        raise UpcycleError(f"granular: num_experts ({E}) and top_k ({top_k}) must be multiples of granularity {G}")
+    _counts(E, top_k, G)
     replicas, width = E // G, F // G
     scale = float(G) if normalize_topk else E * G / top_k
 

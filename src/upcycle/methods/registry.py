@@ -106,6 +106,9 @@ class Method:
     preserves: Callable[[dict, bool, bool], bool]
     # (dense FFN width, resolved args) -> the shapes it makes (LayerLayout)
     layout: Callable[[int, dict], LayerLayout] = same_width
+    # (num_experts, top_k, resolved args) -> None, or raises: the counts the method can make (checked with the
+    # arguments, before any weight)
+    counts: Callable[[int, int, dict], None] = lambda num_experts, top_k, args: None
 
     def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
         """Run the method with resolved `args` and the conversion's arguments (`LayerInputs`' fields)."""
@@ -133,9 +136,11 @@ METHODS: dict[str, Method] = {}
 
 
 def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict, bool, bool], bool] = False,
-             needs_calibration: bool = False, layout: Callable[[int, dict], LayerLayout] = same_width):
+             needs_calibration: bool = False, layout: Callable[[int, dict], LayerLayout] = same_width,
+             counts: Callable[[int, int, dict], None] | None = None):
     """Register `fn(ffn, layer, args)` under `name`; the dataclass its `args` parameter names is the method's
-    schema; `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared)."""
+    schema; `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared);
+    `counts(num_experts, top_k, args)` refuses the expert counts it cannot make (default: any)."""
 
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
         if list(inspect.signature(fn).parameters) != ["ffn", "layer", "args"]:
@@ -151,7 +156,8 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
             args[f.name] = _argument(name, f.name, hints[f.name], f.default)
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
-        METHODS[name] = Method(name, fn, paper, summary, args, args_class, needs_calibration, preserves, layout)
+        METHODS[name] = Method(name, fn, paper, summary, args, args_class, needs_calibration, preserves, layout,
+                               *([counts] if counts is not None else []))
         return fn
 
     return wrap

@@ -254,18 +254,7 @@ def claim_output(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = 
     output of this kind, or absent, or empty). `lock`: False on the other processes of a distributed run, whose
     main process holds the lock."""
     out = Path(out).expanduser()
-    given = list(given)
-    check_inputs(out, given)
-    if existing == "continue":
-        if out.is_symlink():
-            raise UpcycleError(f"output {out} is a symbolic link; give the real location")
-        if out.exists() and own_output(out) != "empty folder" and kind_of(out) != kind:
-            raise UpcycleError(f"output {out} exists and is not an upcycle {kind} folder; choose a new output")
-    else:
-        check_replaceable(out, overwrite=overwrite, file=file, kind=kind)
-    if file and not out.parent.is_dir():        # a file goes into a folder the user has; no folders are made
-        raise UpcycleError(f"output {out}: the folder {out.parent} does not exist")
-    check_writable_output(out)
+    check_claim(out, kind=kind, given=given, overwrite=overwrite, file=file, existing=existing)
     created = _make_parents(out) if lock else []
     try:
         held = acquire_lock(out) if lock else None
@@ -280,6 +269,24 @@ def claim_output(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = 
             held.release()
         if not out.exists():
             _remove_empty(created)
+
+
+def check_claim(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = (), overwrite: bool = False,
+                file: bool = False, existing: str = "refuse") -> None:
+    """Every refusal `claim_output` makes before it touches anything: what a dry run says of its OUT, so it
+    refuses what its run would refuse."""
+    out = Path(out).expanduser()
+    check_inputs(out, list(given))
+    if existing == "continue":
+        if out.is_symlink():
+            raise UpcycleError(f"output {out} is a symbolic link; give the real location")
+        if out.exists() and own_output(out) != "empty folder" and kind_of(out) != kind:
+            raise UpcycleError(f"output {out} exists and is not an upcycle {kind} folder; choose a new output")
+    else:
+        check_replaceable(out, overwrite=overwrite, file=file, kind=kind)
+    if file and not out.parent.is_dir():        # a file goes into a folder the user has; no folders are made
+        raise UpcycleError(f"output {out}: the folder {out.parent} does not exist")
+    check_writable_output(out)
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import MAX_EXPERTS
 from ..core.layer_inputs import layer_inputs
 from ..core.moe import MoELayer, moe_layers
 from ..core.resize import copy_groups, duplicate_experts, select_experts
@@ -66,8 +67,8 @@ def check_counts(layers: dict[str, tuple[int | None, int | None]], request: Expe
         raise UpcycleError(f"--by must be one of {', '.join(choices)}, got {request.by!r}")
     if request.perturb not in (PERTURB if grow else ("none",)):
         raise UpcycleError(f"--perturb is growth's ({', '.join(PERTURB)}), got {request.perturb!r}")
-    if request.num_experts < 1:
-        raise UpcycleError(f"--num-experts must be >= 1, got {request.num_experts}")
+    if not 1 <= request.num_experts <= MAX_EXPERTS:
+        raise UpcycleError(f"--num-experts must be between 1 and {MAX_EXPERTS:,}, got {request.num_experts}")
     N = request.num_experts
     for name, (E, k) in layers.items():
         if not isinstance(E, int) or not isinstance(k, int):

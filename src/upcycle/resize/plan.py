@@ -4,22 +4,23 @@ config and checkpoint headers alone (no weight is read, nothing is written, OUT 
 Per MoE layer the expert count before and after; for the whole folder the parameters and the bytes on disk before
 and after, where every tensor a resize indexes by expert (an upcycle layer's experts, router rows and biases and
 selection bias; a stock block's router rows and stacked experts: what `streamed.write_resized` and
-`expert_count._select_stock` change) scales by N / E and every other tensor stays. A grown layer without a router
-bias gains one (N float32 numbers). The figures are exact for the tensors written (tested against the folders the
+`expert_count._select_stock` change; per-expert tensors as transformers 5 saves Mixtral) scales by N / E and every
+other tensor stays. The figures are exact for the tensors written (tested against the folders the
 commands then write); the files add their headers and the tokenizer.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.upcycle_format import MOE_CONFIG
 from ..core.moe import moe_layers
-from ..core.stock_moe import stock_moe_blocks
+from ..errors import UpcycleError
+from ..files import read_json_file
 from .expert_count import ExpertCount
 
 
@@ -50,48 +51,66 @@ class ResizePlan:
 
 def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool) -> ResizePlan:
     """The plan of a checked request (`run.check` first): the folder's MoE layers from a skeleton built of its
-    config on the meta device, sizes from its safetensors headers."""
+    config on the meta device (an upcycle folder) or from its tensor names and config (a stock one), sizes from
+    its safetensors headers."""
     folder = Path(model)
     reader = CheckpointReader(folder, check_values=False)
     names = reader.names()
-    groups = _indexed_by_expert(folder)
+    owner = _upcycle_owner(folder) if (folder / MOE_CONFIG).is_file() else _stock_owner(folder, reader)
     layers: dict[str, tuple[int, int]] = {}
+    owned: dict[str, tuple[int, int]] = {}          # layer -> parameters, bytes of the tensors its experts own
     before, after = [0, 0], [0, 0]                  # parameters, bytes
     for name in names:
-        shape = reader.shape(name)
-        count = _numel(shape)
+        count = _numel(reader.shape(name))
         nbytes = count * reader.dtype(name).itemsize
         before[0], before[1] = before[0] + count, before[1] + nbytes
-        group = next((g for prefix, g in groups.items() if name == prefix or
-                      (prefix.endswith(".") and name.startswith(prefix))), None)
+        group = owner(name)
         if group is None:
             after[0], after[1] = after[0] + count, after[1] + nbytes
             continue
         layer, E = group
         layers[layer] = (E, request.num_experts)
-        after[0] += count // E * request.num_experts
-        after[1] += nbytes // E * request.num_experts
+        owned[layer] = (owned.get(layer, (0, 0))[0] + count, owned.get(layer, (0, 0))[1] + nbytes)
+    # what a layer's experts own (rows [E, ...], or E per-expert tensors of one size) scales by N / E, exactly
+    for layer, (count, nbytes) in owned.items():
+        E = layers[layer][0]
+        after[0] += count * request.num_experts // E
+        after[1] += nbytes * request.num_experts // E
     return ResizePlan(model, "grow" if grow else "prune", request, layers, (before[0], after[0]),
                       (before[1], after[1]), streaming)
 
 
-def _indexed_by_expert(folder: Path) -> dict[str, tuple[str, int]]:
-    """Tensor name (or a prefix ending in ".") -> (its MoE layer, the layer's expert count), for every tensor a
-    resize indexes by expert: an upcycle MoE layer's own tensors (its shared experts left out), or a stock
-    block's router and stacked experts."""
-    if (folder / MOE_CONFIG).is_file():
-        from .streamed import open_folder
+def _upcycle_owner(folder: Path) -> Callable[[str], tuple[str, int] | None]:
+    """Tensor name -> (its MoE layer, the layer's expert count) for every tensor a resize indexes by expert: an
+    upcycle MoE layer's own tensors (its shared experts left out); None for the rest."""
+    from .streamed import open_folder
 
-        skeleton = open_folder(folder).model
-        return {f"{name}.{key}": (name, layer.num_experts) for name, layer in moe_layers(skeleton).items()
-                for key in layer.state_dict(keep_vars=True) if not key.startswith("shared_experts.")}
-    from transformers import AutoConfig
+    skeleton = open_folder(folder).model
+    owned = {f"{name}.{key}": (name, layer.num_experts) for name, layer in moe_layers(skeleton).items()
+             for key in layer.state_dict(keep_vars=True) if not key.startswith("shared_experts.")}
+    return owned.get
 
-    from ..checkpoint.skeleton import empty_model
 
-    skeleton = empty_model(AutoConfig.from_pretrained(folder), torch.float32)
-    return {f"{name}.{part}.": (name, block.gate.num_experts) for name, block in stock_moe_blocks(skeleton).items()
-            for part in ("gate", "experts")}
+PER_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.\d+\.")           # transformers 5 saves Mixtral's experts so
+STACKED = re.compile(r"^(?P<layer>.+)\.(?:experts\.[^.]+|gate\.(?:weight|bias)|experts\.[^.]+\.(?:weight|bias))$")
+
+
+def _stock_owner(folder: Path, reader: CheckpointReader) -> Callable[[str], tuple[str, int] | None]:
+    """The same for a stock MoE folder, from its tensor names as saved: a block's router rows (`gate.weight`,
+    [E, D]) and stacked experts ([E, ...]), or its per-expert tensors (`experts.<i>.`, as transformers 5 writes
+    Mixtral); a shared expert and its gate are no expert's."""
+    config = read_json_file(folder / "config.json", "config.json")
+    E = next((config[k] for k in ("num_local_experts", "num_experts") if isinstance(config.get(k), int)), None)
+    if E is None:
+        raise UpcycleError(f"{folder}: config.json names no expert count (num_local_experts or num_experts)")
+
+    def owner(name: str) -> tuple[str, int] | None:
+        if match := PER_EXPERT.match(name):
+            return match["layer"], E
+        if (match := STACKED.match(name)) and reader.shape(name)[:1] == (E,):
+            return match["layer"], E
+        return None
+    return owner
 
 
 def _numel(shape) -> int:

@@ -39,7 +39,7 @@ from ..data.model_names import model_inputs
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
-from ..outputs.claims import Input, claim_output, inputs
+from ..outputs.claims import Input, check_claim, claim_output, inputs
 from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_ids
 from ..progress import Phases
 from .add_expert import add_expert, check_finetune
@@ -106,11 +106,15 @@ def _not_moe(folder: Path, grow: bool) -> str:
             f"{'grow' if grow else 'prune'} takes {takes}")
 
 
-def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool
-            ) -> ResizePlan:
-    """What `resize` would write (`plan.py`), after every refusal it would make before claiming OUT; nothing is
-    read but configs, headers and the calibration file's existence, nothing is written."""
-    check(model, request, grow=grow, budget=budget, streaming=streaming)
+def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool,
+            out: str | Path | None = None, overwrite: bool = False) -> ResizePlan:
+    """What `resize` would write (`plan.py`), after every refusal it would make before reading a weight (OUT's,
+    when given, as its claim makes them); nothing is read but configs, headers and the calibration file's
+    existence, nothing is written."""
+    given = check(model, request, grow=grow, budget=budget, streaming=streaming)
+    if out is not None:
+        check_claim(out, kind="grow" if grow else "prune", given=given, overwrite=overwrite)
+    _calibration_texts(budget.data)        # the run reads it first: a file it cannot read is refused here too
     if request.add is not None:
         raise UpcycleError("--dry-run plans a prune or a grow by --num-experts; --add adds one expert per layer")
     return plan_resize(model, request, grow=grow, streaming=streaming)

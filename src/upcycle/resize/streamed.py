@@ -37,7 +37,7 @@ from ..checkpoint.loading import TOKENIZER_FILES
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
-from ..checkpoint.upcycle_format import MOE_CONFIG, read_spec, saved_dtype
+from ..checkpoint.upcycle_format import MOE_CONFIG, one_line_errors, read_spec, saved_dtype
 from ..checkpoint.writer import ShardedWriter
 from ..core.moe import STRUCTURE, Experts, ExpertShape, MoELayer, moe_layers
 from ..core.resize import check_growable, copy_groups, pruned_router_bias
@@ -64,7 +64,7 @@ def _skeleton(path: Path, spec: dict, config) -> nn.Module:
     for entry in spec["layers"]:
         entry = dict(entry)
         block = entry.pop("block")
-        with torch.device("meta"):
+        with torch.device("meta"), one_line_errors(path):
             layer = MoELayer.from_spec(entry, dtype=COMPUTE)
         install(model, block, layer)
     track_padding_masks(model)
