@@ -135,20 +135,54 @@ def _walk(folder: Path, prefix: str = "") -> Iterator[tuple[str, Path, str]]:
 
 
 def read_record(folder: Path) -> dict | None:
-    """The folder's record (RECORD_VERSION), or None: absent, unreadable, a link, or an older format."""
+    """The folder's record (RECORD_VERSION), or None: absent, unreadable, a link, an older format, or listing an
+    entry outside the folder (`record_problem` says which)."""
+    return None if record_problem(folder) else _parsed_record(folder)
+
+
+def _parsed_record(folder: Path) -> dict | None:
     from ..files import read_json_file
 
-    path = folder / MARKER
-    if path.is_symlink() or not path.is_file():
-        return None
     try:
-        current = read_json_file(path, "output record")
+        return read_json_file(folder / MARKER, "output record")
     except Exception:           # noqa: BLE001  (any unreadable record proves nothing)
         return None
-    if not isinstance(current, dict) or current.get("format") != MARKER_FORMAT or \
-            current.get("version") != RECORD_VERSION or not isinstance(current.get("files"), dict):
-        return None
-    return current
+
+
+def record_problem(folder: Path) -> str | None:
+    """Why the folder's record proves nothing, in words for a refusal; None when it is a record of this version
+    whose every entry lies inside the folder, reached through no link."""
+    path = folder / MARKER
+    if path.is_symlink():
+        return f"its record ({MARKER}) is a link"
+    if not path.is_file():
+        return f"it has no record ({MARKER})"
+    current = _parsed_record(folder)
+    if not isinstance(current, dict) or current.get("format") != MARKER_FORMAT:
+        return f"its record ({MARKER}) is damaged or unreadable (not an upcycle record of its files)"
+    if current.get("version") != RECORD_VERSION:
+        return (f"its record ({MARKER}) does not prove what upcycle wrote: it was written before upcycle recorded "
+                f"its files' sizes and hashes (version {current.get('version')!r}, not {RECORD_VERSION})")
+    if not isinstance(current.get("files"), dict):
+        return f"its record ({MARKER}) is damaged or unreadable (its files are not listed by name)"
+    for rel in current["files"]:
+        if why := _outside(folder, rel):
+            return f"its record lists {rel!r}, {why}: a record that reaches outside its folder proves nothing"
+    return None
+
+
+def _outside(folder: Path, rel: object) -> str | None:
+    """Why the record entry `rel` does not name a place inside `folder` (None when it does): not a relative path
+    of plain names, or one that passes through a link."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return "not a relative path"
+    parts = rel.split("/")
+    if rel.startswith("/") or Path(rel).is_absolute() or any(p in ("", ".", "..") for p in parts):
+        return "which is absolute or climbs out of the folder"
+    for depth in range(1, len(parts)):           # the folders on the way, never a link
+        if (folder.joinpath(*parts[:depth])).is_symlink():
+            return "which passes through a link"
+    return None
 
 
 DIR = {"dir": True}
@@ -285,9 +319,11 @@ def why_not_own(path: Path) -> str:
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         return f"it holds what upcycle did not write, or changed since ({', '.join(foreign[:5])}{more})"
-    if (path / MARKER).exists() or legacy_kind(path) is not None:
-        return (f"its record ({MARKER}) does not prove what upcycle wrote: it was written before upcycle recorded "
-                f"its files' sizes and hashes, or it is not upcycle's")
+    if (path / MARKER).exists() or (path / MARKER).is_symlink():
+        return f"{record_problem(path) or 'its record does not prove what upcycle wrote'}; it is not proven upcycle's"
+    if legacy_kind(path) is not None:
+        return (f"a folder without a record ({MARKER}) does not prove what upcycle wrote: it was written before "
+                f"upcycle recorded its files' sizes and hashes, or it is not upcycle's")
     return f"upcycle did not write it (no {MARKER})"
 
 
@@ -312,6 +348,8 @@ def remove_owned(folder: Path, files: Iterable[str] | None = None, *, keep_folde
     for rel in sorted((r for r, e in listed.items() if e == DIR and (wanted is None or r in wanted)),
                       key=lambda r: r.count("/"), reverse=True):
         path = folder / rel
+        if _outside(folder, rel):               # read_record refuses such a record; never leave the folder
+            continue
         with contextlib.suppress(OSError):
             if path.is_dir() and not path.is_symlink():
                 path.rmdir()                    # only when empty: a user's file inside keeps it
