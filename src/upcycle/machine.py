@@ -9,6 +9,10 @@ import torch
 
 from .version import __version__
 
+# A Python process with torch and transformers imported, before any model (measured: about 0.6 GB); the memory
+# estimates of convert's and prune's and grow's dry runs start from it
+PROCESS_BYTES = int(0.6e9)
+
 
 def machine(device: torch.device | str | None = None) -> dict:
     """The machine a result was measured on (its CPU, and the GPU when `device` is one), for results' JSON."""

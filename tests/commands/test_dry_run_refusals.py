@@ -121,3 +121,38 @@ def test_the_dry_run_of_a_stock_mixtral_prune_plans_the_layers_its_run_changes(i
     written = sum(torch.Size(reader.shape(n)).numel() for n in reader.names())
     plan = next(line for line in said.splitlines() if line.strip().startswith("parameters")).split()
     assert plan[-2] == f"{written / 1e9:.3f}"
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    (["grow", "MOE", "OUT", "--num-experts", "4096"], "grow to 4096 experts needs an estimated"),
+    (["grow", "MOE", "OUT", "--num-experts", "65536", "--streaming"], "grow to 65536 experts needs an estimated"),
+    (["convert", "DENSE", "OUT", "--num-experts", "4096", "--top-k", "1"], "converting to 4096 experts needs an"),
+])
+def test_a_run_that_cannot_fit_the_machine_is_refused_before_it_builds_and_so_is_its_dry_run(
+        inputs, tmp_path, capsys, monkeypatch, template, message):
+    """On a machine of 0.7 GB (the process alone is counted as 0.6 GB), a grow to 4,096 experts and a conversion
+    whose report's E x E similarity matrices take 0.4 GB do not fit: both ways refused, nothing allocated or
+    written (a grow to 65,536 experts used to allocate until memory ran out, and a conversion to try one 32 GiB
+    matrix); a grow to 6 still plans and fits."""
+    import upcycle.conversion.dry_run as convert_plan
+    import upcycle.resize.plan as resize_plan
+
+    for module in (convert_plan, resize_plan):
+        monkeypatch.setattr(module, "CPU_MEMORY", int(0.7e9))
+    out = tmp_path / "out"
+    argv = _argv(template, inputs, out)
+    for dry in (True, False):
+        assert main([*argv, "--dry-run"] if dry else argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "more than this machine's 0.7 GB of memory" in err, err
+        assert not out.exists()
+    assert main(_argv(["grow", "MOE", "OUT", "--num-experts", "6"], inputs, out) + ["--dry-run"]) == 0
+    assert "estimated peak" in capsys.readouterr().out
+
+
+def test_the_conversion_estimate_counts_the_reports_expert_similarity_matrices(inputs, capsys):
+    assert main(["convert", str(inputs["DENSE"]), "--num-experts", "512", "--top-k", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[out.index("\n{") + 1:])
+    assert plan["estimate_parts_bytes"]["similarity"] == 3 * 512 * 512 * 8
+    assert plan["estimated_peak_bytes"] >= plan["estimate_parts_bytes"]["overhead"] + 3 * 512 * 512 * 8

@@ -12,8 +12,10 @@ conversion holds at once (`streaming.py`; the compute dtype is float32):
   moe_block    its MoE replacement, built in the storage dtype
   write_queue  at most half a block's output (2 GiB at most) waiting for the background writer (storage dtype)
   method       the method's float32 experts for one layer (an upper bound: copy returns views of the dense FFN)
+  similarity   the report's expert similarity: E x E Gram matrices in float64 (`metrics.experts`)
   calibration  data-aware methods: the calibration batches' hidden states at one depth and one layer's sample
-The plan is `plan.make_plan`'s, the one the real run executes. `benchmarks/speed/convert_scale.py` measures real runs;
+The plan is `plan.make_plan`'s, the one the real run executes; a run whose estimate exceeds the machine's memory is
+refused before OUT is claimed (`check_fits`). `benchmarks/speed/convert_scale.py` measures real runs;
 its JSON holds the estimate next to the measured peak.
 """
 
@@ -26,7 +28,10 @@ import torch
 from ..checkpoint.lazy import block_paths
 from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, tensor_specs
 from ..config import ConvertConfig
+from ..core.grouped_ffn import CPU_MEMORY
 from ..core.moe import moe_layers
+from ..errors import UpcycleError
+from ..machine import PROCESS_BYTES
 from ..outputs.claims import check_claim
 from .model_data import read_inputs
 from .plan import ConversionPlan, make_plan
@@ -34,7 +39,7 @@ from .preservation import count_parameters
 from .streaming import write_queue_bytes
 
 GB = 10**9
-OVERHEAD_BYTES = int(0.6 * GB)
+OVERHEAD_BYTES = PROCESS_BYTES
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,10 +76,11 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
         tokens = calibration_tokens or cfg.calibration.tokens
         calib = tokens * hidden * element * 2 + cfg.calibration.tokens * hidden * 4
     f32 = 4 // element if element < 4 else 1           # storage bytes -> float32 bytes
+    E = max((layer.num_experts for layer in layers.values()), default=0)
     estimate = {"overhead": OVERHEAD_BYTES, "trunk": trunk * f32, "block": dense_block_bytes * f32,
                 "moe_block": block_bytes, "write_queue": write_queue_bytes(block_bytes), "method": method_bytes,
-                "calibration": calib}
-    per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method"))
+                "similarity": 3 * E * E * 8, "calibration": calib}
+    per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method", "similarity"))
     peak = OVERHEAD_BYTES + calib + max(estimate["trunk"], per_block)
     return {
         **plan.summary(),
@@ -107,6 +113,15 @@ def describe(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_fits(plan: ConversionPlan) -> None:
+    """Refuse a conversion whose estimated peak exceeds this machine's memory (module docstring)."""
+    peak = estimate(plan)["estimated_peak_bytes"]
+    if peak > CPU_MEMORY:
+        raise UpcycleError(f"converting to {plan.cfg.moe.num_experts} experts needs an estimated {peak / GB:.1f} GB at "
+                           f"its peak, more than this machine's {CPU_MEMORY / GB:.1f} GB of memory (the plan's parts "
+                           f"without OUT: --dry-run)")
+
+
 def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = False, recipe: str | None = None
             ) -> dict:
     """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
@@ -116,6 +131,7 @@ def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = Fal
     plan = make_plan(cfg, writing=True, build=False, recipe=recipe)
     if out is not None:
         check_claim(out, kind="convert", given=plan.given, overwrite=overwrite)
+        check_fits(plan)
     if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
         read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
     return estimate(plan)

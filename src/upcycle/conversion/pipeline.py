@@ -27,6 +27,7 @@ from ..errors import UpcycleError
 from ..files import json_text
 from ..outputs.claims import Claim, claim_output
 from ..progress import Phases
+from .dry_run import check_fits
 from .in_memory import convert_in_memory
 from .inputs import ConversionInputs, promises_dense_function, with_resolved_dtype
 from .model_data import read_inputs
@@ -66,6 +67,7 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     planning_s = time.perf_counter() - started
     if out is None:
         return execute(plan, None, progress, planning_s)
+    check_fits(plan)             # a run that cannot fit the machine is refused before it builds anything
     with claim_output(out, kind="convert", given=plan.given, overwrite=overwrite) as claim:
         return execute(plan, claim, progress, planning_s)
 

@@ -6,7 +6,10 @@ and after, where every tensor a resize indexes by expert (an upcycle layer's exp
 selection bias; a stock block's router rows and stacked experts: what `streamed.write_resized` and
 `expert_count._select_stock` change; per-expert tensors as transformers 5 saves Mixtral) scales by N / E and every
 other tensor stays. The figures are exact for the tensors written (tested against the folders the
-commands then write); the files add their headers and the tokenizer.
+commands then write); the files add their headers and the tokenizer. The peak memory is estimated from the same
+sizes: the process itself (as `convert --dry-run` counts it), then in memory the larger of the model before and after
+plus one rebuilt layer, streamed one layer twice over; a run whose estimate exceeds the machine's memory is refused
+before anything is built (`check_fits`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from pathlib import Path
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.upcycle_format import MOE_CONFIG
+from ..core.grouped_ffn import CPU_MEMORY
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..files import read_json_file
+from ..machine import PROCESS_BYTES
 from .expert_count import ExpertCount
 
 
@@ -35,6 +40,7 @@ class ResizePlan:
     parameters: tuple[int, int]                 # before, after
     bytes_on_disk: tuple[int, int]              # before, after
     streaming: bool
+    peak_bytes: int                             # the run's estimated peak memory (`plan_resize`)
 
     def summary(self) -> str:
         (p0, p1), (b0, b1) = self.parameters, self.bytes_on_disk
@@ -46,6 +52,8 @@ class ResizePlan:
             f"  MoE layers           {len(self.layers)}, experts {', '.join(counts)}",
             f"  parameters           {p0 / 1e9:.3f} B -> {p1 / 1e9:.3f} B",
             f"  weights on disk      {b0 / 1e9:.3f} GB -> {b1 / 1e9:.3f} GB",
+            f"  estimated peak       {self.peak_bytes / 1e9:.3f} GB of memory (this machine: "
+            f"{CPU_MEMORY / 1e9:.1f} GB)",
             f"  runs                 {route}"])
 
 
@@ -72,12 +80,25 @@ def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool
         layers[layer] = (E, request.num_experts)
         owned[layer] = (owned.get(layer, (0, 0))[0] + count, owned.get(layer, (0, 0))[1] + nbytes)
     # what a layer's experts own (rows [E, ...], or E per-expert tensors of one size) scales by N / E, exactly
+    largest = 0
     for layer, (count, nbytes) in owned.items():
         E = layers[layer][0]
         after[0] += count * request.num_experts // E
         after[1] += nbytes * request.num_experts // E
+        largest = max(largest, nbytes * max(E, request.num_experts) // E)
+    # in memory the model is loaded whole and each layer rebuilt beside it; streamed, a layer as read and as
+    # written (its experts together when perturbed)
+    held = 2 * largest if streaming else max(before[1], after[1]) + largest
     return ResizePlan(model, "grow" if grow else "prune", request, layers, (before[0], after[0]),
-                      (before[1], after[1]), streaming)
+                      (before[1], after[1]), streaming, PROCESS_BYTES + held)
+
+
+def check_fits(plan: ResizePlan) -> None:
+    """Refuse a prune or a grow whose estimated peak exceeds this machine's memory, before anything is built."""
+    if plan.peak_bytes > CPU_MEMORY:
+        raise UpcycleError(f"{plan.kind} to {plan.request.num_experts} experts needs an estimated "
+                           f"{plan.peak_bytes / 1e9:.1f} GB at its peak, more than this machine's "
+                           f"{CPU_MEMORY / 1e9:.1f} GB of memory (the plan without OUT: --dry-run)")
 
 
 def _upcycle_owner(folder: Path) -> Callable[[str], tuple[str, int] | None]:

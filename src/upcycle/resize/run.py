@@ -45,7 +45,7 @@ from ..progress import Phases
 from .add_expert import add_expert, check_finetune
 from .expert_count import GROW_STOCK, ExpertCount, check_counts, grow_model, prune_model
 from .loads import add_loads, counted_loads, silent_copies
-from .plan import ResizePlan, plan_resize
+from .plan import ResizePlan, check_fits, plan_resize
 
 REPORT = "resize_report.json"
 
@@ -81,6 +81,8 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, bud
     grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (an upcycle
     folder): a block at a time (`streamed.py`). Returns the report."""
     given = check(model, request, grow=grow, budget=budget, streaming=streaming)      # every weight-free refusal
+    if request.add is None:
+        check_fits(plan_resize(model, request, grow=grow, streaming=streaming))     # before anything is built
     kind = "grow" if grow else "prune"
     phases = Phases(7 if streaming else 5, progress, f"upcycle {kind}")
     try:
@@ -117,7 +119,10 @@ def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: Calibration
     _calibration_texts(budget.data)        # the run reads it first: a file it cannot read is refused here too
     if request.add is not None:
         raise UpcycleError("--dry-run plans a prune or a grow by --num-experts; --add adds one expert per layer")
-    return plan_resize(model, request, grow=grow, streaming=streaming)
+    plan = plan_resize(model, request, grow=grow, streaming=streaming)
+    if out is not None:
+        check_fits(plan)
+    return plan
 
 
 def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:
