@@ -14,6 +14,25 @@ from .version import __version__
 PROCESS_BYTES = int(0.6e9)
 
 
+def launcher_count(name: str, default: int) -> int:
+    """A process count the launcher sets in the environment (WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_RANK): a whole
+    number, at least 1 for a count (0 for a rank); anything else refused in one line naming the variable."""
+    from .errors import UpcycleError
+
+    text = os.environ.get(name)
+    least = 0 if name.endswith("RANK") else 1
+    if text is None:
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise UpcycleError(f"{name}={text!r} in the environment: the launcher sets it to a whole number >= {least} "
+                           f"(unset it to run one process)")
+    return value
+
+
 def machine(device: torch.device | str | None = None) -> dict:
     """The machine a result was measured on (its CPU, and the GPU when `device` is one), for results' JSON."""
     import transformers

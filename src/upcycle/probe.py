@@ -45,7 +45,8 @@ class ProbeOutput:
     is_distribution: bool     # softmax over C is a probability distribution
 
 
-def _max_positions(config) -> int | None:
+def max_positions(config) -> int | None:
+    """The longest sequence a model's position table holds (None: no table, rotary positions)."""
     for key in ("max_position_embeddings", "n_positions"):
         if isinstance(getattr(config, key, None), int):
             return getattr(config, key)
@@ -71,7 +72,7 @@ def make_probe(model: nn.Module, tokenizer, texts: list[str] | None, check: Chec
         return Probe(inputs, source)
     text_cfg = tower_config(cfg, text_tower)
     length = check.tokens
-    if (limit := _max_positions(text_cfg)) is not None:
+    if (limit := max_positions(text_cfg)) is not None:
         length = min(length, limit)
     ids, source = None, "random token ids"
     if tokenizer is not None and texts:

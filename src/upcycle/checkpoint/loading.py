@@ -173,6 +173,9 @@ def dense_config(name: str, *, build: bool = True, wanted_by: str = "convert tak
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model")
+# every file a tokenizer folder may hold: what a command that changes only the weights carries over as it is
+TOKENIZER_FOLDER_FILES = (*TOKENIZER_FILES, "merges.txt", "added_tokens.json", "special_tokens_map.json",
+                          "chat_template.jinja", "chat_template.json")
 
 
 def load_tokenizer(path: str | Path):

@@ -9,7 +9,7 @@ import sys
 
 from ..analyze.run import AnalyzeOptions, analyze
 from ..data.source_texts import DEFAULT_SOURCES
-from .flags import quiet_transformers, whole_number
+from .flags import quiet_transformers, seed_number, whole_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for a run folder: all (default), last, or every:N")
     parser.add_argument("--output-tokens", dest="output_tokens", type=whole_number, default=d.output_tokens,
                         help=f"tokens each expert runs on for output similarity and RC (default {d.output_tokens})")
-    parser.add_argument("--seed", type=whole_number, default=d.seed)
+    parser.add_argument("--seed", type=seed_number, default=d.seed)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

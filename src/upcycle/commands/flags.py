@@ -30,6 +30,17 @@ def whole_number(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seed_number(text: str) -> int:
+    """A --seed flag: a whole number from 0 to SEED_MAX, as the config's seed keys take (every RNG a run seeds
+    takes it; a larger one overflowed torch's generator)."""
+    from ..config import SEED_MAX
+
+    seed = whole_number(text)
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {SEED_MAX}, got {seed}")
+    return seed
+
+
 def comma_list(text: str) -> list[str]:
     """'1, 3,-1' -> ['1', '3', '-1']: the items stay text, read by the key's element type (coerce)."""
     return [x for x in text.replace(" ", "").split(",") if x]

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 
-from .flags import whole_number
+from .flags import seed_number, whole_number
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> None:
@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, grow: bool = False) -> Non
                                               "Wikipedia train split)")
     parser.add_argument("--calibration-tokens", type=whole_number, default=4096, dest="calibration_tokens",
                         help="real tokens scored (default 4096)")
-    parser.add_argument("--seed", type=whole_number, default=0)
+    parser.add_argument("--seed", type=seed_number, default=0,
+                        help="draws the calibration tokens, random's experts and the copies' split and perturbation "
+                             "(0 to 2^32-1)")
     parser.add_argument("--streaming", action="store_true",
                         help="a block at a time, for a model larger than memory (an upcycle folder)")
     parser.add_argument("--overwrite", action="store_true")

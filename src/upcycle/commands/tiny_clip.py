@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .flags import whole_number
+from .flags import seed_number, whole_number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=whole_number, default=64, dest="hidden_size")
     parser.add_argument("--layers", type=whole_number, default=4)
     parser.add_argument("--max-length", type=whole_number, default=16, dest="max_length", help="caption tokens")
-    parser.add_argument("--seed", type=whole_number, default=0)
+    parser.add_argument("--seed", type=seed_number, default=0)
     parser.add_argument("--overwrite", action="store_true")
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.loading import load_model
+from ..checkpoint.loading import TOKENIZER_FOLDER_FILES, load_model
 from ..checkpoint.upcycle_format import MOE_CONFIG, save_folder_files
 from ..config import CalibrationConfig, CheckConfig
 from ..conversion.calibration import text_batches
@@ -40,7 +41,7 @@ from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
 from ..outputs.claims import Input, check_claim, claim_output, inputs
-from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output, text_ids
+from ..probe import Probe, ProbeOutput, compare, make_probe, max_positions, probe_output, text_ids
 from ..progress import Phases
 from .add_expert import add_expert, check_finetune
 from .expert_count import GROW_STOCK, ExpertCount, check_counts, grow_model, prune_model
@@ -170,8 +171,8 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
     if tokenizer is None:
         raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
     phases("model loaded")
-    batches = text_batches(tokenizer, texts, budget, seed=request.seed, embedding_rows=embedding_rows(loaded.config),
-                           where=f"calibration text ({source})")
+    batches = text_batches(tokenizer, texts, _fitted(budget, loaded.config), seed=request.seed,
+                           embedding_rows=embedding_rows(loaded.config), where=f"calibration text ({source})")
     probe = _probe(loaded, tokenizer, request.seed)
     # a stock class is not a row of the architecture table: its logits are what it is compared on
     outputs = (("logits", True),) if is_stock_moe(loaded) else None
@@ -191,9 +192,13 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
     with claim.directory() as tmp:
         if is_stock_moe(loaded):             # the stock class again, which transformers loads on its own
             loaded.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
         else:
-            save_folder_files(loaded, tmp, tokenizer=tokenizer)
+            save_folder_files(loaded, tmp)
+        # the tokenizer's files as they were given: saving it again would rewrite them in this transformers'
+        # words (another tokenizer class, keys older readers refuse)
+        for name in TOKENIZER_FOLDER_FILES:
+            if (Path(model) / name).is_file():
+                shutil.copyfile(Path(model) / name, tmp / name)
         (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     return report
 
@@ -208,7 +213,7 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
     if tokenizer is None:
         raise UpcycleError(f"{model} has no tokenizer: its calibration text cannot be tokenized")
     skeleton = open_folder(Path(model)).model          # the config and the shapes, no weight
-    one = dataclasses.replace(budget, batch_size=2**16)      # one batch: every layer scored on every token at once
+    one = dataclasses.replace(_fitted(budget, skeleton.config), batch_size=2**16)   # every token in one batch
     (batch,) = text_batches(tokenizer, texts, one, seed=request.seed, embedding_rows=embedding_rows(skeleton.config),
                             where=f"calibration text ({source})")
     probe = _probe(skeleton, tokenizer, request.seed)
@@ -220,6 +225,13 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
         report = _report(model, request, grow, calibration, probe, (before, after), layers)
         (tmp / REPORT).write_text(json_text(report, indent=1, where=REPORT) + "\n")
     return report
+
+
+def _fitted(budget: CalibrationConfig, config) -> CalibrationConfig:
+    """The calibration rows no longer than the model's position table (a BERT of 64 positions reads rows of 64)."""
+    limit = max_positions(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    return budget if limit is None or limit >= budget.sequence_length else \
+        dataclasses.replace(budget, sequence_length=limit)
 
 
 def _distance(report: dict) -> str:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..checkpoint.heap import trim_heap
 from ..checkpoint.lazy import block_paths
-from ..checkpoint.loading import TOKENIZER_FILES
+from ..checkpoint.loading import TOKENIZER_FOLDER_FILES
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
@@ -51,7 +51,7 @@ from .loads import add_loads, counted_loads
 from .perturb import perturb_copies
 
 COMPUTE = torch.float32
-COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja")
+COPIED = ("config.json", "generation_config.json", *TOKENIZER_FOLDER_FILES)
 
 
 def _skeleton(path: Path, spec: dict, config) -> nn.Module:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from torch import nn
 from ...config import CHECKPOINTING, TrainConfig
 from ...core.moe import moe_layers
 from ...errors import UpcycleError
+from ...machine import launcher_count
 from ..optimizer import make_optimizer
 from .simulation import simulate_steps
 from .trace import block_classes, fake_mode, shapes_only, trace_forward
@@ -89,16 +89,16 @@ def local_layout(cfg: TrainConfig) -> Layout:
     from ..parallel.accelerator import resolve_mixed_precision
     from ..parallel.sharding import requested
 
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    processes = launcher_count("WORLD_SIZE", 1)
     sharding = "single" if processes == 1 else "fsdp2" if requested() else "ddp"
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        index = launcher_count("LOCAL_RANK", 0) % torch.cuda.device_count()
         properties = torch.cuda.get_device_properties(index)
         device, name, memory = "cuda", properties.name, properties.total_memory
     else:
         from ...core.grouped_ffn import CPU_MEMORY
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+        local = launcher_count("LOCAL_WORLD_SIZE", processes)
         device, name, memory = "cpu", "cpu", CPU_MEMORY // max(1, local)
     return Layout(processes, sharding, device, name, memory, resolve_mixed_precision(cfg.mixed_precision))
 

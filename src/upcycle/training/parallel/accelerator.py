@@ -14,6 +14,7 @@ from torch import nn
 
 from ...config import TrainConfig
 from ...errors import UpcycleError
+from ...machine import launcher_count
 from ..freezing import Freezer
 from ..loss.objective import Objective
 from ..optimizer import make_optimizer
@@ -26,7 +27,7 @@ def make_accelerator(cfg: TrainConfig):
     """The run's Accelerator, refused for DeepSpeed, Megatron, FSDP1 and a batch that does not split evenly."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launcher_count("WORLD_SIZE", 1) == 1:
         # Accelerate keeps one state per process: without a reset, a second run in the same Python process with
         # another mixed_precision is refused. Under `accelerate launch` (WORLD_SIZE > 1) the launcher's state stays.
         from accelerate.state import AcceleratorState, GradientState
@@ -50,7 +51,7 @@ def make_accelerator(cfg: TrainConfig):
             # every CPU process loads the whole model: transformers' rank-0-only loading (Accelerate's
             # cpu_ram_efficient_loading) leaves the other ranks empty for Accelerate's GPU preparation to fill
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    share_cores(launcher_count("LOCAL_WORLD_SIZE", world))
     if cfg.batch_size % (world * cfg.grad_accum):
         raise UpcycleError(f"batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                            f"{world} x {cfg.grad_accum}")
