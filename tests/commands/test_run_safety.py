@@ -77,6 +77,11 @@ def test_resume_falls_back_past_a_torn_checkpoint_and_log_line(tiny_lm, tmp_path
     train(cfg, run, resume=True, progress=False)
     err = capsys.readouterr().err
     assert "skipped checkpoint step-0000003" in err and "resuming from step-0000002" in err
+    # the torn checkpoint, passed again, is replaced: the run's record proves its other files upcycle's (they go);
+    # only the file changed since it was written is kept aside, as the user's may be
+    (kept,) = (run / "checkpoints").glob("step-0000003.kept-*")
+    assert sorted(p.name for p in kept.iterdir()) == ["model.safetensors"]
+    assert "is kept in" in err
 
     def log(folder):
         return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "seconds")}

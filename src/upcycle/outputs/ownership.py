@@ -369,6 +369,23 @@ def remove_owned(folder: Path, files: Iterable[str] | None = None, *, keep_folde
             if rel != MARKER and (wanted is None or rel in wanted)]
 
 
+def remove_listed(folder: Path, listed: dict) -> list[str]:
+    """Delete what below `folder` the entries `listed` prove upcycle's (relative to `folder`, taken from a record
+    that covers it: a run's record lists its checkpoints' files), then the listed folders left empty; return what
+    is left (relative paths): the user's, and files changed since they were recorded."""
+    for rel, path, what in list(_walk(folder)):
+        if what == "output":
+            remove_owned(path)
+        elif what == "file" and rel in listed and not _outside(folder, rel) and unchanged(path, listed[rel]):
+            path.unlink()
+    for rel in sorted((r for r, e in listed.items() if e == DIR and not _outside(folder, r)),
+                      key=lambda r: r.count("/"), reverse=True):
+        with contextlib.suppress(OSError):
+            if (folder / rel).is_dir() and not (folder / rel).is_symlink():
+                (folder / rel).rmdir()
+    return [rel + ("/" if what == "dir" else "") for rel, _, what in _walk(folder)]
+
+
 def _remove_stale_aside(folder: Path) -> None:
     """upcycle's temporaries and lock files directly in `folder` whose process is gone."""
     import shutil

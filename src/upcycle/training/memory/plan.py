@@ -77,6 +77,7 @@ class MemoryPlan:
     peak_at: str                          # the phase of the step where the peak falls
     budget_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    gradient_bytes: int = 0               # every trained parameter's gradient, per process (at the peak: `parts`)
 
     @property
     def fits(self) -> bool:
@@ -196,7 +197,7 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> 
         notes.append("DPSL's sorting left out ([tokens, experts] tensors)")
     total = sum(parts.values())
     return MemoryPlan(layout, task, micro, cfg.sequence_length, cfg.activation_checkpointing, parts, activations,
-                      total, phase, budget(cfg, layout), tuple(notes))
+                      total, phase, budget(cfg, layout), tuple(notes), grads)
 
 
 def autocast_dtype(layout: Layout) -> torch.dtype | None:
@@ -335,7 +336,10 @@ def describe(plan: MemoryPlan, model: str) -> str:
              f" activation checkpointing {plan.checkpointing}",
              "  per device at the peak (in the " + plan.peak_at + "):"]
     for key, name in PART_NAMES.items():
-        if plan.parts.get(key):
+        if key == "gradients":         # always said: a size other memory calculators list, known in advance
+            lines.append(f"    {name:30s} {gb(plan.parts.get(key, 0)):>12s}   (all of them "
+                         f"{gb(plan.gradient_bytes)}, held from the backward to the optimizer step)")
+        elif plan.parts.get(key):
             lines.append(f"    {name:30s} {gb(plan.parts[key]):>12s}")
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"    {'total':30s} {gb(plan.peak_bytes):>12s}   of {gb(plan.budget_bytes)}: {verdict}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.upcycle_format import save_folder_files, save_tokenizer
-from ...outputs.ownership import remove_owned, write_marker
+from ...outputs.ownership import read_record, remove_listed, remove_owned, write_marker
 from ...outputs.staging import Staging, atomic_directory, replace_directory, temporary_owner
 from ...runs.checkpoint_format import write_manifest
 from ...runs.layout import CHECKPOINTS, checkpoints
@@ -79,7 +79,12 @@ class Checkpointer:
                 staging.discard()
             raise
         if self.is_main:
-            replace_directory(tmp, staging.out, remove_owned)
+            # a checkpoint of this step saved before (a resumed run passing it again) is the run's: its files are
+            # judged by the run's record, which lists them, so only a file changed since is kept aside
+            prefix = f"{CHECKPOINTS}/{staging.out.name}/"
+            listed = {rel[len(prefix):]: entry for rel, entry in
+                      ((read_record(self.folder.path) or {}).get("files") or {}).items() if rel.startswith(prefix)}
+            replace_directory(tmp, staging.out, lambda previous: remove_listed(previous, listed))
         self.folder.committed()
         if self.is_main:       # the run's record gets the checkpoint (and the log and trackers so far) ...
             run = self.folder.path
