@@ -296,6 +296,8 @@ def collect(work: Path, args: argparse.Namespace) -> None:
         else {"tasks": {}}
     for task in TASKS:
         if not (work / task / "grow").is_dir():
+            if task in earlier["tasks"]:          # not run this time: its rows as last collected
+                result["tasks"][task] = earlier["tasks"][task]
             continue
         comparison = json.loads((work / task / "compare" / "comparison.json").read_text())
         before = earlier["tasks"].get(task, {})

@@ -7,18 +7,23 @@ lower index takes every token and the copy none; a copy whose logits are shifted
 source's softmax probability) loses to every unshifted expert and is never chosen. Instead each copy's row is its
 source's plus an offset that splits the source's tokens into n + 1 parts of about equal size:
 
-    X          the layer's inputs at the calibration tokens the source expert e takes (top-k), [T_e, D]
-    mu         their mean; V [D, n] the top-n principal directions of X - mu, orthogonal to mu, with spreads sigma
-    z(x)       = V^T x / sigma, the token's standardized coordinates (V^T mu = 0: z is centered on e's tokens)
-    s_0..s_n   the n + 1 unit vertices of a regular simplex in R^n (sum 0)
-    row_j      = row_e + delta * (V diag(1/sigma) (s_j - s_0) - c_j mu / |mu|^2),  j = 1..n (row_0 = row_e)
-    delta      the median, over those tokens, of the gap between the k-th and the (k+1)-th selection logit
+    X          the layer's inputs at the calibration tokens the source expert e takes (top-k), [T_e, D]; mu their
+               mean
+    V          [D, r] the top r = 16 principal directions of X - mu orthogonal to mu; sigma their spreads over
+               all the layer's calibration tokens; Q [r, n] a seeded random orthonormal mix of them
+    w_j        = V diag(1/sigma) Q (s_j - s_0) / |s_j - s_0|, then moved along mu so that w_j . x has its median
+               over the source's tokens at 0 (the split's threshold at their median, not their mean)
+    row_j      = row_e + scale * delta * w_j,  j = 1..n (row_0 = row_e: the source's logits stay as they were)
+    delta      the median, over the source's tokens, of how far its selection logit is above the first expert
+               the token leaves out; scale 1 under top-k >= 2 (the member that loses a token's split typically
+               falls out of its top-k, rather than two members of one group taking two of the token's k slots),
+               0.1 under top-1 (no token can take two members; the smallest move splits)
 
-so copy j's logit minus the source's is delta * (s_j - s_0) . (z(x) - m) for a typical token (mu . x ~ |mu|^2),
-where m is the coordinate-wise median of z and c_j = (s_j - s_0) . m: the member whose vertex is nearest z takes the
-token, a Voronoi split of e's tokens around their median. The source's row, and so its logits, stay as they were;
-every copy's row differs from its source's, so no grown copy is an exact copy (`core.resize.copy_groups`). A
-source with fewer than n + 2 tokens takes its directions from all the layer's calibration tokens.
+where s_0..s_n are the n + 1 unit vertices of a regular simplex (`simplex_vertices`): the member whose vertex lies
+nearest the token's mixed coordinates takes it, a split of e's tokens into n + 1 parts of about equal size. Mixing
+several directions keeps any one of them (one that follows the token's position, say) from deciding the split.
+Every copy's row differs from its source's, so no grown copy is an exact copy (`core.resize.copy_groups`). A source
+with fewer than n + 2 tokens takes its directions from all the layer's calibration tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import torch
 from .moe import MoELayer
 
 PRINCIPAL = 16      # the source's principal directions the split mixes
-SCALE = 0.1         # the offset's size on a typical token, in units of delta (a small move: the split, not a new
-#                     router; larger offsets take more of the other experts' tokens, measured in docs/expert-count.md)
+# the offset's size on a typical token, in units of delta: under top-k >= 2 delta itself, so the member that loses
+# a token's split typically falls out of its top-k (else a token leading with the expert takes two of its members
+# among its k, crowding out its other choice); under top-1 no token can take two members, and a tenth of delta
+# splits the tokens while moving the logits least (measured in docs/expert-count.md)
+SCALE_TOP1 = 0.1
 
 
 def simplex_vertices(n: int) -> torch.Tensor:
@@ -54,8 +62,11 @@ def copy_row_offsets(layer: MoELayer, x_TD: torch.Tensor, sources: list[int], se
     x_TD = x_TD.to(layer.router.weight.device)
     record = layer.route(x_TD)
     k = layer.top_k
-    chosen = (record.logits_TE.float() + layer.selection_bias.float()).sort(dim=1, descending=True).values
-    gap_T = (chosen[:, k - 1] - chosen[:, k]).double().cpu() if layer.num_experts > k else torch.ones(len(x_TD))
+    selection_TE = (record.logits_TE.float() + layer.selection_bias.float())
+    chosen = selection_TE.sort(dim=1, descending=True).values
+    # how far above the first expert left out each token's k-th choice is (and, per source, its own choice)
+    first_out_T = chosen[:, k] if layer.num_experts > k else chosen[:, -1] - 1
+    gap_T = (chosen[:, k - 1] - first_out_T).double().cpu()
     everyone = x_TD.double().cpu()
     generator = torch.Generator().manual_seed(seed)
     for e, n in Counter(sources).items():
@@ -75,7 +86,9 @@ def copy_row_offsets(layer: MoELayer, x_TD: torch.Tensor, sources: list[int], se
         mix = torch.linalg.qr(torch.randn(V.shape[1], max(n, 1), generator=generator, dtype=torch.float64)).Q
         if mix.shape[1] < n:                                            # fewer directions than copies
             mix = torch.cat([mix, torch.zeros(mix.shape[0], n - mix.shape[1], dtype=mix.dtype)], dim=1)
-        delta = max(float(gap_T[tokens].median()), 1e-3)
+        # the source's tokens: how far above the first expert left out it is; the other tokens: their k-th choice
+        margin_T = (selection_TE[:, e] - first_out_T).double().cpu() if tokens is routed else gap_T
+        delta = max(float(margin_T[tokens].median()), 1e-3)
         vertices = simplex_vertices(n)
         along = X @ unit                                   # each token's coordinate along the mean: > 0 for most
         positive = along > 0
@@ -87,5 +100,5 @@ def copy_row_offsets(layer: MoELayer, x_TD: torch.Tensor, sources: list[int], se
             # gives w.x - t u.x = u.x (w.x / u.x - t), which changes sign at that median where u.x > 0
             if float(positive.double().mean()) > 0.9:
                 w = w - float(((X[positive] @ w) / along[positive]).median()) * unit
-            offsets[i] = SCALE * delta * w
+            offsets[i] = (SCALE_TOP1 if k == 1 else 1.0) * delta * w
     return offsets.float()
