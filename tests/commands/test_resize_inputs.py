@@ -90,3 +90,11 @@ def _texts(folder, names) -> dict[str, bytes]:
     from pathlib import Path
 
     return {name: (Path(folder) / name).read_bytes() for name in names if (Path(folder) / name).is_file()}
+
+
+def test_contrastive_train_and_eval_refuse_the_same_short_sequence_length(tiny_encoder, tmp_path, capsys):
+    """Both name the encoder's own floor (its special tokens and one token of text); eval said '>= 2' first."""
+    line = "cannot hold a text: this tokenizer adds"
+    fails(capsys, ["eval", str(tiny_encoder), "--sequence-length", "2"], line)
+    fails(capsys, ["train", str(tiny_encoder), str(tmp_path / "run"), "--sequence-length", "2", "--steps", "1"], line)
+    assert not (tmp_path / "run").exists()

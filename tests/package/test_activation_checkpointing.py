@@ -121,7 +121,7 @@ def test_what_each_mode_switches_on():
     assert not any(m.recompute for m in layers) and model.model.layers[0].gradient_checkpointing
     apply_activation_checkpointing(model, "none")
     assert not model.model.layers[0].gradient_checkpointing
-    with pytest.raises(UpcycleError, match="has none; use full"):
+    with pytest.raises(UpcycleError, match=r"holds none \(it has no MoE layer\); use full"):
         apply_activation_checkpointing(make_tiny("llama"), "moe")
     with pytest.raises(UpcycleError, match="must be one of"):
         apply_activation_checkpointing(model, "some")

@@ -36,19 +36,23 @@ DEFAULT_MAX_SHARD_BYTES = 50 * 10**9       # transformers 5's save_pretrained de
 def parse_size(size: int | str, what: str = "shard size") -> int:
     """Bytes from an int or a transformers-style size string ("5GB", "500MB", "2GiB"); `what` names it in the
     error."""
-    if isinstance(size, int):
-        return size
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size > 0:
+            return size
+        raise UpcycleError(f"{what} {size!r}: a size is a number of bytes above 0, or one such as 5GB, 500MB, 2GiB")
     text = str(size).strip().upper()
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6,
+             "KB": 10**3, "B": 1, "": 1}
     for unit, factor in units.items():
         if text.endswith(unit):
             try:
-                value = float(text[: -len(unit)])
+                value = float(text[: len(text) - len(unit)])
             except ValueError:
-                break
-            if value > 0:
+                continue
+            if value > 0 and value * factor < 2**63:
                 return int(value * factor)
-    raise UpcycleError(f"{what} {size!r}: expected bytes or a size such as 5GB, 500MB, 2GiB")
+            break
+    raise UpcycleError(f"{what} {size!r}: a size is a number of bytes above 0, or one such as 5GB, 500MB, 2GiB, 1TB")
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,8 @@ def check_claim(out: str | os.PathLike, *, kind: str, given: Iterable[Input] = (
     else:
         check_replaceable(out, overwrite=overwrite, file=file, kind=kind)
     if file and not out.parent.is_dir():        # a file goes into a folder the user has; no folders are made
-        raise UpcycleError(f"output {out}: the folder {out.parent} does not exist")
+        raise UpcycleError(f"output {out}: {out.parent} is a file, not a folder" if out.parent.exists() else
+                           f"output {out}: the folder {out.parent} does not exist")
     check_writable_output(out)
 
 

@@ -159,7 +159,9 @@ def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, pro
             "calibration": calibration, "probe": {"source": probe.source, "rows": measured["compared_rows"]},
             "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
             "held_out_perplexity": {"before": _perplexity(probe, outputs[0]), "after": _perplexity(probe, outputs[1])},
-            "function_preserving": not grow and not any(layer.get("removed") for layer in layers.values()),
+            # a prune that removes only exact copies (their share given back to the copies kept) keeps the function
+            "function_preserving": not grow and all(set(layer.get("removed", [])) <= set(layer.get("copies_of", {}))
+                                                    for layer in layers.values()),
             "warnings": silent_copies(layers), "layers": layers}
 
 

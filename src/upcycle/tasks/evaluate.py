@@ -175,8 +175,8 @@ def evaluate_model(name: str, *, data: str | None = None, tokens: int = EVAL_TOK
 
     if tokens < 1:
         raise UpcycleError(f"--tokens must be >= 1, got {tokens}")
-    if sequence_length < 2:
-        raise UpcycleError(f"--sequence-length must be >= 2, got {sequence_length}")
+    if sequence_length < 1:         # the task's own floor follows (an encoder's special tokens, an LM's two
+        raise UpcycleError(f"--sequence-length must be >= 1, got {sequence_length}")   # tokens), as in training
     from ..core.devices import resolve_device
 
     target = resolve_device(device)

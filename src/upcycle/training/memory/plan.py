@@ -16,6 +16,9 @@ bytes:
                 a block's unsharded gradients with the buffer they are reduce-scattered from
   activations   at the peak: what the forward kept for the backward and every temporary then alive
 
+On the CPU these are the run's share of the process's memory: the process itself (Python with torch and transformers
+imported, about `machine.PROCESS_BYTES`) comes on top, and the table says so.
+
 The plan's peak is the simulated steps' most bytes at once with the sharded kinds scaled to one process's share,
 plus what several processes add. `activations_by_mode` is what the forward keeps under each activation
 checkpointing mode (`memory_trace`). Measured against: `training.peak_memory` (tests/commands/test_memory_plan.py on the
@@ -37,7 +40,7 @@ from torch import nn
 from ...config import CHECKPOINTING, TrainConfig
 from ...core.moe import moe_layers
 from ...errors import UpcycleError
-from ...machine import launcher_count
+from ...machine import PROCESS_BYTES, launcher_count
 from ..optimizer import make_optimizer
 from .simulation import simulate_steps
 from .trace import block_classes, fake_mode, shapes_only, trace_forward
@@ -347,6 +350,9 @@ def describe(plan: MemoryPlan, model: str) -> str:
         lines.append("  kept through the forward for the backward, by activation checkpointing mode: " +
                      ", ".join(f"{m} {gb(v)}" for m, v in plan.activations_by_mode.items()))
     lines += [f"  note: {note}" for note in plan.notes]
+    if lay.device == "cpu":          # a CPU budget is the process's: say what the table leaves out
+        lines.append(f"  note: on the CPU these are the run's share; the process itself (torch and transformers "
+                     f"imported) takes about {gb(PROCESS_BYTES)} more")
     return "\n".join(lines)
 
 

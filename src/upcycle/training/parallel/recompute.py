@@ -32,8 +32,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise UpcycleError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {mode!r}")
     layers = moe_layers(model)
     if mode == "moe" and not layers:
+        from ...core.stock_moe import stock_moe_blocks
+
+        what = (f"its sparse blocks are {type(model).__name__}'s own, which upcycle does not recompute"
+                if stock_moe_blocks(model) else "it has no MoE layer")
         raise UpcycleError(f"activation_checkpointing: moe recomputes upcycle's MoE layers, and this "
-                           f"{type(model).__name__} has none; use full")
+                           f"{type(model).__name__} holds none ({what}); use full")
     for layer in layers.values():
         layer.recompute = mode == "moe"
     if mode == "full":
