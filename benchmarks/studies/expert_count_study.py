@@ -159,7 +159,7 @@ def part_grow(work: Path, task: str, args: argparse.Namespace) -> None:
     spec, source = TASKS[task], trained(work, task, "copy")
     folder(work / task / "grow")
     data = default_texts(work / task) if task == "lm" else []
-    for seed in SEEDS:
+    for seed in args.seeds:
         for n, by in (*GROW, (8, None)):
             name = f"{n}-{by}-{seed}" if by else f"8-{seed}"
             log = work / task / "grow" / f"{name}.log.jsonl"
@@ -233,11 +233,11 @@ def final_eval(log: Path) -> dict:
             "step_seconds": statistics.median(r["seconds"] for r in rows if "loss" in r)}
 
 
-def collect_grow(work: Path, task: str) -> dict:
+def collect_grow(work: Path, task: str, seeds: tuple[int, ...] = SEEDS) -> dict:
     rows = {}
     for n, by in (*GROW, (8, None)):
         start, end, far, seconds, reached = [], [], [], [], []
-        for seed in SEEDS:
+        for seed in seeds:
             name = f"{n}-{by}-{seed}" if by else f"8-{seed}"
             evals = final_eval(work / task / "grow" / f"{name}.log.jsonl")
             start.append(score(task, evals["start"]))
@@ -280,7 +280,8 @@ def differences(data: dict) -> list[str]:
                                          f"({rows[low][key]['mean']:.4g} vs {rows[high][key]['mean']:.4g})")
     base = data["grow"]["8 (not grown)"]["after_training"]
     for name, row in data["grow"].items():
-        if name != "8 (not grown)" and beyond_spread(row["after_training"], base):
+        # one seed has no spread to judge a difference by
+        if name != "8 (not grown)" and len(base["values"]) > 1 and beyond_spread(row["after_training"], base):
             found.append(f"grown {name} vs 8 after training: {row['after_training']['mean']:.4g} vs "
                          f"{base['mean']:.4g}")
     return found
@@ -310,13 +311,13 @@ def collect(work: Path, args: argparse.Namespace) -> None:
             "quality": "held-out perplexity (lower is better)" if task == "lm" else
             "pair retrieval MRR, query to document (higher is better)", "distance": DISTANCE[task],
             "budget": {"recipe": TASKS[task]["recipe"], "set": TASKS[task]["budget"], "steps": args.steps[task],
-                       "grow_steps": args.grow_steps[task]},
+                       "grow_steps": args.grow_steps[task], "grow_seeds": list(args.seeds)},
             "trained": trained_now if pruned else {**before.get("trained", {}), **trained_now},
             "prune": collect_prune(work, task) if pruned else before["prune"],
             "measured": {"prune": result["collected"] if pruned else
                          before.get("measured", {}).get("prune", earlier.get("collected")),
                          "grow": result["collected"]},
-            "grow": collect_grow(work, task)}
+            "grow": collect_grow(work, task, tuple(args.seeds))}
         result["tasks"][task]["differences_beyond_seed_spread"] = differences(result["tasks"][task])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "expert_count.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -373,6 +374,8 @@ def main() -> None:
     parser.add_argument("--collect", action="store_true", help="only collect WORK into benchmarks/results/")
     parser.add_argument("--steps", type=int, help="training steps after conversion (default: the task's)")
     parser.add_argument("--grow-steps", type=int, dest="grow_steps", help="training steps after growth")
+    parser.add_argument("--seeds", type=lambda text: tuple(int(x) for x in text.split(",")), default=SEEDS,
+                        help="the growth rows' seeds (default 0,1,2)")
     args = parser.parse_args()
     args.steps = {t: args.steps or spec["steps"] for t, spec in TASKS.items()}
     args.grow_steps = {t: args.grow_steps or spec["grow_steps"] for t, spec in TASKS.items()}

