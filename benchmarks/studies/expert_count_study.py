@@ -163,18 +163,19 @@ def part_grow(work: Path, task: str, args: argparse.Namespace) -> None:
         for n, by in (*GROW, (8, None)):
             name = f"{n}-{by}-{seed}" if by else f"8-{seed}"
             log = work / task / "grow" / f"{name}.log.jsonl"
-            if log.is_file():
-                continue
-            start = source
-            if by is not None:
-                start = work / task / "grow" / f"{name}.model"
-                if not (start / "resize_report.json").is_file():
-                    run("grow", str(source), str(start), "--num-experts", str(n), "--by", by, "--perturb", "noise",
-                        "--seed", str(seed), "--quiet")
+            start = work / task / "grow" / f"{name}.model" if by is not None else source
             out = work / task / "grow" / f"{name}.run"
+            grow = ["grow", str(source), str(start), "--num-experts", str(n), "--by", str(by), "--perturb", "noise",
+                    "--seed", str(seed), "--quiet"]
+            train = ["train", str(start), str(out), "--config", spec["recipe"], *budget(task, args.grow_steps[task]),
+                     *data, "--seed", str(seed), "--overwrite", "--quiet"]
+            if log.is_file():           # finished before: its commands recorded as they ran
+                COMMANDS.extend("upcycle " + " ".join(argv) for argv in ([grow] if by else []) + [train])
+                continue
+            if by is not None and not (start / "resize_report.json").is_file():
+                run(*grow)
             if not (out / "model").is_dir():
-                run("train", str(start), str(out), "--config", spec["recipe"], *budget(task, args.grow_steps[task]),
-                    *data, "--seed", str(seed), "--overwrite", "--quiet")
+                run(*train)
             if by is not None:
                 keep_only(start, "resize_report.json", start.with_name(f"{name}.report.json"))
             keep_only(out, "log.jsonl", log)
@@ -318,6 +319,9 @@ def collect(work: Path, args: argparse.Namespace) -> None:
                          before.get("measured", {}).get("prune", earlier.get("collected")),
                          "grow": result["collected"]},
             "grow": collect_grow(work, task, tuple(args.seeds))}
+        if not pruned:             # the carried rows' commands, as the earlier collection recorded them
+            result["commands"] += [c for c in earlier.get("commands", []) if f"/{task}/prune/" in c
+                                   and c not in result["commands"]]
         result["tasks"][task]["differences_beyond_seed_spread"] = differences(result["tasks"][task])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "expert_count.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""One-line messages that say what is wrong and what works (reliability round 7's minor items): sizes in TB and
+"""One-line messages that say what is wrong and what works: sizes in TB and
 a shard size too small to mean anything, the training plan's gradients row and its CPU note, activation
 checkpointing of a stock MoE class, a special token id no vocabulary holds, an eval output under a file, and a
 prune that removes only exact copies called function-preserving."""
