@@ -234,8 +234,17 @@ def final_eval(log: Path) -> dict:
             "step_seconds": statistics.median(r["seconds"] for r in rows if "loss" in r)}
 
 
+def grown_seeds(work: Path, task: str, seeds: tuple[int, ...] = SEEDS) -> list[int]:
+    """The seeds of `seeds` whose every growth row has finished (a task may have run fewer than another)."""
+    names = [f"{n}-{by}" if by else "8" for n, by in (*GROW, (8, None))]
+    return [s for s in seeds if all((work / task / "grow" / f"{name}-{s}.log.jsonl").is_file() for name in names)]
+
+
 def collect_grow(work: Path, task: str, seeds: tuple[int, ...] = SEEDS) -> dict:
     rows = {}
+    seeds = tuple(grown_seeds(work, task, seeds))
+    if not seeds:
+        raise SystemExit(f"{work / task / 'grow'}: no seed has every growth row finished")
     for n, by in (*GROW, (8, None)):
         start, end, far, seconds, reached = [], [], [], [], []
         for seed in seeds:
@@ -312,7 +321,7 @@ def collect(work: Path, args: argparse.Namespace) -> None:
             "quality": "held-out perplexity (lower is better)" if task == "lm" else
             "pair retrieval MRR, query to document (higher is better)", "distance": DISTANCE[task],
             "budget": {"recipe": TASKS[task]["recipe"], "set": TASKS[task]["budget"], "steps": args.steps[task],
-                       "grow_steps": args.grow_steps[task], "grow_seeds": list(args.seeds)},
+                       "grow_steps": args.grow_steps[task], "grow_seeds": grown_seeds(work, task, args.seeds)},
             "trained": trained_now if pruned else {**before.get("trained", {}), **trained_now},
             "prune": collect_prune(work, task) if pruned else before["prune"],
             "measured": {"prune": result["collected"] if pruned else
