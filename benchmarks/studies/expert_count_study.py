@@ -373,7 +373,9 @@ def plot(result: dict, path: Path) -> None:
             row[2].errorbar([i + 0.1], [g["after_training"]["mean"]], yerr=[g["after_training"]["std"]],
                             marker="o", color="tab:green", capsize=3, label="after training" if i == 0 else None)
         row[2].set_xticks(range(len(names)), names)
-        row[2].set(title=f"{task}: grown from 8 then trained (3 seeds)", ylabel=label.replace(" (probe)", ""))
+        seeds = len(data["budget"].get("grow_seeds", SEEDS))
+        row[2].set(title=f"{task}: grown from 8 then trained ({seeds} seed{'s' * (seeds > 1)})",
+                   ylabel=label.replace(" (probe)", ""))
         row[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

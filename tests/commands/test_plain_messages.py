@@ -1,6 +1,6 @@
 """One-line messages that say what is wrong and what works: sizes in TB and
 a shard size too small to mean anything, the training plan's gradients row and its CPU note, activation
-checkpointing of a stock MoE class, a special token id no vocabulary holds, an eval output under a file, and a
+checkpointing of a stock MoE class, a special token id that is no id, an eval output under a file, and a
 prune that removes only exact copies called function-preserving."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_moe_checkpointing_of_a_stock_mixtral_says_its_blocks_are_its_own(tiny_l
                    "--activation-checkpointing", "moe"], "its sparse blocks are MixtralForCausalLM's own")
 
 
-def test_a_special_token_id_no_vocabulary_holds_is_refused(tiny_lm, tmp_path, capsys):
+def test_a_special_token_id_below_minus_one_is_refused(tiny_lm, tmp_path, capsys):
     dense, _, _, _ = tiny_lm
     bad = tmp_path / "dense"
     shutil.copytree(dense, bad)
@@ -59,7 +59,7 @@ def test_a_special_token_id_no_vocabulary_holds_is_refused(tiny_lm, tmp_path, ca
     config["pad_token_id"] = -5
     (bad / "config.json").write_text(json.dumps(config))
     for dry in ([], ["--dry-run"]):
-        fails(capsys, ["convert", str(bad), str(tmp_path / "out"), *dry], "config.json's pad_token_id is -5")
+        fails(capsys, ["convert", str(bad), str(tmp_path / "out"), *dry], "config.json's pad_token_id is -5; it is a token id")
 
 
 def test_an_eval_output_under_a_file_says_it_is_a_file(tiny_lm, tmp_path, capsys):
