@@ -14,7 +14,15 @@ import pytest
 
 from upcycle.cli import main, parser
 from upcycle.commands import convert, train
-from upcycle.commands.flags import ConfigFlag, add_config_flags, comma_list, config_field, flag_choices, whole_number
+from upcycle.commands.flags import (
+    ConfigFlag,
+    add_config_flags,
+    comma_list,
+    config_field,
+    flag_choices,
+    seed_number,
+    whole_number,
+)
 from upcycle.config import (
     CHECKPOINTING,
     EXPORTS,
@@ -178,11 +186,12 @@ def test_flags_read_numbers_by_the_config_rule(tmp_path, capsys):
 
 def test_no_flag_reads_numbers_on_its_own():
     """Every number on the command line goes through `coerce`: config flags as text into the config, the run
-    flags' integers through `whole_number`; no parser uses Python's int() or float()."""
+    flags' integers through `whole_number` (a seed through `seed_number`, which reads it so); no parser uses
+    Python's int() or float()."""
     root = parser(every_command=True)
     for command, sub in root._subparsers._group_actions[0].choices.items():
         for action in sub._actions:
-            assert action.type in (None, comma_list, whole_number), (command, action.dest, action.type)
+            assert action.type in (None, comma_list, whole_number, seed_number), (command, action.dest, action.type)
     args = root.parse_args(["train", "m", "out", "--stop-after", "1e1"])
     assert args.stop_after == 10 and type(args.stop_after) is int
     assert root.parse_args(["eval", "m", "--tokens", "1e5"]).tokens == 100000

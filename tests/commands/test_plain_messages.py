@@ -1,5 +1,5 @@
 """One-line messages that say what is wrong and what works: sizes in TB and
-a shard size too small to mean anything, the training plan's gradients row and its CPU note, activation
+bare bytes, the training plan's gradients row and its CPU note, activation
 checkpointing of a stock MoE class, a special token id that is no id, an eval output under a file, and a
 prune that removes only exact copies called function-preserving."""
 
@@ -25,11 +25,13 @@ def test_sizes_take_terabytes_and_bare_bytes_and_refuse_what_is_no_size():
             parse_size(bad)
 
 
-def test_a_shard_size_under_a_megabyte_is_refused_both_ways(tiny_lm, tmp_path, capsys):
+def test_a_shard_size_that_is_no_size_is_refused_both_ways_and_bare_bytes_are_taken(tiny_lm, tmp_path, capsys):
     dense, _, _, _ = tiny_lm
     for dry in ([], ["--dry-run"]):
-        fails(capsys, ["convert", str(dense), str(tmp_path / "out"), "--shard-size", "1", *dry], "at least 1MB")
+        fails(capsys, ["convert", str(dense), str(tmp_path / "out"), "--shard-size", "0", *dry],
+              "a size is a number of bytes above 0")
     assert not (tmp_path / "out").exists()
+    assert main(["convert", str(dense), "--shard-size", "100000", "--dry-run"]) == 0     # bare bytes, as they say
 
 
 def test_the_training_plan_prints_its_gradients_and_says_the_cpu_process_comes_on_top(tiny_lm, tmp_path, capsys):
@@ -39,7 +41,7 @@ def test_the_training_plan_prints_its_gradients_and_says_the_cpu_process_comes_o
     said = capsys.readouterr().out
     row = next(line for line in said.splitlines() if line.strip().startswith("gradients"))
     assert "all of them" in row
-    assert "the process itself (torch and transformers imported) takes about 600.0 MB more" in said
+    assert "the process itself, torch and transformers imported, takes about 600.0 MB more" in said
     assert "of 100,000.00 GB: fits" in said
 
 
@@ -59,7 +61,8 @@ def test_a_special_token_id_below_minus_one_is_refused(tiny_lm, tmp_path, capsys
     config["pad_token_id"] = -5
     (bad / "config.json").write_text(json.dumps(config))
     for dry in ([], ["--dry-run"]):
-        fails(capsys, ["convert", str(bad), str(tmp_path / "out"), *dry], "config.json's pad_token_id is -5; it is a token id")
+        fails(capsys, ["convert", str(bad), str(tmp_path / "out"), *dry],
+              "config.json's pad_token_id is -5; it is a token id")
 
 
 def test_an_eval_output_under_a_file_says_it_is_a_file(tiny_lm, tmp_path, capsys):

@@ -33,7 +33,7 @@ from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..machine import PROCESS_BYTES
 from ..outputs.claims import check_claim
-from .model_data import read_inputs
+from .model_data import calibration_corpus, read_inputs
 from .plan import ConversionPlan, make_plan
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
@@ -134,4 +134,6 @@ def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = Fal
         check_fits(plan)
     if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
         read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
+    else:                              # its calibration file, as the run's reading refuses it
+        calibration_corpus(cfg)
     return estimate(plan)

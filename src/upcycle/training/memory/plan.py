@@ -346,13 +346,13 @@ def describe(plan: MemoryPlan, model: str) -> str:
             lines.append(f"    {name:30s} {gb(plan.parts[key]):>12s}")
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"    {'total':30s} {gb(plan.peak_bytes):>12s}   of {gb(plan.budget_bytes)}: {verdict}")
+    if lay.device == "cpu":          # a CPU budget is the process's: say what the table leaves out
+        lines.append(f"    (on the CPU these are the run's share; the process itself, torch and transformers "
+                     f"imported, takes about {gb(PROCESS_BYTES)} more)")
     if plan.activations_by_mode:
         lines.append("  kept through the forward for the backward, by activation checkpointing mode: " +
                      ", ".join(f"{m} {gb(v)}" for m, v in plan.activations_by_mode.items()))
     lines += [f"  note: {note}" for note in plan.notes]
-    if lay.device == "cpu":          # a CPU budget is the process's: say what the table leaves out
-        lines.append(f"  note: on the CPU these are the run's share; the process itself (torch and transformers "
-                     f"imported) takes about {gb(PROCESS_BYTES)} more")
     return "\n".join(lines)
 
 
