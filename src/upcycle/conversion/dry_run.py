@@ -113,9 +113,10 @@ def describe(report: dict) -> str:
     return "\n".join(lines)
 
 
-def check_fits(plan: ConversionPlan) -> None:
-    """Refuse a conversion whose estimated peak exceeds this machine's memory (module docstring)."""
-    peak = estimate(plan)["estimated_peak_bytes"]
+def check_fits(plan: ConversionPlan, report: dict | None = None) -> None:
+    """Refuse a conversion whose estimated peak exceeds this machine's memory (module docstring); `report`: the
+    plan's `estimate`, when already made."""
+    peak = (report or estimate(plan))["estimated_peak_bytes"]
     if peak > CPU_MEMORY:
         raise UpcycleError(f"converting to {plan.cfg.moe.num_experts} experts needs an estimated {peak / GB:.1f} GB at "
                            f"its peak, more than this machine's {CPU_MEMORY / GB:.1f} GB of memory (the plan's parts "
@@ -129,11 +130,12 @@ def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = Fal
     written."""
     # a dry run writes nothing, the model cache too; it plans as a run with OUT would
     plan = make_plan(cfg, writing=True, build=False, recipe=recipe)
+    report = estimate(plan)
     if out is not None:
         check_claim(out, kind="convert", given=plan.given, overwrite=overwrite)
-        check_fits(plan)
+        check_fits(plan, report)
     if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
         read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
-    else:                              # its calibration file, as the run's reading refuses it
+    elif cfg.calibration.data is not None:      # a user's calibration file, as the run's reading refuses it
         calibration_corpus(cfg)
-    return estimate(plan)
+    return report

@@ -73,8 +73,9 @@ def copy_row_offsets(layer: MoELayer, x_TD: torch.Tensor, sources: list[int], se
         routed = (record.topk_ids_TK == e).any(dim=1).cpu()
         tokens = routed if int(routed.sum()) >= n + 2 else torch.ones_like(routed)
         X = everyone[tokens]
-        unit = X.mean(dim=0) / X.mean(dim=0).norm().clamp_min(1e-12)
-        centered = X - X.mean(dim=0)
+        mu = X.mean(dim=0)
+        unit = mu / mu.norm().clamp_min(1e-12)
+        centered = X - mu
         centered = centered - (centered @ unit)[:, None] * unit          # directions orthogonal to the mean
         V = torch.linalg.svd(centered, full_matrices=False).Vh[:PRINCIPAL].T            # [D, r]
         # each direction's spread over all the layer's tokens, not the source's alone: a token far from the
@@ -83,7 +84,7 @@ def copy_row_offsets(layer: MoELayer, x_TD: torch.Tensor, sources: list[int], se
         whiten = V / spread.clamp_min(1e-6 * float(spread.max()) + 1e-12)
         # n random orthonormal mixes of the r whitened directions: no single direction (one that tracks the
         # token's position, say) decides the split
-        mix = torch.linalg.qr(torch.randn(V.shape[1], max(n, 1), generator=generator, dtype=torch.float64)).Q
+        mix = torch.linalg.qr(torch.randn(V.shape[1], n, generator=generator, dtype=torch.float64)).Q
         if mix.shape[1] < n:                                            # fewer directions than copies
             mix = torch.cat([mix, torch.zeros(mix.shape[0], n - mix.shape[1], dtype=mix.dtype)], dim=1)
         # the source's tokens: how far above the first expert left out it is; the other tokens: their k-th choice

@@ -117,7 +117,8 @@ def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: Calibration
     given = check(model, request, grow=grow, budget=budget, streaming=streaming)
     if out is not None:
         check_claim(out, kind="grow" if grow else "prune", given=given, overwrite=overwrite)
-    _calibration_texts(budget.data)        # the run reads it first: a file it cannot read is refused here too
+    if budget.data is not None:            # the run reads it first: a file it cannot read is refused here too
+        _calibration_texts(budget.data)
     if request.add is not None:
         raise UpcycleError("--dry-run plans a prune or a grow by --num-experts; --add adds one expert per layer")
     plan = plan_resize(model, request, grow=grow, streaming=streaming)
