@@ -63,15 +63,16 @@ def forward_seconds(config: Path) -> None:
     from upcycle.config_reader import build
     from upcycle.conversion.calibration import Capture, Reservoir, first_block_inputs, join_batches, replay_block
     from upcycle.conversion.merge import needed_groups, source_batches
+    from upcycle.conversion.plan import make_plan
     from upcycle.data.assets import default_model_path
-    from upcycle.methods import get_method
 
     base = default_model_path()
     cfg = build(ConvertConfig, {**yaml.safe_load(config.read_text()), "model": str(base)})
-    kinds = tuple(needed_groups(cfg, get_method(cfg.method)))
+    plan = make_plan(cfg)                     # the merge's plan: its sources opened (headers only)
+    kinds = tuple(needed_groups(plan.sources, plan.method))
     tokenizer = load_tokenizer(str(base))
-    groups = [group for i in range(len(cfg.sources.experts))
-              for group in source_batches(cfg, tokenizer, i, kinds).values()]
+    groups = [group for i in range(len(plan.sources.experts))
+              for group in source_batches(plan, tokenizer, i, kinds).values()]
     batches = [b for group in groups for b in group]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     blocks = model.model.layers

@@ -117,7 +117,7 @@ def test_a_probe_on_random_ids_says_so_on_the_console(tmp_path, monkeypatch, cap
         "random token ids"
     # the user's own probe text needs no embedded text: no warning
     cfg = ConvertConfig(model=str(dense), check=CheckConfig(text=str(held)))
-    assert probe_texts(cfg) and capsys.readouterr().err == ""
+    assert probe_texts(cfg.check.text) and capsys.readouterr().err == ""
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the fake pip is a shell script")

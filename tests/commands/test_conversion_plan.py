@@ -64,7 +64,7 @@ def test_the_dry_run_prints_the_plan_the_conversion_carries_out(dense, tmp_path,
 def test_a_conversion_without_out_plans_in_memory_and_writes_no_stock_class(dense):
     plan = make_plan(cfg(dense, export="hf"), writing=False)
     assert plan.route == IN_MEMORY and plan.stock is None and plan.stream is None
-    assert plan.cfg.dtype == "float32" and [t.path for t in plan.targets] == [f"model.layers.{i}" for i in range(4)]
+    assert plan.dtype == "float32" and [t.path for t in plan.targets] == [f"model.layers.{i}" for i in range(4)]
 
 
 def _never(*_args, **_kwargs):
@@ -104,8 +104,9 @@ def test_weight_free_refusals_come_before_out_is_claimed(dense, tmp_path, monkey
 
 
 def test_a_merge_is_planned_with_its_sources_opened(dense):
-    plan = make_plan(cfg(dense, moe={"num_experts": 2, "top_k": 1},
-                         sources={"router": "random", "experts": [{"model": str(dense)}, {"model": str(dense)}]}))
+    merge = cfg(dense, moe={"num_experts": 2, "top_k": 1},
+                sources={"router": "random", "experts": [{"model": str(dense)}, {"model": str(dense)}]})
+    plan = make_plan(merge)
     assert plan.route == MERGED and plan.promised is False and len(plan.opened[1]) == 2
     with pytest.raises(UpcycleError, match="give OUT"):
-        make_plan(plan.cfg, writing=False)
+        make_plan(merge, writing=False)

@@ -479,4 +479,5 @@ def test_a_source_whose_config_differs_where_the_shared_weights_compute_is_refus
     (other / "config.json").write_text(json.dumps(config))
     from upcycle.conversion.sources import open_sources
 
-    assert len(open_sources(_cfg(dense, [sources[0], other], held))[1]) == 2     # use_cache alone: accepted
+    merge = _cfg(dense, [sources[0], other], held)
+    assert len(open_sources(merge.model, merge.sources)[1]) == 2     # use_cache alone: accepted

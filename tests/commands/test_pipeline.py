@@ -39,19 +39,18 @@ def _configs(lm, tmp_path) -> dict[str, tuple[ConvertConfig, object]]:
 
 def test_every_conversion_is_validated_once_and_reports_through_one_function(lm, tmp_path, monkeypatch):
     validations, reports = [], []
-    validate, conversion_report = pipeline.validate, report.conversion_report
+    resolve_method, conversion_report = plan.resolve_method, report.conversion_report
 
-    def counted_validate(cfg):
-        validations.append(cfg.model)
-        return validate(cfg)
+    def counted_validate(*args, **kwargs):
+        validations.append(args[0])
+        return resolve_method(*args, **kwargs)
 
     def counted_report(*args, **kwargs):
         made = conversion_report(*args, **kwargs)
         reports.append(made)
         return made
 
-    monkeypatch.setattr(plan, "validate", counted_validate)        # where a conversion's plan validates it
-    monkeypatch.setattr(pipeline, "validate", counted_validate)    # upcycle_model (a model given in memory)
+    monkeypatch.setattr(plan, "resolve_method", counted_validate)   # where every conversion's plan validates it
     monkeypatch.setattr(report, "conversion_report", counted_report)
     for how, (cfg, out) in _configs(lm, tmp_path).items():
         validations.clear()

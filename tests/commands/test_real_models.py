@@ -151,7 +151,7 @@ def smollm2_layers(method: str, moe: dict | None = None, **method_args) -> dict:
                                 "moe": {"num_experts": 8, "top_k": 2, **(moe or {})},
                                 "placement": {"layers": [3, 20]}})
     from upcycle.conversion.model_data import probe_texts
-    return upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg), progress=False).to_dict()
+    return upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg.check.text), progress=False).to_dict()
 
 
 def test_smollm2_spri_drift_is_of_order_rho_and_exact_at_zero():
@@ -225,7 +225,7 @@ def test_smollm2_all_moe_refuses_a_one_percent_wrong_scale(monkeypatch):
     cfg = build(ConvertConfig, {"method": "copy", "moe": {"num_experts": 8, "top_k": 2}})
     break_layer(monkeypatch, 1.01, rows=(slice(None),), layer=15)
     with pytest.raises(PreservationError) as err:
-        upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg), progress=False)
+        upcycle_model(model, cfg, tokenizer=tokenizer, texts=probe_texts(cfg.check.text), progress=False)
     # measured 0.10 against an allowance of 6.3e-3 (16x); the same break in block 0 is 400x, x2 is 1400x+.
     # One row x1.001 is not tested here: in a 30-block float32 model it moves the logits by 0 to 6.6e-3
     # depending on the row, i.e. within the rounding (docs/conversion.md, "What rounding can explain").

@@ -56,7 +56,6 @@ def full_forward_capture(model, targets, batches) -> dict[str, torch.Tensor]:
 def capture(model, targets, batches, *, budget: int, seed: int = 0, on_block=None) -> list[tuple]:
     """(target, FFN inputs kept, tokens seen) per target, from the conversion's own block loop and calibration
     group (what a data-aware method receives), with a layer builder that only records."""
-    cfg = ConvertConfig(seed=seed, calibration=CalibrationConfig(tokens=budget))
     got = []
 
     def record(visit, block, replayed, timings):
@@ -73,7 +72,7 @@ def capture(model, targets, batches, *, budget: int, seed: int = 0, on_block=Non
         def layer_builder(self):
             return record
 
-    convert_blocks(Recording(), targets, method_groups(cfg, None, batches), Timings(), progress=False)
+    convert_blocks(Recording(), targets, method_groups(budget, seed, None, batches), Timings(), progress=False)
     return got
 
 

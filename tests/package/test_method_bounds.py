@@ -15,7 +15,7 @@ import torch
 
 from upcycle.cli import main, parser
 from upcycle.commands.convert import convert_config
-from upcycle.conversion.pipeline import validate
+from upcycle.conversion.validate import resolve_method
 from upcycle.core.ffn import FFNWeights
 from upcycle.errors import UpcycleError
 from upcycle.methods import METHODS, OneOf, Range, register
@@ -36,6 +36,11 @@ DECLARED = {
     **{(m, "router_std"): "finite" for m in ("copy", "drop", "drop_svd", "granular", "noise", "spri")},
 }
 BOUNDED = [(m.name, a.name) for m in METHODS.values() for a in m.args.values() if a.bound is not None]
+
+
+def validate(cfg):
+    """The conversion's method check (`make_plan` runs it first), on a config alone."""
+    return resolve_method(cfg.method, cfg.method_args, cfg.moe)
 
 
 def outside(name: str, arg: str) -> list:

@@ -15,12 +15,17 @@ from upcycle.cli import main, parser
 from upcycle.commands.convert import convert_config
 from upcycle.config import ConvertConfig, TrainConfig
 from upcycle.config_reader import build, load_recipe, set_override
-from upcycle.conversion.pipeline import validate
+from upcycle.conversion.validate import resolve_method
 from upcycle.errors import UpcycleError
 
 # (as written, the number it means): YAML 1.1 reads only some of these as floats by itself
 NUMBER_FORMS = [("1e-3", 1e-3), ("1E-3", 1e-3), (".5", 0.5), ("5.", 5.0), ("1e+3", 1000.0),
                 ("-2.5E-4", -2.5e-4), ("0.25", 0.25), ("3", 3.0), ("+7.5e0", 7.5)]
+
+
+def validate(cfg):
+    """The conversion's method check (`make_plan` runs it first), on a config alone."""
+    return resolve_method(cfg.method, cfg.method_args, cfg.moe)
 
 
 def convert_cfg(*argv: str) -> ConvertConfig:

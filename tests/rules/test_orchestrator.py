@@ -14,6 +14,7 @@ from upcycle.conversion.blockwise import MethodLayers, method_groups
 from upcycle.conversion.inputs import ConversionInputs
 from upcycle.conversion.layer_check import layer_probe
 from upcycle.conversion.orchestrator import BlockSource, run_conversion
+from upcycle.conversion.plan import make_plan
 from upcycle.conversion.report import conversion_report
 from upcycle.core.moe import moe_layers
 from upcycle.methods import get_method
@@ -29,13 +30,14 @@ class InstalledAsBuilt(BlockSource):
     are the defaults of a model held whole."""
 
     def __init__(self, model: torch.nn.Module, cfg: ConvertConfig) -> None:
-        self.model, self.cfg, self.compute_dtype = model, cfg, torch.float32
+        self.model, self.compute_dtype = model, torch.float32
+        self.plan = make_plan(cfg, writing=False, model=model)
 
     def replay_groups(self, probe):
-        return method_groups(self.cfg, [layer_probe(probe.inputs)], None)
+        return method_groups(self.plan.calibration.tokens, self.plan.seed, [layer_probe(probe.inputs)], None)
 
     def layer_builder(self):
-        return MethodLayers(self.model, self.family, self.cfg, COPY)
+        return MethodLayers(self.model, self.family, self.plan, COPY)
 
     def after_block(self, visit, block, layer) -> None:
         if layer is not None:
@@ -45,7 +47,8 @@ class InstalledAsBuilt(BlockSource):
 def test_a_fourth_block_source_is_one_class():
     model = make_tiny("llama", layers=4).eval()
     cfg = ConvertConfig(model="tiny", method="copy", placement=PlacementConfig(every=2))
-    done = run_conversion(InstalledAsBuilt(model, cfg), cfg, COPY, progress=False)
+    source = InstalledAsBuilt(model, cfg)
+    done = run_conversion(source, COPY, progress=False)
     assert sorted(moe_layers(model)) == ["model.layers.1.mlp", "model.layers.3.mlp"]   # installed, in place
     assert done.moe_layers == ["text.1", "text.3"] and [layer.name for layer in done.layers] == done.moe_layers
     assert done.after["total"] > done.before["total"] == done.before["active_per_token"]
@@ -53,7 +56,7 @@ def test_a_fourth_block_source_is_one_class():
     assert done.measured["max_abs_logit_diff"] < 1e-4 and done.noise is not None and done.probe is not None
     assert all(layer.check.passed for layer in done.layers)
     assert done.timings.upcycle > 0 and done.timings.check > 0
-    report = conversion_report(cfg, get_method("copy"), {}, done)
+    report = conversion_report(source.plan, done)
     assert report.preservation.passed and report.model_class == "LlamaForCausalLM"
 
 
@@ -71,7 +74,7 @@ def test_a_failing_source_is_told_to_let_go():
 
     cfg = ConvertConfig(model="tiny", method="copy")
     try:
-        run_conversion(Failing(make_tiny("llama", layers=2).eval(), cfg), cfg, COPY, progress=False)
+        run_conversion(Failing(make_tiny("llama", layers=2).eval(), cfg), COPY, progress=False)
     except RuntimeError as e:
         assert str(e) == "no layer"
     assert aborted == [True]
@@ -100,7 +103,7 @@ def test_one_function_builds_every_conversions_moe_layer():
     `MoELayer.from_init` in the conversion; each route is chosen from the plan in one table."""
     assert _calls("from_init") == ["upcycle_layer.py"]
     assert sorted(_calls("upcycle_layer")) == ["blockwise.py", "merge_layers.py"]
-    assert _calls("make_plan") == ["dry_run.py", "pipeline.py"]
+    assert _calls("make_plan") == ["pipeline.py", "pipeline.py"]      # convert and upcycle_model
 
 
 def _parameters(node: ast.FunctionDef) -> int:
@@ -119,7 +122,7 @@ def test_every_public_conversion_function_takes_at_most_six_parameters():
                 found[f"{path.name}:{node.name}:{node.lineno}"] = _parameters(node)
     assert found["orchestrator.py:run_conversion:" + str(next(
         n.lineno for n in ast.walk(ast.parse((CONVERSION / "orchestrator.py").read_text()))
-        if isinstance(n, ast.FunctionDef) and n.name == "run_conversion"))] == 5       # the walk saw it
+        if isinstance(n, ast.FunctionDef) and n.name == "run_conversion"))] == 4       # the walk saw it
     assert {name: n for name, n in found.items() if n > 6} == {}
 
 

@@ -108,8 +108,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     recipe = None if args.config is None else str(recipe_path(args.config, "convert"))
     if args.dry_run:
         from ..conversion.dry_run import describe, dry_run
+        from ..conversion.plan import make_plan
 
-        report = dry_run(cfg, args.out, overwrite=bool(args.overwrite), recipe=recipe)
+        report = dry_run(make_plan(cfg, writing=True, build=False, recipe=recipe), args.out,
+                         overwrite=bool(args.overwrite))
         print(describe(report))
         print(dumps(report))
         return 0

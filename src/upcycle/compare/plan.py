@@ -31,7 +31,7 @@ from pathlib import Path
 from ..checkpoint.loading import dense_config
 from ..config import ConvertConfig, TrainConfig, to_dict
 from ..config_reader import build, recipe_path
-from ..conversion.pipeline import validate as validate_convert
+from ..conversion.plan import make_plan as plan_conversion
 from ..core.architectures import family_of
 from ..data.assets import DEFAULT_MODEL_NAMES
 from ..data.model_names import model_inputs
@@ -137,7 +137,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
                         data.setdefault("calibration", {})["data"], calibration = _default_calibration(
                             request.model, task, dense_train, root, calibration)
                 convert = build(ConvertConfig, data)
-                validate_convert(convert)
+                plan_conversion(convert, writing=False, build=False)     # refused now, as its run would
                 if texts:
                     from_texts.append((train, convert))
                 moe = root / "conversions" / f"{method}-seed-{seed}" / "moe"

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ConvertConfig
 from ..core.architectures import Family, find_tower_layers
 from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
@@ -43,6 +42,7 @@ from ..metrics.routing import layer_routing_stats
 from .calibration import Capture, JoinedBatch, Reservoir, first_block_inputs, join_batches, replay_block
 from .inputs import ConversionInputs
 from .layer_check import layer_check, layer_probe
+from .plan import ConversionPlan
 from .report import LayerCalibration, LayerEntry, RoutingAtInit, Timings
 from .upcycle_layer import upcycle_layer
 
@@ -205,21 +205,24 @@ def _replay_groups(visit: BlockVisit, block: nn.Module, family: Family, tower,
 PROBE, CALIBRATION = "probe", "calibration"
 
 
-def method_groups(cfg: ConvertConfig, probe_batches: list[dict] | None,
+def method_groups(tokens: int, seed: int, probe_batches: list[dict] | None,
                   calibration: list[dict] | None) -> list[ReplayGroup]:
     """The replay groups of a one-model conversion: the probe's first rows (every token, for the per-layer
-    check) and the calibration batches (reservoir-sampled per layer with a seed of its own)."""
+    check) and the calibration batches (`tokens` reservoir-sampled per layer, with a seed of its own from
+    `seed`)."""
     def reservoir(target: Target) -> Reservoir:
-        return Reservoir(cfg.calibration.tokens, keyed_generator("calibration", cfg.seed, target.tower, target.index))
+        return Reservoir(tokens, keyed_generator("calibration", seed, target.tower, target.index))
 
     return [ReplayGroup(PROBE, probe_batches or [], lambda target: AllRows(), timing="check", keep_outputs=True),
             ReplayGroup(CALIBRATION, calibration or [], reservoir)]
 
 
-def probe_and_calibration(cfg: ConvertConfig, probe_inputs: dict, calibration: list[dict] | None) -> list[ReplayGroup]:
+def probe_and_calibration(plan: ConversionPlan, probe_inputs: dict, calibration: list[dict] | None
+                          ) -> list[ReplayGroup]:
     """`method_groups` of a conversion's probe (its first rows, when `check.per_layer` asks for the per-layer
     check) and calibration batches: what the in-memory and the streamed conversions replay."""
-    return method_groups(cfg, [layer_probe(probe_inputs)] if cfg.check.per_layer else None, calibration)
+    return method_groups(plan.calibration.tokens, plan.seed,
+                         [layer_probe(probe_inputs)] if plan.check.per_layer else None, calibration)
 
 
 @dataclass
@@ -232,13 +235,13 @@ class MethodLayers:
 
     model: nn.Module
     family: Family
-    cfg: ConvertConfig
+    plan: ConversionPlan
     inputs: ConversionInputs           # the method, its arguments, whether it promised the dense function
     layer_dtype: torch.dtype | None = None
 
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
                  timings: Timings) -> tuple[MoELayer, LayerEntry]:
-        target, cfg = visit.target, self.cfg
+        target, plan = visit.target, self.plan
         activations = seen = None
         reservoir = replayed.samples.get(CALIBRATION)
         if reservoir is not None:
@@ -253,7 +256,7 @@ class MethodLayers:
                 outputs = replayed.outputs.get(PROBE)
                 reference = torch.cat(outputs) if outputs else None
                 x = probe_rows.sample()
-                entry.check = layer_check(dense, layer, x, cfg.check, promised=self.inputs.promised,
+                entry.check = layer_check(dense, layer, x, plan.check, promised=self.inputs.promised,
                                           reference_ND=reference if reference is not None and len(reference) == len(x)
                                           else None)
         return layer, entry
@@ -261,14 +264,14 @@ class MethodLayers:
     def _layer(self, visit: BlockVisit, block: nn.Module, activations: torch.Tensor | None,
                seen: int | None) -> tuple[MoELayer, LayerEntry, FFNWeights]:
         """The MoE layer the method makes from the block's dense FFN, its report entry, and that FFN."""
-        target, cfg = visit.target, self.cfg
+        target, plan = visit.target, self.plan
         tcfg = tower_cfg(self.model, self.family, target)
         dense = self.family.extract(block, tcfg)
-        init = self.inputs.method(dense.map(lambda w: w.float()), self.inputs.args, num_experts=cfg.moe.num_experts,
-                           top_k=cfg.moe.top_k, generator=keyed_generator(cfg.seed, target.tower, target.index),
-                           normalize_topk=cfg.moe.normalize_topk, activations=activations)
+        init = self.inputs.method(dense.map(lambda w: w.float()), self.inputs.args, num_experts=plan.moe.num_experts,
+                           top_k=plan.moe.top_k, generator=keyed_generator(plan.seed, target.tower, target.index),
+                           normalize_topk=plan.moe.normalize_topk, activations=activations)
         entry = LayerEntry(target.name, target.path, init.info, *similarity_and_diversity(init.experts))
-        layer = upcycle_layer(init, cfg.moe, dtype=self.layer_dtype or dense.w_up.dtype,
+        layer = upcycle_layer(init, plan.moe, dtype=self.layer_dtype or dense.w_up.dtype,
                               output_dropout=self.family.output_dropout(tcfg))
         clusters = init.token_clusters
         del init            # the method's float32 experts: gone before the check runs beside the layer

@@ -27,14 +27,13 @@ import torch
 
 from ..checkpoint.lazy import block_paths
 from ..checkpoint.skeleton import bytes_by_block, empty_model, output_bytes, tensor_specs
-from ..config import ConvertConfig
 from ..core.grouped_ffn import CPU_MEMORY
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..machine import PROCESS_BYTES
 from ..outputs.claims import check_claim
 from .model_data import calibration_corpus, read_inputs
-from .plan import ConversionPlan, make_plan
+from .plan import ConversionPlan
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
 
@@ -46,8 +45,8 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> dict:
     """The dry run's report of `plan` (module docstring): its decisions (`ConversionPlan.summary`), sizes and
     memory estimate. `calibration_tokens`: tokens of calibration data (data-aware methods)."""
-    cfg, config, method, args, targets = plan.cfg, plan.config, plan.method, plan.args, plan.targets
-    dtype = STORAGE_DTYPES[cfg.dtype]
+    config, method, args, targets = plan.config, plan.method, plan.args, plan.targets
+    dtype = STORAGE_DTYPES[plan.dtype]
     dense = empty_model(config, dtype)          # the dense numbers from a weightless model (linear in its blocks)
     dense_specs = tensor_specs(dense)
     before = count_parameters(dense)
@@ -73,8 +72,8 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
     hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") else 0
     calib = 0
     if method.needs_calibration:
-        tokens = calibration_tokens or cfg.calibration.tokens
-        calib = tokens * hidden * element * 2 + cfg.calibration.tokens * hidden * 4
+        tokens = calibration_tokens or plan.calibration.tokens
+        calib = tokens * hidden * element * 2 + plan.calibration.tokens * hidden * 4
     f32 = 4 // element if element < 4 else 1           # storage bytes -> float32 bytes
     E = max((layer.num_experts for layer in layers.values()), default=0)
     estimate = {"overhead": OVERHEAD_BYTES, "trunk": trunk * f32, "block": dense_block_bytes * f32,
@@ -85,12 +84,12 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
     return {
         **plan.summary(),
         "model_type": config.model_type, "model_class": model_class, "method": method.name,
-        "method_args": args, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+        "method_args": args, "num_experts": plan.moe.num_experts, "top_k": plan.moe.top_k,
         "num_moe_layers": len(targets), "moe_layers": [t.name for t in targets],
         "parameters": {"before": before, "after": count_parameters(model)},
         "dense_bytes": output_bytes(dense_specs), "output_bytes": sizes,
         "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": peak,
-        "estimate_parts_bytes": estimate, "dtype": cfg.dtype,
+        "estimate_parts_bytes": estimate, "dtype": plan.dtype,
     }
 
 
@@ -118,24 +117,22 @@ def check_fits(plan: ConversionPlan, report: dict | None = None) -> None:
     plan's `estimate`, when already made."""
     peak = (report or estimate(plan))["estimated_peak_bytes"]
     if peak > CPU_MEMORY:
-        raise UpcycleError(f"converting to {plan.cfg.moe.num_experts} experts needs an estimated {peak / GB:.1f} GB at "
+        raise UpcycleError(f"converting to {plan.moe.num_experts} experts needs an estimated {peak / GB:.1f} GB at "
                            f"its peak, more than this machine's {CPU_MEMORY / GB:.1f} GB of memory (the plan's parts "
                            f"without OUT: --dry-run)")
 
 
-def dry_run(cfg: ConvertConfig, out: str | None = None, *, overwrite: bool = False, recipe: str | None = None
-            ) -> dict:
-    """`upcycle convert --dry-run`: the method, its arguments and the model's config checked as a real run
-    checks them, OUT (when given) as the run's claim checks it, then the plan; no weight is read, nothing is
-    written."""
-    # a dry run writes nothing, the model cache too; it plans as a run with OUT would
-    plan = make_plan(cfg, writing=True, build=False, recipe=recipe)
+def dry_run(plan: ConversionPlan, out: str | None = None, *, overwrite: bool = False) -> dict:
+    """`upcycle convert --dry-run` of `plan` (made as a run with OUT makes it, with `build=False`: a dry run
+    writes nothing, the model cache too): OUT (when given) checked as the run's claim checks it, the inputs read
+    before the weights read and refused as the run refuses them, and the plan's estimate; no weight is read,
+    nothing is written."""
     report = estimate(plan)
     if out is not None:
         check_claim(out, kind="convert", given=plan.given, overwrite=overwrite)
         check_fits(plan, report)
     if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
         read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
-    elif cfg.calibration.data is not None:      # a user's calibration file, as the run's reading refuses it
-        calibration_corpus(cfg)
+    elif plan.calibration.data is not None:      # a user's calibration file, as the run's reading refuses it
+        calibration_corpus(plan)
     return report

@@ -14,15 +14,15 @@ from pathlib import Path
 from torch import nn
 
 from ..checkpoint.upcycle_format import save_folder_files
-from ..config import ConvertConfig
 from ..core.moe import MoELayer
-from ..core.surgery import install, plan_targets, tower_cfg, track_padding_masks
-from ..export.protocol import StockClass, export_entry
+from ..core.surgery import install, tower_cfg, track_padding_masks
+from ..export.protocol import export_entry
 from ..export.stock_folder import export_hf
 from ..probe import Probe
 from .blockwise import BlockVisit, MethodLayers, ReplayGroup, probe_and_calibration
 from .inputs import ConversionInputs
 from .orchestrator import BlockSource, run_conversion
+from .plan import ConversionPlan
 from .report import Converted
 
 
@@ -31,19 +31,19 @@ class InMemorySource(BlockSource):
     FFN (`blockwise.MethodLayers`), and every layer installed once all are built, so a method failing on any
     layer leaves the model untouched."""
 
-    def __init__(self, model: nn.Module, cfg: ConvertConfig, inputs: ConversionInputs) -> None:
-        self.model, self.cfg, self.inputs = model, cfg, inputs
+    def __init__(self, model: nn.Module, plan: ConversionPlan, inputs: ConversionInputs) -> None:
+        self.model, self.plan, self.inputs = model, plan, inputs
         self.built: dict[str, MoELayer] = {}
-        first = plan_targets(model, cfg.placement)[0]
+        first = plan.targets[0]
         # the conversion dtype, whose rounding the check allows
         self.compute_dtype = self.family.extract(model.get_submodule(first.path),
                                                  tower_cfg(model, self.family, first)).w_up.dtype
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
-        return probe_and_calibration(self.cfg, probe.inputs, self.inputs.calibration)
+        return probe_and_calibration(self.plan, probe.inputs, self.inputs.calibration)
 
     def layer_builder(self) -> MethodLayers:
-        return MethodLayers(self.model, self.family, self.cfg, self.inputs)
+        return MethodLayers(self.model, self.family, self.plan, self.inputs)
 
     def after_block(self, visit: BlockVisit, block: nn.Module, layer: MoELayer | None) -> None:
         if layer is not None:
@@ -56,21 +56,19 @@ class InMemorySource(BlockSource):
         return self.model
 
 
-def convert_in_memory(model: nn.Module, cfg: ConvertConfig, inputs: ConversionInputs, *, progress: bool = True,
+def convert_in_memory(model: nn.Module, plan: ConversionPlan, inputs: ConversionInputs, *, progress: bool = True,
                       phase=lambda message: None) -> Converted:
-    """Convert `model` in place as `cfg` says (checked: `validate.validate`; its dtype resolved) with `inputs`;
-    returns what it measured."""
-    return run_conversion(InMemorySource(model, cfg, inputs), cfg, inputs, progress=progress, phase=phase)
+    """Convert `model` in place as `plan` says with `inputs`; returns what it measured."""
+    return run_conversion(InMemorySource(model, plan, inputs), inputs, progress=progress, phase=phase)
 
 
-def write_model(model: nn.Module, directory: Path, cfg: ConvertConfig, chosen: tuple[StockClass | None, str | None],
-                tokenizer, probe_inputs: dict) -> dict:
-    """The upcycled model into `directory`: as the stock class `chosen` (`export.layout.choose_export`: the class,
-    or None and why none fits), checked against our model, or in the upcycle format. Returns the report's
+def write_model(model: nn.Module, directory: Path, plan: ConversionPlan, tokenizer, probe_inputs: dict) -> dict:
+    """The upcycled model into `directory`: as the plan's stock class (`export.layout.choose_export`), checked
+    against our model, or in the upcycle format (the report says why no class fits). Returns the report's
     `export` entry."""
-    stock, why_not = chosen
+    stock, why_not = plan.stock, plan.why_not_stock
     if stock is not None:
         return export_hf(model, directory, input_ids=probe_inputs["input_ids"],   # exports are decoders
-                         tolerance=cfg.check.export_tolerance, export_class=stock.name, tokenizer=tokenizer)
+                         tolerance=plan.check.export_tolerance, export_class=stock.name, tokenizer=tokenizer)
     save_folder_files(model, directory, tokenizer=tokenizer)
     return export_entry(None, why_not)

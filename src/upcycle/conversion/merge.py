@@ -39,7 +39,7 @@ from ..checkpoint.lazy import checkpoint_names
 from ..checkpoint.loading import DTYPES, load_tokenizer
 from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
-from ..config import ConvertConfig
+from ..config import SourcesConfig
 from ..core.devices import resolve_device
 from ..core.keyed import keyed_generator
 from ..core.surgery import Target
@@ -75,47 +75,47 @@ def _texts(path: str, where: str) -> list[str]:
         raise UpcycleError(f"{where}: {e}") from None
 
 
-def needed_groups(cfg: ConvertConfig, method: Method) -> set[str]:
+def needed_groups(sources: SourcesConfig, method: Method) -> set[str]:
     """The groups a merge replays: held-out text for the agreement report; the calibration text for the `data`
     router and for a method that needs calibration data; the prompts for the `prompts` router. Text nothing uses
     is not replayed (the replay is most of a merge's time)."""
     wanted = {"held_out"}
-    if cfg.sources.router == "data" or method.needs_calibration:
+    if sources.router == "data" or method.needs_calibration:
         wanted.add("calibration")
-    if cfg.sources.router == "prompts":
+    if sources.router == "prompts":
         wanted |= {"prompts", "negative_prompts"}
     return wanted
 
 
-def source_batches(cfg: ConvertConfig, tokenizer, index: int, kinds=GROUPS, rows: int | None = None,
+def source_batches(plan: ConversionPlan, tokenizer, index: int, kinds=GROUPS, rows: int | None = None,
                    ) -> dict[str, list[dict]]:
     """The token batches of source `index`, by group (those of `kinds`; a group without text is absent). The
     held-out documents are a seeded random `held_out` share of `data` unless `eval_data` is given."""
-    entry, c = cfg.sources.experts[index], cfg.calibration
+    entry, c = plan.sources.experts[index], plan.calibration
     where = f"sources.experts[{index}] ({entry.model})"
     docs = _texts(entry.data, where) if entry.data else []
     held = _texts(entry.eval_data, where) if entry.eval_data else []
     if docs and not entry.eval_data:
-        docs, held = held_out_split(docs, cfg.sources.held_out, cfg.seed + index)
+        docs, held = held_out_split(docs, plan.sources.held_out, plan.seed + index)
     groups = {"calibration": docs, "held_out": held, "prompts": list(entry.prompts),
               "negative_prompts": list(entry.negative_prompts)}
     out = {}
     for group, texts in groups.items():
         if texts and group in kinds:
             budget = c if group in ("calibration", "held_out") else dataclasses.replace(c, tokens=ALL_TOKENS)
-            out[group] = text_batches(tokenizer, texts, budget, seed=cfg.seed, embedding_rows=rows,
+            out[group] = text_batches(tokenizer, texts, budget, seed=plan.seed, embedding_rows=rows,
                                       where=f"{where}'s {group.replace('_', ' ')} text")
     return out
 
 
-def merge_groups(cfg: ConvertConfig, tokenizer, method: Method, rows: int | None = None) -> list[ReplayGroup]:
+def merge_groups(plan: ConversionPlan, tokenizer, method: Method, rows: int | None = None) -> list[ReplayGroup]:
     """Every source's replay groups that the merge needs (`needed_groups`), each reservoir-sampled at a target
     with a seed of its own."""
-    groups, kinds = [], tuple(g for g in GROUPS if g in needed_groups(cfg, method))
-    for i in range(len(cfg.sources.experts)):
-        for kind, batches in source_batches(cfg, tokenizer, i, kinds, rows).items():
+    groups, kinds = [], tuple(g for g in GROUPS if g in needed_groups(plan.sources, method))
+    for i in range(len(plan.sources.experts)):
+        for kind, batches in source_batches(plan, tokenizer, i, kinds, rows).items():
             def reservoir(target: Target, i=i, kind=kind) -> Reservoir:
-                return Reservoir(cfg.calibration.tokens, keyed_generator(cfg.seed, "reservoir", i, kind, target.name))
+                return Reservoir(plan.calibration.tokens, keyed_generator(plan.seed, "reservoir", i, kind, target.name))
 
             groups.append(ReplayGroup((i, kind), batches, reservoir))
     return groups
@@ -131,29 +131,28 @@ class MergedSource(StreamedBlocks):
     records_probe = False        # nothing here reproduces one dense model: no dense outputs, no verdict
 
     def __init__(self, plan: ConversionPlan, inputs: ConversionInputs, directory: Path) -> None:
-        cfg, method, planned = plan.cfg, plan.method, plan.planned
-        s, (base, sources) = cfg.sources, plan.opened
-        storage, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
+        method, planned = plan.method, plan.planned
+        s, (base, sources) = plan.sources, plan.opened
+        storage, device = DTYPES[plan.dtype], resolve_device(plan.device)
         self.tokenizer = load_tokenizer(base.path)
         if self.tokenizer is None and any(e.data or e.eval_data or e.prompts for e in s.experts):
-            raise UpcycleError(f"{cfg.model} has no tokenizer, so the sources' text and prompts cannot be read")
-        self.groups = merge_groups(cfg, self.tokenizer, method, embedding_rows(base.config))
+            raise UpcycleError(f"{plan.model} has no tokenizer, so the sources' text and prompts cannot be read")
+        self.groups = merge_groups(plan, self.tokenizer, method, embedding_rows(base.config))
         self.stock, self.why_not_hf = plan.stock, plan.why_not_stock      # the plan's: before a weight is read
         unique = {id(src.reader): src.reader for src in sources}
         reader = base.reader if s.non_ffn == "base" else AveragedReader(list(unique.values()))
         model = empty_model(base.config, COMPUTE_DTYPE)
         names, missing = checkpoint_names(model, reader)
         if missing:
-            raise UpcycleError(f"{cfg.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
+            raise UpcycleError(f"{plan.model}: the checkpoint's tensor names do not match {type(model).__name__}'s "
                                f"({len(missing)} not found, e.g. {missing[:3]})")
-        super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), cfg, directory,
-                         layout_of=plan.layout_of, planned=planned, export=self.stock)
+        super().__init__(StreamSource(reader, model, names, COMPUTE_DTYPE, storage, device), plan, directory)
         self.inputs = dataclasses.replace(inputs, tokenizer=self.tokenizer)    # the base's tokenizer reads the probe
         self.base, self.sources = base, sources
         self.export_info: dict = {}
         self.ours: ProbeThroughBlocks | None = None       # our outputs on the probe, for the stock check
         self.why_not_checked = (None if self.stock is None else "check.end_to_end: false"
-                                if cfg.check.end_to_end is False else stock_too_large(planned))
+                                if plan.check.end_to_end is False else stock_too_large(planned))
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
         if self.stock is not None and self.why_not_checked is None:    # the probe enters the first block now
@@ -165,7 +164,7 @@ class MergedSource(StreamedBlocks):
             self.ours.run(visit.tower, block)
 
     def layer_builder(self) -> SourceLayers:
-        return SourceLayers(self.cfg, self.inputs, self.model, self.base, self.sources, self.source)
+        return SourceLayers(self.plan, self.inputs, self.model, self.base, self.sources, self.source)
 
     def finish(self, probe: Probe) -> nn.Module:
         """The configs of the layout written (ours, or the stock class's); with a stock class, the stock model
@@ -177,7 +176,7 @@ class MergedSource(StreamedBlocks):
             return planned
         check = ({"checked": False, "why_not": self.why_not_checked} if self.ours is None else
                  check_stock_folder(self.directory, self.ours.output(), probe,
-                                    self.cfg.check.export_tolerance, self.family.outputs))
+                                    self.plan.check.export_tolerance, self.family.outputs))
         from ..export.layout import runtimes_note
 
         self.export_info = export_entry(self.stock, streamed=True, check=check,
@@ -186,7 +185,7 @@ class MergedSource(StreamedBlocks):
 
     def record(self, layers: list[LayerEntry]) -> dict:
         return {"why_not_promised": "experts from several models: nothing reproduces one dense model",
-                "sources": _sources_record(self.cfg, self.base, self.sources),
+                "sources": _sources_record(self.plan, self.base, self.sources),
                 "router_source_agreement": _agreement_summary(layers)}
 
 
@@ -198,7 +197,7 @@ def merge_sources(plan: ConversionPlan, inputs: ConversionInputs, directory: Pat
     t_start = time.perf_counter()
     source = MergedSource(plan, inputs, directory)
     load_s = time.perf_counter() - t_start
-    done = run_conversion(source, plan.cfg, source.inputs, progress=progress, phase=phase)
+    done = run_conversion(source, source.inputs, progress=progress, phase=phase)
     done.timings.load = load_s
     return done, source.export_info
 
@@ -207,24 +206,24 @@ def _absolute(path: str | None) -> str | None:
     return str(Path(path).resolve()) if path else None
 
 
-def _held_out_record(cfg: ConvertConfig, entry, index: int) -> dict | None:
+def _held_out_record(plan: ConversionPlan, entry, index: int) -> dict | None:
     """Where the source's held-out documents are (`upcycle analyze` reads them back): the whole `eval_data`,
     or `held_out_split(documents of data, share, seed)`; None without text."""
     if entry.eval_data:
         return {"file": _absolute(entry.eval_data), "split": None}
-    if entry.data and cfg.sources.held_out > 0:
-        return {"file": _absolute(entry.data), "split": {"share": cfg.sources.held_out, "seed": cfg.seed + index}}
+    if entry.data and plan.sources.held_out > 0:
+        return {"file": _absolute(entry.data), "split": {"share": plan.sources.held_out, "seed": plan.seed + index}}
     return None
 
 
-def _sources_record(cfg: ConvertConfig, base: Source, sources: list[Source]) -> dict:
+def _sources_record(plan: ConversionPlan, base: Source, sources: list[Source]) -> dict:
     """The report's `sources`: each source's model, data and held-out documents (`upcycle analyze` reads them
     back), and which source each expert came from."""
-    s = cfg.sources
+    s = plan.sources
     return {"router": s.router, "non_ffn": s.non_ffn, "shared_expert": s.shared_expert,
             "experts": [{"name": source_name(e.model, i), "model": e.model, "path": src.path,
                          "count": e.count, "data": _absolute(e.data), "eval_data": _absolute(e.eval_data),
-                         "held_out": _held_out_record(cfg, e, i), "prompts": len(e.prompts),
+                         "held_out": _held_out_record(plan, e, i), "prompts": len(e.prompts),
                          "negative_prompts": len(e.negative_prompts)}
                         for i, (e, src) in enumerate(zip(s.experts, sources, strict=True))],
             # expert e was made from source expert_source[e]: the routing analysis's groups

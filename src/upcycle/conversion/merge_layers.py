@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..checkpoint.streamed import StreamSource
-from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
@@ -28,6 +27,7 @@ from ..methods.source_router import centroid_row, expert_groups, source_agreemen
 from ..metrics.experts import similarity_and_diversity
 from .blockwise import BlockVisit, Replayed
 from .inputs import ConversionInputs
+from .plan import ConversionPlan
 from .report import LayerEntry, Timings
 from .sources import Source
 from .upcycle_layer import upcycle_layer
@@ -65,25 +65,25 @@ def _stack(parts: list[FFNWeights]) -> FFNWeights:
     return dataclasses.replace(parts[0], **{k: torch.cat([p.tensors()[k] for p in parts]) for k in keys})
 
 
-def merged_experts(cfg: ConvertConfig, inputs: ConversionInputs, target: Target, ffns: list[FFNWeights],
+def merged_experts(plan: ConversionPlan, inputs: ConversionInputs, target: Target, ffns: list[FFNWeights],
                    samples: dict[tuple[int, str], torch.Tensor]) -> tuple[FFNWeights, torch.Tensor, dict]:
     """The routed experts of one target (float32, stacked) from the sources' FFNs, its router rows from the
     groups' FFN-input samples, and its facts."""
     method, args = inputs.method, inputs.args
-    s = cfg.sources
+    s = plan.sources
     counts = [e.count for e in s.experts]
     parts, method_rows, facts = [], [], []
     for i, (entry, ffn) in enumerate(zip(s.experts, ffns, strict=True)):
-        init = method(ffn, args, num_experts=entry.count, top_k=min(cfg.moe.top_k, entry.count),
-                      generator=keyed_generator(cfg.seed, "source", i, target.tower, target.index),
-                      normalize_topk=cfg.moe.normalize_topk, activations=samples.get((i, "calibration")))
+        init = method(ffn, args, num_experts=entry.count, top_k=min(plan.moe.top_k, entry.count),
+                      generator=keyed_generator(plan.seed, "source", i, target.tower, target.index),
+                      normalize_topk=plan.moe.normalize_topk, activations=samples.get((i, "calibration")))
         parts.append(init.experts)
         method_rows.append(init.router_ED)
         facts.append(init.info)
     experts = _stack(parts)
     D = experts.hidden_size
     if s.router == "random":
-        router = random_router(sum(counts), D, s.router_std, keyed_generator(cfg.seed, target.tower, target.index))
+        router = random_router(sum(counts), D, s.router_std, keyed_generator(plan.seed, target.tower, target.index))
         rows = None
     else:
         kind = "calibration" if s.router == "data" else "prompts"
@@ -148,7 +148,7 @@ class SourceLayers:
     """Builds a target's MoE layer from the sources' FFNs of that block (read from their checkpoints, only those
     tensors) and the replay groups' FFN inputs (`blockwise.LayerBuilder`), with the layer's agreement facts."""
 
-    cfg: ConvertConfig
+    plan: ConversionPlan
     inputs: ConversionInputs        # the method and its arguments
     model: nn.Module
     base: Source
@@ -158,22 +158,22 @@ class SourceLayers:
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
                  timings: Timings) -> tuple[MoELayer, LayerEntry]:
         with timings.phase("upcycle"):
-            cfg, target, family = self.cfg, visit.target, family_of(self.model.config)
+            plan, target, family = self.plan, visit.target, family_of(self.model.config)
             samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
             prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
             ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.stream) for src in self.sources]
             shared = (read_ffn(family, block, prefix, tcfg, self.base.reader, self.stream)
-                      if cfg.sources.shared_expert else None)
-            experts, router, info = merged_experts(cfg, self.inputs, target, ffns, samples)
+                      if plan.sources.shared_expert else None)
+            experts, router, info = merged_experts(plan, self.inputs, target, ffns, samples)
             init = ExpertInit(experts, router,
                               shared=shared.map(lambda t: t.unsqueeze(0)) if shared is not None else None)
-            layer = upcycle_layer(init, cfg.moe, dtype=self.stream.storage,
+            layer = upcycle_layer(init, plan.moe, dtype=self.stream.storage,
                                   output_dropout=family.output_dropout(tcfg))
-            names_of = [f"{i}:{e.model}" for i, e in enumerate(cfg.sources.experts)]
+            names_of = [f"{i}:{e.model}" for i, e in enumerate(plan.sources.experts)]
             facts = info.pop("method_facts")
             entry = LayerEntry(target.name, target.path, facts, *similarity_and_diversity(experts),
                                sources={**info, **layer_agreement(layer, ffns, samples, names_of,
-                                                                  [e.count for e in cfg.sources.experts]),
+                                                                  [e.count for e in plan.sources.experts]),
                                         "tokens": {f"{names_of[i]}/{kind}": int(x.shape[0])
                                                    for (i, kind), x in samples.items()}})
             for src in self.sources:

@@ -24,14 +24,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import ConvertConfig
 from ..core.architectures import Family, family_of
 from ..core.moe import MoELayer
-from ..core.surgery import Target, plan_targets, tower_cfg
+from ..core.surgery import Target, tower_cfg
 from ..probe import Probe, ProbeOutput, compare, make_probe, probe_output
 from .blockwise import BlockVisit, LayerBuilder, ReplayGroup, convert_blocks
 from .calibration import real_tokens
 from .inputs import ConversionInputs
+from .plan import ConversionPlan
 from .preservation import count_parameters, rounding_noise
 from .report import CalibrationSummary, Converted, Timings
 
@@ -42,6 +42,7 @@ class BlockSource:
     replay groups and the layer builder; the rest has defaults for a model held whole, checked end to end."""
 
     model: nn.Module
+    plan: ConversionPlan
     compute_dtype: torch.dtype
     streamed: bool = False
     desc: str = "upcycling blocks"
@@ -50,7 +51,9 @@ class BlockSource:
 
     @property
     def family(self) -> Family:
-        return family_of(self.model.config)
+        """The plan's family, decided once; a source without a plan (a test's) looks up its model's."""
+        plan = getattr(self, "plan", None)
+        return plan.family if plan is not None else family_of(self.model.config)
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
         """The probe through the dense model, before any weight changes; None: no end-to-end check."""
@@ -91,26 +94,26 @@ class BlockSource:
         return {}
 
 
-def run_conversion(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, *, progress: bool = True,
+def run_conversion(source: BlockSource, inputs: ConversionInputs, *, progress: bool = True,
                    phase: Callable[[str], None] = lambda message: None) -> Converted:
-    """Convert `source`'s model as `cfg` says (checked by `validate.validate`) with what `inputs` holds, and
+    """Convert `source`'s model as its plan says (`plan.make_plan`) with what `inputs` holds, and
     return what was measured (its `timings.load` is the caller's to set); on any failure the source lets go of
     what it holds (`abort`) before the error goes on."""
     try:
-        return _run(source, cfg, inputs, progress, phase)
+        return _run(source, inputs, progress, phase)
     except BaseException:
         source.abort()
         raise
 
 
-def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, progress: bool, phase) -> Converted:
+def _run(source: BlockSource, inputs: ConversionInputs, progress: bool, phase) -> Converted:
     """`run_conversion`'s steps, in order (the module docstring)."""
-    timings = Timings(load=0.0)
+    timings, plan = Timings(load=0.0), source.plan
     model, promised, calibration = source.model, inputs.promised, inputs.calibration
-    targets = plan_targets(model, cfg.placement)
+    targets = plan.targets
     with timings.phase("dense_probe"):
         before = count_parameters(model)
-        probe = make_probe(model, inputs.tokenizer, inputs.texts, cfg.check, cfg.seed, inputs.text_source)
+        probe = make_probe(model, inputs.tokenizer, inputs.texts, plan.check, plan.seed, inputs.text_source)
         dense = source.dense_output(probe)
     with timings.phase("rounding_noise"):
         noise = source.rounding_noise(probe, dense, targets) if promised and dense is not None else None
@@ -127,7 +130,7 @@ def _run(source: BlockSource, cfg: ConvertConfig, inputs: ConversionInputs, prog
         model_class=type(upcycled).__name__, model_type=upcycled.config.model_type,
         moe_layers=[t.name for t in targets], before=before, after=count_parameters(upcycled), layers=layers,
         promised=promised, measured=measured, noise=noise, compute_dtype=source.compute_dtype,
-        probe=probe if source.records_probe else None, timings=timings, dtype=cfg.dtype, streamed=source.streamed,
+        probe=probe if source.records_probe else None, timings=timings, dtype=plan.dtype, streamed=source.streamed,
         calibration=None if not calibration else CalibrationSummary(
-            inputs.calibration_source, len(calibration), real_tokens(calibration), cfg.calibration.tokens),
+            inputs.calibration_source, len(calibration), real_tokens(calibration), plan.calibration.tokens),
         **source.record(layers))

@@ -22,21 +22,19 @@ from torch import nn
 
 from ..checkpoint.loading import load_model
 from ..checkpoint.save_load import mark_upcycled
-from ..config import ConvertConfig, to_dict
-from ..errors import UpcycleError
+from ..config import ConvertConfig
 from ..files import json_text
 from ..outputs.claims import Claim, claim_output
 from ..progress import Phases
 from .dry_run import check_fits
 from .in_memory import convert_in_memory
-from .inputs import ConversionInputs, promises_dense_function, with_resolved_dtype
+from .inputs import ConversionInputs
 from .model_data import read_inputs
 from .plan import ConversionPlan, make_plan
 from .report import ConversionReport, PreservationError, checked_report
 from .routes import ROUTES
-from .validate import validate
 
-__all__ = ["Conversion", "PreservationError", "convert", "upcycle_model", "validate"]
+__all__ = ["Conversion", "PreservationError", "convert", "upcycle_model"]
 
 
 @dataclass
@@ -85,10 +83,10 @@ def execute(plan: ConversionPlan, claim: Claim | None, progress: bool = True, pl
             route = ROUTES[plan.route](plan, inputs, tmp)
             done = route.run(progress, phases)
             done.timings.load += reading_s
-            report = checked_report(plan.cfg, plan.method, plan.args, done, method_name=route.method_name)
+            report = checked_report(plan, done, method_name=route.method_name)
             if claim is not None:
                 report.export = route.write(report)
-                _finish(tmp, plan.cfg, report, phases, claim)
+                _finish(tmp, plan, report, phases, claim)
         return Conversion(route.model, route.tokenizer, report, claim.out if claim is not None else None, plan)
     finally:
         phases.close()
@@ -100,20 +98,17 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
     `texts`: the probe's text (read with `tokenizer`; default: seeded random token ids). `calibration`: model-input
     batches (e.g. `calibration.text_batches`) whose FFN inputs data-aware methods use; when given, the report adds
     each layer's routing of those tokens at init."""
-    if cfg.sources.experts:
-        raise UpcycleError("a merge of several source models reads them from disk: use convert(cfg, out)")
-    method, args = validate(cfg)
-    cfg = with_resolved_dtype(cfg, model=model)       # a model given in memory computes in its own dtype
-    inputs = ConversionInputs(method, args, promises_dense_function(method, args, cfg), tokenizer=tokenizer,
-                              texts=texts, calibration=calibration, calibration_source="batches")
-    done = convert_in_memory(model, cfg, inputs, progress=progress)
+    plan = make_plan(cfg, writing=False, model=model)     # a model given in memory computes in its own dtype
+    inputs = ConversionInputs(plan.method, plan.args, plan.promised, tokenizer=tokenizer, texts=texts,
+                              calibration=calibration, calibration_source="batches")
+    done = convert_in_memory(model, plan, inputs, progress=progress)
     mark_upcycled(model)        # from here on its save_pretrained writes the upcycle format (upcycle.save too)
-    return checked_report(cfg, method, args, done)
+    return checked_report(plan, done)
 
 
-def _finish(tmp: Path, cfg: ConvertConfig, report: ConversionReport, phases: Phases, claim: Claim) -> None:
+def _finish(tmp: Path, plan: ConversionPlan, report: ConversionReport, phases: Phases, claim: Claim) -> None:
     """The files every conversion ends with: its config, and its report, the last file written (a folder
     holding a report is whole)."""
-    (tmp / "run_config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    (tmp / "run_config.yaml").write_text(yaml.safe_dump(plan.settings))
     (tmp / "upcycle_report.json").write_text(json_text(report.to_dict(), indent=2, where="upcycle_report.json"))
     phases(f"written to {claim.out}")

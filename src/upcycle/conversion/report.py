@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..probe import Probe
+    from .plan import ConversionPlan
 
 
 @dataclass
@@ -297,8 +298,7 @@ class Converted:
     router_source_agreement: dict | None = None
 
 
-def conversion_report(cfg, method, args: dict, done: Converted, *, method_name: str | None = None
-                      ) -> ConversionReport:
+def conversion_report(plan: ConversionPlan, done: Converted, *, method_name: str | None = None) -> ConversionReport:
     """The report of a conversion: the preservation verdict from the whole-model comparison (when it ran)
     and every layer's own check (`refuse_if_broken` then refuses a broken promise)."""
     from .preservation import preservation_tolerance
@@ -306,7 +306,7 @@ def conversion_report(cfg, method, args: dict, done: Converted, *, method_name: 
     measured, promised = done.measured, done.promised
     allowed = passed = None
     if measured is not None and promised:
-        allowed = preservation_tolerance(measured["output_scale"], done.noise, done.compute_dtype, cfg.check)
+        allowed = preservation_tolerance(measured["output_scale"], done.noise, done.compute_dtype, plan.check)
         passed = measured["max_abs_logit_diff"] <= allowed["allowed_max_abs_logit_diff"]
     if promised:
         layer_results = [layer.check.passed for layer in done.layers if layer.check is not None]
@@ -318,28 +318,29 @@ def conversion_report(cfg, method, args: dict, done: Converted, *, method_name: 
     if probe is not None:
         shape = list((probe.inputs["input_ids"] if "input_ids" in probe.inputs else probe.inputs["pixel_values"]).shape)
     preservation = Preservation(
-        promised=promised, tolerance=cfg.check.tolerance,
+        promised=promised, tolerance=plan.check.tolerance,
         relative_logit_diff=measured["relative_logit_diff"] if measured else None,
-        relative_tolerance=cfg.check.relative_tolerance, passed=passed if promised else None,
+        relative_tolerance=plan.check.relative_tolerance, passed=passed if promised else None,
         allowance=Allowance(**allowed) if allowed else None,
         compared_output=measured["compared_output"] if measured else "per-layer only",
         compared_rows=measured["compared_rows"] if measured else 0,
         probe_source=probe.source if probe is not None else None, probe_shape=shape,
         end_to_end=measured is not None, why=done.why_not_promised)
     return ConversionReport(
-        upcycle_version=__version__, method=method_name or method.name, paper=method.paper, method_args=args,
-        source_model=cfg.model, model_class=done.model_class, model_type=done.model_type,
-        moe_layers=done.moe_layers, moe=cfg.moe,
+        upcycle_version=__version__, method=method_name or plan.method.name, paper=plan.method.paper,
+        method_args=plan.args,
+        source_model=plan.model, model_class=done.model_class, model_type=done.model_type,
+        moe_layers=done.moe_layers, moe=plan.moe,
         parameters=Parameters(ParameterCount(**done.before), ParameterCount(**done.after)),
         max_abs_logit_diff=measured["max_abs_logit_diff"] if measured else None,
         kl_to_dense=measured["kl_to_dense"] if measured else None, preservation=preservation,
-        calibration=done.calibration, layers=done.layers, seed=cfg.seed, dtype=done.dtype or cfg.dtype,
+        calibration=done.calibration, layers=done.layers, seed=plan.seed, dtype=done.dtype or plan.dtype,
         timings=done.timings, streamed=done.streamed, sources=done.sources,
         router_source_agreement=done.router_source_agreement)
 
 
-def checked_report(cfg, method, args: dict, done: Converted, method_name: str | None = None) -> ConversionReport:
+def checked_report(plan: ConversionPlan, done: Converted, method_name: str | None = None) -> ConversionReport:
     """The conversion's report (`conversion_report`), refused when a promise broke (`refuse_if_broken`)."""
-    report = conversion_report(cfg, method, args, done, **({"method_name": method_name} if method_name else {}))
-    refuse_if_broken(report, cfg.check.noise_factor)
+    report = conversion_report(plan, done, method_name=method_name)
+    refuse_if_broken(report, plan.check.noise_factor)
     return report

@@ -43,18 +43,17 @@ class Route:
 
 class InMemoryRoute(Route):
     def run(self, progress: bool, phases) -> Converted:
-        cfg, started = self.plan.cfg, time.perf_counter()
-        self.model = dense_weights(cfg.model, self.plan.path, self.plan.config, cfg.dtype).to(
-            resolve_device(cfg.device))
+        plan, started = self.plan, time.perf_counter()
+        self.model = dense_weights(plan.model, plan.path, plan.config, plan.dtype).to(resolve_device(plan.device))
         load_s = time.perf_counter() - started
         phases("model loaded")
-        self.done = convert_in_memory(self.model, cfg, self.inputs, progress=progress, phase=phases)
+        self.done = convert_in_memory(self.model, plan, self.inputs, progress=progress, phase=phases)
         self.done.timings.load = load_s
         return self.done
 
     def write(self, report: ConversionReport) -> dict:
         with report.timings.phase("write"):
-            return write_model(self.model, self.directory, self.plan.cfg, (self.plan.stock, self.plan.why_not_stock),
+            return write_model(self.model, self.directory, self.plan,
                                self.tokenizer, self.done.probe.inputs)
 
 
@@ -64,7 +63,7 @@ class StreamedRoute(Route):
 
         phases("checkpoint opened (streaming)")
         self.source = StreamedSource(self.plan, self.inputs, self.directory)
-        return run_conversion(self.source, self.plan.cfg, self.inputs, progress=progress, phase=phases)
+        return run_conversion(self.source, self.inputs, progress=progress, phase=phases)
 
     def write(self, report: ConversionReport) -> dict:
         return self.source.written()

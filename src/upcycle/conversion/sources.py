@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ..checkpoint.loading import dense_config
 from ..checkpoint.reader import CheckpointReader
-from ..config import ConvertConfig
+from ..config import SourcesConfig
+from ..core.architectures import TOKEN_IDS, family_of
 from ..data.model_names import resolve_model_name
 from ..errors import UpcycleError
 
@@ -134,12 +135,15 @@ def shape_difference(base: CheckpointReader, other: CheckpointReader) -> str | N
     return None
 
 
-def open_sources(cfg: ConvertConfig) -> tuple[Source, list[Source]]:
-    """(base, one Source per expert entry), every source checked against the base (module docstring); refused
-    with the source and the first difference, before a weight is read."""
-    base = open_checkpoint(cfg.model)
+def open_sources(model: str, experts: SourcesConfig) -> tuple[Source, list[Source]]:
+    """(base `model`, one Source per expert entry), every source checked against the base (module docstring);
+    refused with the source and the first difference, before a weight is read. Merges take text models."""
+    base = open_checkpoint(model)
+    if any(t.input != TOKEN_IDS for t in family_of(base.config).towers_of(base.config).values()):
+        raise UpcycleError(f"several-source merges take text models; {model} ({base.config.model_type}) "
+                           f"has an image tower")
     sources = []
-    for i, entry in enumerate(cfg.sources.experts):
+    for i, entry in enumerate(experts.experts):
         where = f"sources.experts[{i}] ({entry.model})"
         if resolve_model_name(entry.model) == base.path:
             source = base
@@ -147,10 +151,10 @@ def open_sources(cfg: ConvertConfig) -> tuple[Source, list[Source]]:
             source = open_checkpoint(entry.model)
         why = architecture_difference(base.config, source.config) or shape_difference(base.reader, source.reader)
         if why is not None:
-            raise UpcycleError(f"{where} does not have the base's architecture and shapes ({cfg.model}): {why}")
+            raise UpcycleError(f"{where} does not have the base's architecture and shapes ({model}): {why}")
         why = tokenizer_difference(base.path, source.path) if source is not base else None
         if why is not None:
-            raise UpcycleError(f"{where} does not share the base's tokenizer ({cfg.model}): {why}")
+            raise UpcycleError(f"{where} does not share the base's tokenizer ({model}): {why}")
         sources.append(source)
     return base, sources
 

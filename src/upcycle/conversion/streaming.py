@@ -37,10 +37,9 @@ from ..checkpoint.loading import DTYPES
 from ..checkpoint.skeleton import bytes_by_block, tensor_specs
 from ..checkpoint.streamed import StreamSource
 from ..checkpoint.writer import ShardedWriter
-from ..config import ConvertConfig
 from ..core.architectures import family_of
 from ..core.moe import MoELayer
-from ..core.surgery import Target, plan_targets
+from ..core.surgery import Target
 from ..export.protocol import StockClass, export_entry
 from ..probe import Probe, ProbeOutput, lazy_probe_output, stock_probe_output
 from .blockwise import (
@@ -98,21 +97,16 @@ class StreamedBlocks(BlockSource):
 
     streamed = True
 
-    def __init__(self, source: StreamSource, cfg: ConvertConfig, directory: Path, *, layout_of,
-                 export: StockClass | None = None, planned: nn.Module | None = None) -> None:
-        from ..checkpoint.writer import parse_size
+    def __init__(self, source: StreamSource, plan: ConversionPlan, directory: Path) -> None:
         from ..export.layout import export_specs
 
-        self.source, self.cfg, self.directory, self.export, self.layout_of = source, cfg, directory, export, layout_of
-        self.model, self.compute_dtype = source.model, source.dtype
-        self.planned = planned if planned is not None else planned_model(
-            self.model.config, cfg.moe, cfg.placement, layout_of, dtype=DTYPES[cfg.dtype])[0]
-        specs = tensor_specs(self.planned) if export is None else export_specs(self.planned, export)
+        self.source, self.plan, self.directory, self.export = source, plan, directory, plan.stock
+        self.model, self.compute_dtype, self.planned = source.model, source.dtype, plan.planned
+        specs = tensor_specs(self.planned) if self.export is None else export_specs(self.planned, self.export)
         self.planned_dtype = {name: dt for name, _, dt in specs}
-        targets = plan_targets(self.model, cfg.placement)
-        self.block_paths = [v.path for v in visits(self.model, self.family, targets, replay=False)]
+        self.block_paths = [v.path for v in visits(self.model, self.family, plan.targets, replay=False)]
         # the disk writes one block while the next is computed: at most one block's tensors wait in the queue
-        self.writer = ShardedWriter(directory, specs, max_shard_bytes=parse_size(cfg.shard_size),
+        self.writer = ShardedWriter(directory, specs, max_shard_bytes=plan.shard_bytes,
                                     max_pending_bytes=write_queue_bytes(largest_block_bytes(specs, self.block_paths)))
         self.first_inputs = source_first_inputs(source)
         self.trim_heap = HeapTrimmer()
@@ -182,10 +176,10 @@ class StreamedSource(StreamedBlocks):
     def __init__(self, plan: ConversionPlan, inputs: ConversionInputs, directory: Path) -> None:
         from ..checkpoint.skeleton import output_bytes
 
-        cfg, planned = plan.cfg, plan.planned
-        self.end_to_end = _end_to_end_wanted(cfg.check.end_to_end, output_bytes(tensor_specs(planned)))
+        planned = plan.planned
+        self.end_to_end = _end_to_end_wanted(plan.check.end_to_end, output_bytes(tensor_specs(planned)))
         self.stock, self.why_not = plan.stock, plan.why_not_stock       # the plan's: before a tensor is written
-        super().__init__(plan.stream, cfg, directory, layout_of=plan.layout_of, export=self.stock, planned=planned)
+        super().__init__(plan.stream, plan, directory)
         self.inputs = inputs
 
     def dense_output(self, probe: Probe) -> ProbeOutput | None:
@@ -197,10 +191,10 @@ class StreamedSource(StreamedBlocks):
         return (dense.values_NC - reordered.values_NC).abs().max().item()
 
     def replay_groups(self, probe: Probe) -> list[ReplayGroup]:
-        return probe_and_calibration(self.cfg, probe.inputs, self.inputs.calibration)
+        return probe_and_calibration(self.plan, probe.inputs, self.inputs.calibration)
 
     def layer_builder(self) -> MethodLayers:
-        return MethodLayers(self.model, self.family, self.cfg, self.inputs, layer_dtype=DTYPES[self.cfg.dtype])
+        return MethodLayers(self.model, self.family, self.plan, self.inputs, layer_dtype=DTYPES[self.plan.dtype])
 
     def finish(self, probe: Probe) -> nn.Module:
         from ..export.layout import write_configs
@@ -214,8 +208,8 @@ class StreamedSource(StreamedBlocks):
             return stock_probe_output(self.directory, probe, self.source.dtype, self.family.outputs)
         # read back in the compute dtype, as the dense model ran: the skeleton in the storage dtype would run its
         # experts in bfloat16 and compare two precisions
-        cfg, source = self.cfg, self.source
-        reader_model, _ = planned_model(self.model.config, cfg.moe, cfg.placement, self.layout_of, dtype=source.dtype)
+        plan, source = self.plan, self.source
+        reader_model, _ = planned_model(self.model.config, plan.moe, plan.placement, plan.layout_of, dtype=source.dtype)
         written = StreamSource.open(self.directory, self.planned.config, source.dtype, model=reader_model,
                                     device=source.device)
         return lazy_probe_output(written, probe)

@@ -8,7 +8,7 @@ probe file, and a merge's sources.
 from __future__ import annotations
 
 from ..checkpoint.writer import parse_size
-from ..config import ConvertConfig
+from ..config import MoEConfig, SourcesConfig
 from ..core.devices import resolve_device
 from ..errors import UpcycleError
 from ..export.registry import STOCK_CLASSES
@@ -16,21 +16,24 @@ from ..files import file_problem
 from ..methods import Method, get_method
 
 
-def validate(cfg: ConvertConfig) -> tuple[Method, dict]:
-    """The method and its resolved arguments, once everything the conversion will need is known to be there."""
-    method = get_method(cfg.method)
-    args = method.resolve_args(cfg.method_args)
-    if not cfg.sources.experts:       # a merge refuses a method that reshapes experts, with its own reason
-        method.counts(cfg.moe.num_experts, cfg.moe.top_k, args)
-    resolve_device(cfg.device)
-    parse_size(cfg.shard_size)
-    if cfg.export_class != "auto" and cfg.export_class not in STOCK_CLASSES:
-        raise UpcycleError(f"export_class must be auto or one of {', '.join(STOCK_CLASSES)}, got {cfg.export_class!r}")
-    if cfg.check.text is not None and (problem := file_problem(cfg.check.text)):
-        raise UpcycleError(f"check.text {cfg.check.text}: {problem}")
-    if cfg.sources.experts:
-        _check_sources(cfg, method)
+def resolve_method(name: str, method_args: dict, moe: MoEConfig, *, merging: bool = False) -> tuple[Method, dict]:
+    """The method and its resolved arguments, its count rule checked against the MoE's (a merge refuses a method
+    that reshapes experts with its own reason, `plan.merge_layout`)."""
+    method = get_method(name)
+    args = method.resolve_args(method_args)
+    if not merging:
+        method.counts(moe.num_experts, moe.top_k, args)
     return method, args
+
+
+def check_settings(device: str, shard_size: str, export_class: str, probe_text: str | None) -> None:
+    """The device, the shard size, the export class and the probe file: usable before anything is read."""
+    resolve_device(device)
+    parse_size(shard_size)
+    if export_class != "auto" and export_class not in STOCK_CLASSES:
+        raise UpcycleError(f"export_class must be auto or one of {', '.join(STOCK_CLASSES)}, got {export_class!r}")
+    if probe_text is not None and (problem := file_problem(probe_text)):
+        raise UpcycleError(f"check.text {probe_text}: {problem}")
 
 
 def require_calibration(method: Method, calibration) -> None:
@@ -42,13 +45,12 @@ def require_calibration(method: Method, calibration) -> None:
                            f"is used")
 
 
-def _check_sources(cfg: ConvertConfig, method: Method) -> None:
+def check_sources(s: SourcesConfig, num_experts: int, method: Method, streaming: bool | str) -> None:
     """What a merge of several sources (`merge.py`) needs beyond its keys' own ranges."""
-    s = cfg.sources
     counts = [e.count for e in s.experts]
-    if sum(counts) != cfg.moe.num_experts:
+    if sum(counts) != num_experts:
         raise UpcycleError(f"moe.num_experts must be {sum(counts)}, the experts the sources make (counts {counts}), "
-                           f"got {cfg.moe.num_experts}")
+                           f"got {num_experts}")
     for i, e in enumerate(s.experts):
         where = f"sources.experts[{i}] ({e.model})"
         for key in ("data", "eval_data"):
@@ -60,6 +62,6 @@ def _check_sources(cfg: ConvertConfig, method: Method) -> None:
             raise UpcycleError(f"{where}: sources.router prompts needs each source's prompts (prompts: [...])")
         if method.needs_calibration and e.count > 1 and e.data is None:
             raise UpcycleError(f"{where}: method {method.name!r} needs the source's text (data: FILE)")
-    if cfg.streaming is False:
+    if streaming is False:
         raise UpcycleError("a several-source merge always streams (one block of one model in memory); "
                            "streaming: false is not available for it")

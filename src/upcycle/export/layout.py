@@ -237,17 +237,17 @@ def write_stock_configs(model: nn.Module, target: StockClass, directory: Path, t
     return config
 
 
-def choose_export(model: nn.Module, cfg) -> tuple[StockClass | None, str | None]:
+def choose_export(model: nn.Module, export: str, export_class: str) -> tuple[StockClass | None, str | None]:
     """The stock class a conversion writes (`export: hf`), decided once for every conversion path: (the class,
     None), or (None, why) when `export_class: auto` finds none that computes the model (the upcycle format is
     written instead, and the report says why). A class the user named that does not fit is an error.
     `model`: the upcycled model, or the weightless planned one (`planned.planned_model`)."""
-    if cfg.export != "hf":
+    if export != "hf":
         return None, None
     try:
-        return export_target(model, cfg.export_class), None
+        return export_target(model, export_class), None
     except UpcycleError as e:
-        if cfg.export_class != "auto":
+        if export_class != "auto":
             raise
         from tqdm.auto import tqdm
 
