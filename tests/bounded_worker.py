@@ -40,7 +40,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         from upcycle.config import CalibrationConfig
-        from upcycle.conversion.calibration import text_batches
+        from upcycle.data.model_inputs import text_batches
         from upcycle.data.packing import pack_documents
         from upcycle.data.text import read_texts
 

@@ -63,8 +63,8 @@ def child_convert(method: str, tokens: int) -> dict:
 def child_naive(tokens: int) -> dict:
     from upcycle.checkpoint.loading import load_dense
     from upcycle.config import CalibrationConfig, PlacementConfig
-    from upcycle.conversion.calibration import text_batches
     from upcycle.core.surgery import plan_targets
+    from upcycle.data.model_inputs import text_batches
     from upcycle.data.text import wikipedia_split
 
     t = time.perf_counter()

@@ -79,9 +79,9 @@ def child(mode: str, tokens: int, steps: int) -> dict:
     from upcycle.checkpoint.loading import load_dense
     from upcycle.config import CalibrationConfig, ConvertConfig, RegularizerConfig
     from upcycle.config_reader import build
-    from upcycle.conversion.calibration import text_batches
     from upcycle.conversion.pipeline import upcycle_model
     from upcycle.core.moe import moe_layers
+    from upcycle.data.model_inputs import text_batches
     from upcycle.data.text import wikipedia_split
     from upcycle.training.loss.objective import Objective
     from upcycle.training.step import train_step

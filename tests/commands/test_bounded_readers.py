@@ -203,7 +203,7 @@ def test_a_long_line_read_for_a_few_tokens_is_quick_within_its_memory_bound(lm, 
 
 def test_calibration_tokenizes_only_the_text_its_budget_takes(lm, tmp_path, tokenized_chars):
     from upcycle.config import CalibrationConfig
-    from upcycle.conversion.calibration import text_batches
+    from upcycle.data.model_inputs import text_batches
     from upcycle.data.packing import MAX_PIECE_CHARS
     from upcycle.data.text import read_texts
 

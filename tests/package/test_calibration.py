@@ -9,12 +9,13 @@ import torch
 from conftest import make_tiny
 from upcycle.config import CalibrationConfig, ConvertConfig, PlacementConfig
 from upcycle.conversion.blockwise import CALIBRATION, convert_blocks, method_groups
-from upcycle.conversion.calibration import Capture, Reservoir, join_batches, text_batches
+from upcycle.conversion.calibration import Capture, Reservoir, join_batches
 from upcycle.conversion.orchestrator import BlockSource
 from upcycle.conversion.pipeline import upcycle_model
 from upcycle.conversion.report import Timings
 from upcycle.core.architectures import family_of, find_tower_layers
 from upcycle.core.surgery import plan_targets
+from upcycle.data.model_inputs import text_batches
 from upcycle.errors import UpcycleError
 
 

@@ -49,8 +49,8 @@ def test_documents_longer_than_the_model_are_cut_into_rows_without_the_tokenizer
     from transformers.tokenization_utils_base import logger
 
     from upcycle.config import CalibrationConfig
-    from upcycle.conversion.calibration import text_batches
     from upcycle.data.clip_pairs import caption_tokenizer
+    from upcycle.data.model_inputs import text_batches
 
     document = " ".join(["the cat sat on the mat"] * 20)           # 120 words, model_max_length 16
     tokenizer = caption_tokenizer([document], max_length=16)

@@ -99,9 +99,10 @@ def test_the_probe_the_timings_and_the_record_are_made_in_one_place():
 
 
 def test_one_function_builds_every_conversions_moe_layer():
-    """A method's conversion and a merge build their layers through `upcycle_layer`, the one caller of
-    `MoELayer.from_init` in the conversion; each route is chosen from the plan in one table."""
-    assert _calls("from_init") == ["upcycle_layer.py"]
+    """A method's conversion and a merge build their layers through `upcycle_layer`, the conversion's one caller
+    of `core.layer_build` (where every MoE layer built from weights is made); each route is chosen from the plan in
+    one table."""
+    assert _calls("from_init") == [] and _calls("layer_from_weights") == ["upcycle_layer.py"]
     assert sorted(_calls("upcycle_layer")) == ["blockwise.py", "merge_layers.py"]
     assert _calls("make_plan") == ["pipeline.py", "pipeline.py"]      # convert and upcycle_model
 

@@ -44,6 +44,7 @@ from ..core.devices import resolve_device
 from ..core.keyed import keyed_generator
 from ..core.surgery import Target
 from ..data.held_out import held_out_split
+from ..data.model_inputs import text_batches
 from ..data.text import read_texts
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
@@ -54,7 +55,7 @@ from ..methods import Method
 from ..methods.source_router import expert_groups
 from ..probe import Probe
 from .blockwise import BlockVisit, ReplayGroup
-from .calibration import Reservoir, text_batches
+from .calibration import Reservoir
 from .inputs import ConversionInputs
 from .merge_layers import SourceLayers
 from .merged_probe import ProbeThroughBlocks

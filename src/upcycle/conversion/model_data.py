@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 from ..checkpoint.loading import load_tokenizer
 from ..core.architectures import PIXELS, TOKEN_IDS, family_of
 from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
+from ..data.model_inputs import tensor_batches, text_batches
 from ..data.token_ids import check_token_ids, embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem
-from .calibration import tensor_batches, text_batches
 from .inputs import ConversionInputs
 from .plan import MERGED, ConversionPlan
 

@@ -96,7 +96,7 @@ def upcycle_model(model: nn.Module, cfg: ConvertConfig, *, tokenizer=None, texts
                   calibration: list[dict] | None = None, progress: bool = True) -> ConversionReport:
     """Convert `model` (in memory) in place as `cfg` says and return the report; nothing is written.
     `texts`: the probe's text (read with `tokenizer`; default: seeded random token ids). `calibration`: model-input
-    batches (e.g. `calibration.text_batches`) whose FFN inputs data-aware methods use; when given, the report adds
+    batches (e.g. `data.model_inputs.text_batches`) whose FFN inputs data-aware methods use; when given, the report adds
     each layer's routing of those tokens at init."""
     plan = make_plan(cfg, writing=False, model=model)     # a model given in memory computes in its own dtype
     inputs = ConversionInputs(plan.method, plan.args, plan.promised, tokenizer=tokenizer, texts=texts,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
+from ..core.layer_build import layer_from_weights
 from ..core.moe import MoELayer
 from ..methods import ExpertInit
 
@@ -13,6 +14,5 @@ from ..methods import ExpertInit
 def upcycle_layer(init: ExpertInit, moe: MoEConfig, *, dtype: torch.dtype, output_dropout: float = 0.0) -> MoELayer:
     """The MoE layer holding `init`'s experts, router rows (and bias) and shared experts, with the conversion's
     MoE options, built in `dtype` on the device the experts are on (the GPU with --device cuda)."""
-    with torch.device(init.experts.w_up.device):
-        return MoELayer.from_init(init.experts, init.router_ED, config=moe, shared=init.shared,
-                                  router_bias_E=init.router_bias_E, dtype=dtype, output_dropout=output_dropout)
+    return layer_from_weights(init.experts, init.router_ED, moe, shared=init.shared, router_bias_E=init.router_bias_E,
+                              dtype=dtype, output_dropout=output_dropout)

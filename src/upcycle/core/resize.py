@@ -29,28 +29,19 @@ import hashlib
 
 import torch
 
-from ..config import MoEConfig
 from ..errors import UpcycleError
 from .ffn import FFNWeights
+from .layer_build import layer_like
 from .moe import MoELayer
 
 
 def _rebuilt(layer: MoELayer, index_E: torch.Tensor, bias_E: torch.Tensor | None) -> MoELayer:
     """A layer of `layer`'s structure and options whose expert e is `layer`'s expert index_E[e] (router row,
     selection bias and weights), with router bias `bias_E` (None: none)."""
-    old = layer.experts
-    weights = old.weights()
-    index = index_E.to(old.w_down.device)
-    picked = weights.map(lambda t: t.index_select(0, index).clone())
-    config = MoEConfig(**{**vars(layer.config), "num_experts": len(index_E)})
-    shared = layer.shared_experts.weights() if layer.shared_experts is not None else None
-    with torch.device(old.w_down.device):
-        new = MoELayer.from_init(picked, layer.router.weight.detach().index_select(0, index).clone(), config=config,
-                                 shared=shared, router_bias_E=bias_E, dtype=old.w_down.dtype,
-                                 output_dropout=layer.dropout.p)
-    with torch.no_grad():
-        new.selection_bias.copy_(layer.selection_bias.index_select(0, index))
-    return new.train(layer.training)
+    index = index_E.to(layer.experts.w_down.device)
+    picked = layer.experts.weights().map(lambda t: t.index_select(0, index).clone())
+    return layer_like(layer, picked, layer.router.weight.detach().index_select(0, index).clone(), bias_E,
+                      layer.selection_bias.index_select(0, index))
 
 
 def select_experts(layer: MoELayer, keep: list[int], logit_shift: list[float] | None = None) -> MoELayer:
@@ -148,17 +139,11 @@ def append_experts(layer: MoELayer, experts: FFNWeights, rows_ND: torch.Tensor,
     device, dtype = old.w_down.device, old.w_down.dtype
     stacked = FFNWeights(**{k: torch.cat([present[k], added[k].to(device, dtype)]) for k in present},
                          activation=old.activation)
-    config = MoEConfig(**{**vars(layer.config), "num_experts": E + n})
     router = torch.cat([layer.router.weight.detach(), rows_ND.to(layer.router.weight)])
     bias = None
     if layer.router.bias is not None or bias_N is not None:
         base = layer.router.bias.detach() if layer.router.bias is not None else torch.zeros(E, device=router.device)
         extra = bias_N.to(router) if bias_N is not None else torch.zeros(n, device=router.device)
         bias = torch.cat([base, extra])
-    shared = layer.shared_experts.weights() if layer.shared_experts is not None else None
-    with torch.device(device):
-        new = MoELayer.from_init(stacked, router, config=config, shared=shared, router_bias_E=bias, dtype=dtype,
-                                 output_dropout=layer.dropout.p)
-    with torch.no_grad():
-        new.selection_bias[:E].copy_(layer.selection_bias)
-    return new.train(layer.training)
+    selection = torch.cat([layer.selection_bias.detach(), torch.zeros(n).to(layer.selection_bias)])
+    return layer_like(layer, stacked, router, bias, selection)

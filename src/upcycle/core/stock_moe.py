@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .hooks import HookHolder
 from .moe import MoELayer
 from .router import RoutingRecord
 from .routing_context import ROUTING
@@ -31,7 +32,7 @@ def is_stock_moe(model_or_config) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class StockRouting:
+class StockRouting(HookHolder):
     """The latest routing record of each router of a stock MoE model, by router name."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -57,11 +58,6 @@ class StockRouting:
                                                topk_weights_TK=weights_TK.float(), kept_TK=None, mask_T=mask)
         return hook
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
 
 def stock_moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The sparse MoE blocks of a stock model, by name: modules whose `gate` is a `*TopKRouter` and whose
@@ -77,11 +73,14 @@ def as_moe_layer(block: nn.Module, activation: str) -> MoELayer:
     """An upcycle `MoELayer` with the routed experts and router of a stock block (a copy; its shared expert, an
     always-on MLP, is left out): the same routing and the same experts for the analysis' metrics. Mixtral's
     router always renormalizes the top-k weights; Qwen's read `norm_topk_prob`."""
+    from ..config import MoEConfig
     from .ffn import FFNWeights
+    from .layer_build import layer_from_weights
 
     router, experts = block.gate, block.experts
     F_ = experts.gate_up_proj.shape[1] // 2
     weights = FFNWeights(w_gate=experts.gate_up_proj[:, :F_], w_up=experts.gate_up_proj[:, F_:],
                          w_down=experts.down_proj, activation=activation)
-    return MoELayer.from_init(weights, router.weight.float(), top_k=router.top_k,
-                              normalize_topk=getattr(router, "norm_topk_prob", True))
+    config = MoEConfig(num_experts=weights.num_experts, top_k=router.top_k,
+                       normalize_topk=getattr(router, "norm_topk_prob", True))
+    return layer_from_weights(weights, router.weight.float(), config)

@@ -4,7 +4,7 @@ router row from the fine-tune's own text (`methods.source_router.centroid_row`: 
 layer's inputs on that text), scaled to the mean norm of the layer's rows so its logits are on their scale.
 
 The fine-tune is checked against the model's base before anything is written (`check_finetune`): the same
-architecture and sizes (`conversion.sources.architecture_difference`) and the same tokenizer (the model reads the
+architecture and sizes (`checkpoint.differences.architecture_difference`) and the same tokenizer (the model reads the
 fine-tune's text and routes its tokens; another token map would train and route other tokens).
 """
 
@@ -26,9 +26,9 @@ from .expert_count import moe_inputs, replace_layer
 def check_finetune(model: str, finetune: str) -> None:
     """Refuse a fine-tune that is not of the upcycle folder `model`'s base: its architecture, sizes or tokenizer
     (config and tokenizer files only: no weight is read)."""
+    from ..checkpoint.differences import architecture_difference, tokenizer_difference
     from ..checkpoint.loading import dense_config
     from ..checkpoint.upcycle_format import base_config
-    from ..conversion.sources import architecture_difference, tokenizer_difference
 
     _, theirs = dense_config(finetune, wanted_by="--add takes a dense fine-tune of the model's base")
     why = architecture_difference(base_config(model), theirs)

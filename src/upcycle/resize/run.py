@@ -34,8 +34,8 @@ import torch
 from ..checkpoint.loading import TOKENIZER_FOLDER_FILES, load_model
 from ..checkpoint.upcycle_format import MOE_CONFIG, save_folder_files
 from ..config import CalibrationConfig, CheckConfig
-from ..conversion.calibration import text_batches
 from ..core.stock_moe import is_stock_moe
+from ..data.model_inputs import text_batches
 from ..data.model_names import model_inputs
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError

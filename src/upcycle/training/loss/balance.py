@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...core.hooks import HookHolder
 from ...core.moe import MoELayer, moe_layers
 from ...core.router import expert_counts
 from ...core.routing_context import ROUTING
 
 
-class AuxFreeBalancer:
+class AuxFreeBalancer(HookHolder):
     """Counts each MoE layer's expert selections during training forwards; `step()` moves the biases."""
 
     def __init__(self, model: nn.Module, rate: float = 1e-3) -> None:
@@ -57,7 +58,3 @@ class AuxFreeBalancer:
         self.counts = {name: counts.to(device) for name, counts in self.counts.items()}
         return self
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

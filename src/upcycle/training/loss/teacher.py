@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from ...core.hooks import HookHolder
 from ...core.moe import MoELayer, moe_layers
 from ...core.router import token_entropy
 from ...core.routing_context import ROUTING
@@ -40,7 +41,7 @@ def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     return y_TD
 
 
-class EMATeacher:
+class EMATeacher(HookHolder):
     """EMA copies of a model's MoE layers; while `enabled`, each student MoE layer's training forward leaves the
     teacher's target in `self.pending`, from which `loss()` computes the EESD losses, averages and clears them."""
 
@@ -183,11 +184,6 @@ class EMATeacher:
             with torch.no_grad():
                 for key, t in targets.items():
                     local(t).copy_(shard_of(given[key], t))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 def _sharded_copy(layer: MoELayer, spec: dict) -> MoELayer:

@@ -52,3 +52,46 @@ def test_the_plans_hold_no_config_object():
         types = {field.name: str(field.type) for field in dataclasses.fields(plan)}
         assert len(types) > 5 and not [name for name, t in types.items()
                                        if any(config in t for config in WHOLE_CONFIGS)], plan
+
+
+def imported_units(folder: Path) -> set[str]:
+    """The package's sub-packages `folder`'s modules import (at module level or inside a function)."""
+    from test_import_graph import import_graph, layer_of
+
+    graph = import_graph()
+    prefix = "upcycle." + ".".join(folder.relative_to(PACKAGE).parts)
+    return {layer_of(target)[0] for module, targets in graph.items() if module.startswith(prefix)
+            for target in targets}
+
+
+def test_resize_imports_nothing_of_the_conversion():
+    """prune, grow and add-an-expert read calibration text (`data.model_inputs`) and compare a fine-tune with a base
+    (`checkpoint.differences`) through the layers below both, never through conversion/'s internals."""
+    units = imported_units(PACKAGE / "resize")
+    assert "upcycle.checkpoint" in units and "upcycle.data" in units        # the walk saw its imports
+    assert "upcycle.conversion" not in units
+
+
+def callers_of(name: str) -> list[str]:
+    """The package's modules that call `name(...)` or `<anything>.name(...)` (a comment or docstring does not)."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == name:
+                found.add(path.relative_to(PACKAGE).as_posix())
+    return sorted(found)
+
+
+def test_an_moe_layer_is_built_from_weights_in_one_module():
+    assert callers_of("from_init") == ["core/layer_build.py"]
+    assert callers_of("layer_from_weights") == ["conversion/upcycle_layer.py", "core/layer_build.py",
+                                                "core/stock_moe.py"]
+    assert callers_of("layer_like") == ["core/resize.py"]
+
+
+def test_forward_hooks_are_let_go_by_one_helper():
+    """Every object that owns hooks takes them off with `core.hooks.HookHolder.remove`, written once."""
+    defined = [f"{path.relative_to(PACKAGE).as_posix()}" for path in sorted(PACKAGE.rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+               and node.name == "remove"]
+    assert defined == ["core/hooks.py"]
