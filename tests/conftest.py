@@ -267,3 +267,22 @@ def pytest_configure(config):
         threads = worker_threads(cores, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+# `make durations`: each test's wall seconds (setup, call and teardown), one JSON line per test, into the folder
+# UPCYCLE_DURATIONS names (one file per xdist worker); tests/durations.py merges them into tests/durations.json,
+# which tests/rules/test_test_budget.py reads
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    folder = os.environ.get("UPCYCLE_DURATIONS")
+    if not folder:
+        return
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        slow = "slow" in report.keywords
+        line = json.dumps({"test": report.nodeid, "seconds": round(_DURATIONS.pop(report.nodeid), 3), "slow": slow})
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(Path(folder) / f"{worker}.jsonl", "a") as handle:
+            handle.write(line + "\n")

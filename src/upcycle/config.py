@@ -373,7 +373,7 @@ class TrainConfig:
     compile: bool = False           # torch.compile the model (docs/gpu.md: what compiles into one graph)
     # recompute activations in the backward pass: none, every block (full), or upcycle's MoE layers (moe)
     activation_checkpointing: str = choice("none", CHECKPOINTING)
-    # the memory each process may take, checked by the memory plan before the weights load (`--plan` prints it):
+    # the memory each process may take, checked by the memory plan before the weights load (`--dry-run` prints it):
     # auto = the device's memory (a GPU's; the machine's RAM shared by its processes), or a size such as 70GB
     memory_budget: str = "auto"
     train: tuple[str, ...] = ("all",)   # what trains at all: groups or globs (all, moe, routed, router, ...)

@@ -38,7 +38,7 @@ from upcycle.config import (
     to_dict,
 )
 from upcycle.config_reader import build, coerce
-from upcycle.conversion.pipeline import validate as validate_convert
+from upcycle.conversion.plan import make_plan
 from upcycle.errors import UpcycleError
 from upcycle.export.registry import STOCK_CLASSES
 
@@ -106,6 +106,11 @@ def test_a_flag_for_a_key_the_config_lacks_fails_when_the_parser_is_built():
             add_config_flags(argparse.ArgumentParser(), ConvertConfig, (ConfigFlag("--x", key, "help"),))
 
 
+def plan_run(cfg: ConvertConfig) -> None:
+    """The checks a conversion makes before a weight is read: its plan, as a run with OUT makes it."""
+    make_plan(cfg, writing=True, build=False)
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_choices_are_the_values_the_config_allows(command):
     cls, flags, _ = COMMANDS[command]
@@ -116,10 +121,10 @@ def test_choices_are_the_values_the_config_allows(command):
         assert default is None or default in choices
         for value in choices:       # each offered value passes the validator the run uses
             cfg = build(cls, nested(key, value))
-            validate_convert(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
+            plan_run(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
         with pytest.raises(UpcycleError, match=key):
             cfg = build(cls, nested(key, "not-a-choice"))
-            validate_convert(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
+            plan_run(cfg) if cls is ConvertConfig else None    # a TrainConfig checks itself
 
 
 @pytest.mark.parametrize("command", COMMANDS)

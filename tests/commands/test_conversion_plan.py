@@ -13,10 +13,10 @@ from upcycle.checkpoint.reader import CheckpointReader
 from upcycle.cli import main
 from upcycle.config import ConvertConfig
 from upcycle.config_reader import build
-from upcycle.conversion import pipeline
 from upcycle.conversion.pipeline import convert
 from upcycle.conversion.plan import IN_MEMORY, MERGED, STREAMED, make_plan
 from upcycle.errors import UpcycleError
+from upcycle.outputs import job
 
 SUMMARY = ("method", "method_args", "promised", "dtype", "route", "model_type", "moe_layers", "num_experts", "top_k",
            "export", "export_class", "why_not_export_class")
@@ -96,7 +96,7 @@ def test_weight_free_refusals_come_before_out_is_claimed(dense, tmp_path, monkey
                                                                    "intermediate_size": 48})).save_pretrained(narrow)
     text = json.dumps(keys).replace("{dense}", str(dense)).replace("{narrow}", str(narrow))
     keys = {"model": str(dense), **json.loads(text)}
-    monkeypatch.setattr(pipeline, "claim_output", _never)
+    monkeypatch.setattr(job, "claim_output", _never)        # the runner claims OUT for every command
     monkeypatch.setattr(CheckpointReader, "get", _never)
     with pytest.raises(UpcycleError, match=message):
         convert(cfg(**keys), tmp_path / "out", progress=False)

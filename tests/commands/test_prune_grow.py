@@ -430,10 +430,19 @@ def test_dry_run_refuses_what_the_command_would_refuse(tiny_lm, tmp_path, capsys
     dense, moe, train, _ = tiny_lm
     assert main(["prune", str(moe), str(tmp_path / "out"), "--num-experts", "1", *_flags(train), "--dry-run"]) == 2
     assert "keeps at least 2 experts" in capsys.readouterr().err
-    assert main(["grow", str(moe), str(tmp_path / "out"), "--add", str(dense), "--calibration", str(train),
-                 "--dry-run"]) == 2
-    assert "--dry-run plans a prune or a grow by --num-experts" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_added_expert_is_planned_by_its_dry_run(tiny_lm, tmp_path, capsys):
+    """grow --add plans one more expert per layer (the fine-tune's), as it then writes."""
+    dense, moe, train, _ = tiny_lm
+    out = tmp_path / "out"
+    assert main(["grow", str(moe), str(out), "--add", str(dense), "--calibration", str(train), "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"grow plan for {moe} (--add {dense})" in said and "experts 4 -> 5" in said and not out.exists()
+    assert main(["grow", str(moe), str(out), "--add", str(dense), "--calibration", str(train)]) == 0
+    written = json.loads((out / "upcycle_config.json").read_text())["layers"]
+    assert written and all(layer["num_experts"] == 5 for layer in written)
 
 def test_streaming_refuses_add_and_stock_folders_before_out_is_claimed(tiny_lm, tmp_path, capsys):
     dense, moe, train, _ = tiny_lm

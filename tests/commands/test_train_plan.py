@@ -16,8 +16,9 @@ def test_the_printed_plan_is_the_plan_the_run_consumes(tiny_lm, tmp_path, capsys
     _, moe, train, held = tiny_lm
     out = tmp_path / "run"
     argv = ["train", str(moe), str(out), "--data", str(train), "--eval-data", str(held), *FLAGS]
-    assert main([*argv, "--plan"]) == 0
+    assert main([*argv, "--dry-run"]) == 0
     printed = capsys.readouterr().out
+    assert main([*argv, "--plan"]) == 0 and capsys.readouterr().out == printed      # the older name, the same
     assert not out.exists()
     planned, micro = [], []
     real_plan, real_init = trainer.make_train_plan, trainer._Training.__init__

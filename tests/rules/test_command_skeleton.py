@@ -95,3 +95,27 @@ def test_forward_hooks_are_let_go_by_one_helper():
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
                and node.name == "remove"]
     assert defined == ["core/hooks.py"]
+
+
+PLANNING = {"convert": "conversion/pipeline.py", "train": "training/trainer.py", "prune": "resize/run.py",
+            "grow": "resize/run.py", "compare": "compare/study.py", "analyze": "analyze/run.py"}
+
+
+def test_one_runner_claims_every_planned_commands_output():
+    """convert, train, prune/grow, compare and analyze run their plan through `outputs.job.run_job` (check, claim
+    OUT, execute); none of their packages claims an output another way."""
+    assert sorted(set(PLANNING.values())) == [m for m in callers_of("run_job") if not m.startswith("outputs/")]
+    for package in ("conversion", "training", "resize", "compare", "analyze"):
+        claiming = [m for m in callers_of("claim_output") if m.startswith(package + "/")]
+        assert claiming == [], package
+    assert callers_of("claim_output") == sorted(set(callers_of("claim_output")))    # the walk returns modules
+
+
+def test_every_command_with_a_plan_takes_dry_run():
+    from upcycle.cli import parser
+
+    commands = parser(every_command=True)._subparsers._group_actions[0].choices
+    for name in PLANNING:
+        flags = {flag for action in commands[name]._actions for flag in action.option_strings}
+        assert "--dry-run" in flags, name
+    assert "--plan" in {f for a in commands["train"]._actions for f in a.option_strings}     # the older name stays

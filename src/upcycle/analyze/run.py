@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..checkpoint.loading import check_sequence_length, dense_config, load_dense
 from ..data.held_out import held_out_split
@@ -33,7 +34,8 @@ from ..figures.html_report import render_report
 from ..figures.plots import write_figures
 from ..files import file_problem, json_text
 from ..machine import machine
-from ..outputs.claims import Input, claim_output, inputs
+from ..outputs.claims import Input, inputs
+from ..outputs.job import NEW_OUTPUT, Claiming, run_job
 from .collect import capture, moe_modules, snapshot_metrics
 from .curves import run_curves
 from .encoder_sources import PairData, encoder_pairs, is_encoder_folder, pair_rows, text_rows
@@ -153,6 +155,13 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
             progress: bool = True, command: str | None = None) -> dict:
     """Analyze TARGET into the new folder OUT; returns the analysis (what analysis.json holds)."""
     started = time.perf_counter()
+    plan = make_analysis_plan(target, options, command)
+    return run_job(plan, out, lambda claim: _analyze(plan, claim, started, progress), overwrite=overwrite)
+
+
+def make_analysis_plan(target: str, options: AnalyzeOptions = AnalyzeOptions(), command: str | None = None
+                       ) -> AnalysisPlan:
+    """What `analyze` decides before a weight loads (`AnalysisPlan`), every refusal that needs no weight made."""
     check_options(options)
     resolved = resolve_target(target, options.checkpoints)
     encoder = is_encoder_folder(resolved.skeleton)
@@ -172,10 +181,8 @@ def analyze(target: str, out: str, options: AnalyzeOptions = AnalyzeOptions(), *
              *inputs(*(pairs.files() if pairs is not None else ())),
              *(Input(f"dense model's {what}" if what != "model" else "dense model", path)
                for name in {options.dense, resolved.dense, dense_name} - {None} for what, path in model_inputs(name))]
-    plan = AnalysisPlan(target, options, resolved, specs, sources_from, expert_source, dense_name, encoder, pairs,
-                        command)
-    with claim_output(out, kind="analyze", given=given, overwrite=overwrite) as claim:
-        return _analyze(plan, claim, started, progress)
+    return AnalysisPlan(target, options, resolved, specs, sources_from, expert_source, dense_name, encoder, pairs,
+                        command, given)
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,27 @@ class AnalysisPlan:
     encoder: bool
     pairs: PairData | None
     command: str | None
+    given: list[Input]                  # what OUT must never be
+    kind: ClassVar[str] = "analyze"     # the output's kind (`outputs.job.Plan`)
+    claiming: ClassVar[Claiming] = NEW_OUTPUT
+
+    def summary(self) -> dict:
+        """The decisions as plain values."""
+        r = self.resolved
+        return {"target": self.target, "kind": r.kind, "snapshots": [s.label for s in r.snapshots],
+                "sources": [spec.name for spec in self.specs], "sources_from": self.sources_from,
+                "dense": self.dense_name, "encoder": self.encoder, "notes": list(r.notes)}
+
+    def describe(self) -> str:
+        """The analysis as lines for a person (`upcycle analyze --dry-run`)."""
+        s = self.summary()
+        rows = "one text per row (encoder)" if self.encoder else "packed documents"
+        return "\n".join([f"analysis plan for {self.target} ({s['kind']}): {len(s['snapshots'])} snapshot(s) "
+                          f"({', '.join(s['snapshots'])})",
+                          f"  sources: {', '.join(s['sources']) or 'the pairs'} ({self.sources_from}); {rows}, "
+                          f"{self.options.tokens} tokens each",
+                          f"  KL to the dense model: {self.dense_name or 'none'}",
+                          *(f"  note: {note}" for note in s["notes"])])
 
 
 def _analyze(plan: AnalysisPlan, claim, started: float, progress: bool) -> dict:

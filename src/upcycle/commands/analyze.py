@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_number, default=d.seed)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--dry-run", dest="dry_run", action="store_true",
+                        help="print the snapshots, sources and dense model the analysis would use, after the checks "
+                             "it makes before loading a weight (OUT's too); writes nothing")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -45,6 +48,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                              sequence_length=args.sequence_length, checkpoints=args.checkpoints,
                              output_tokens=args.output_tokens, seed=args.seed, pairs=args.pairs)
     command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
+    if args.dry_run:
+        from ..analyze.run import make_analysis_plan
+        from ..outputs.job import dry_run_job
+
+        print(dry_run_job(make_analysis_plan(args.target, options, command), args.out,
+                          overwrite=bool(args.overwrite)))
+        return 0
     result = analyze(args.target, args.out, options, overwrite=args.overwrite, progress=not args.quiet,
                      command=command)
     print(json.dumps({"out": args.out, "snapshots": len(result["snapshots"]),

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after", dest="stop_after", type=whole_number,
                         help="stop a cell's training at this step with a checkpoint (run again to resume)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars (the cell lines stay)")
+    parser.add_argument("--dry-run", dest="dry_run", action="store_true",
+                        help="print every cell and whether it finished before, after the checks a run makes before "
+                             "its first cell (methods, arguments, recipes, OUT); writes nothing")
 
 
 CONVERT_FLAG_KEYS = ("moe.num_experts", "moe.top_k", "placement.every", "calibration.data", "calibration.tokens",
@@ -73,6 +76,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.quiet:
         quiet_transformers()
     command = " ".join(["upcycle", *(argv if argv is not None else sys.argv[1:])])
+    if args.dry_run:
+        from ..compare.plan import make_plan
+        from ..outputs.job import dry_run_job
+
+        print(dry_run_job(make_plan(request_from_args(args), args.out), args.out))
+        return 0
     from ..training.trainer import train
 
     summary = compare(request_from_args(args), args.out, train=train, progress=not args.quiet,

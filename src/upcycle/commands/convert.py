@@ -107,12 +107,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     # the recipe's file (a packaged one for a name) is an input, which OUT must not be
     recipe = None if args.config is None else str(recipe_path(args.config, "convert"))
     if args.dry_run:
-        from ..conversion.dry_run import describe, dry_run
+        from ..conversion.dry_run import dry_run
         from ..conversion.plan import make_plan
 
-        report = dry_run(make_plan(cfg, writing=True, build=False, recipe=recipe), args.out,
-                         overwrite=bool(args.overwrite))
-        print(describe(report))
+        text, report = dry_run(make_plan(cfg, writing=True, build=False, recipe=recipe), args.out,
+                               overwrite=bool(args.overwrite))
+        print(text)
         print(dumps(report))
         return 0
     if args.out is None:

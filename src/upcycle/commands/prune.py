@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, *, grow: bool =
         from ..resize.run import dry_run
 
         print(dry_run(args.model, request, grow=grow, budget=budget, streaming=bool(args.streaming), out=args.out,
-                      overwrite=bool(args.overwrite)).summary())
+                      overwrite=bool(args.overwrite)))
         return 0
     report = resize(args.model, args.out, request, grow=grow, budget=budget,
                     streaming=bool(args.streaming), overwrite=bool(args.overwrite),

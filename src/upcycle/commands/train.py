@@ -38,7 +38,7 @@ CONFIG_FLAGS = (
     ConfigFlag("--seed", "seed", "seed of the run"),
 )
 # Flags (by dest) that are about the run, not a config key; `model` is the positional that sets the key `model`.
-RUN_FLAGS = {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet", "plan"}
+RUN_FLAGS = {"help", "out", "config", "set", "resume", "stop_after", "overwrite", "quiet", "dry_run"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace an existing OUT that upcycle wrote, once the new run holds its first "
                              "checkpoint (never an input, a folder holding one, or the current directory)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--plan", action="store_true",
-                        help="print the run's memory plan per device (parameters, gradients, optimizer, activations "
-                             "with and without checkpointing) from the model's config, and exit; writes nothing")
+    parser.add_argument("--dry-run", "--plan", dest="dry_run", action="store_true",
+                        help="print the run's plan and its memory per device (parameters, gradients, optimizer, "
+                             "activations with and without checkpointing) from the model's config, and exit; writes "
+                             "nothing")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -79,15 +80,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from ..training.trainer import train
 
     cfg = train_config(args)
-    if args.plan:
+    if args.dry_run:
         import os
 
+        from ..outputs.job import dry_run_job
         from ..training.run_plan import make_train_plan
 
+        # OUT's refusal, and a plan that does not fit, are lines of the plan printed (`make_train_plan`'s printing)
         plan = make_train_plan(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite),
                                stop_after=args.stop_after, printing=True)
+        text = dry_run_job(plan, None)
         if os.environ.get("RANK", "0") == "0":     # under `accelerate launch`, one process says it
-            print(plan.describe())
+            print(text)
         return 0
     summary = train(cfg, args.out, resume=args.resume, overwrite=bool(args.overwrite), stop_after=args.stop_after,
                     progress=not args.quiet,

@@ -29,10 +29,8 @@ from ..runs.layout import LOG, checkpoints
 from ..runs.log import read_log
 from ..tasks.make import make_task
 from .diagnostics import diagnose, held_out_batches
-from .plan import Cell, Plan
+from .plan import RESULT, Cell, Plan
 from .request import DENSE
-
-RESULT = "cell.json"
 
 
 class Trainer(Protocol):

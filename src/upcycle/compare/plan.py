@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from ..checkpoint.loading import dense_config
 from ..config import ConvertConfig, TrainConfig, to_dict
@@ -39,6 +40,7 @@ from ..errors import UpcycleError
 from ..files import json_copy, read_json_file
 from ..methods import get_method
 from ..outputs.claims import Input, inputs
+from ..outputs.job import Claiming
 from .request import DENSE, CompareRequest, eesd_label, parse_grid, read_recipes
 from .text_calibration import CALIBRATION_TEXTS, TextCalibration, text_calibration
 
@@ -63,6 +65,9 @@ class Cell:
                           "train": to_dict(self.train)})
 
 
+RESULT = "cell.json"        # a cell's results, written when it finished
+
+
 @dataclass
 class Plan:
     out: Path
@@ -74,6 +79,26 @@ class Plan:
     calibration_pairs: tuple[Path, str | None] | None = None   # (file to write, CLIP data source) when needed
     calibration_texts: TextCalibration | None = None           # encoders: the training texts' file, when needed
     notes: list[str] = field(default_factory=list)
+    given: list[Input] = field(default_factory=list)            # what OUT must never be (`compare_inputs`)
+    kind: ClassVar[str] = "compare"                             # the output's kind (`outputs.job.Plan`)
+    # OUT is claimed cell by cell: invocations on disjoint cells may share it (one per seed, say), and one whose
+    # cells or conversions another running invocation holds is refused at its start (`study._record_start`)
+    claiming: ClassVar[Claiming] = Claiming(existing="continue", lock=False)
+
+    def summary(self) -> dict:
+        """The decisions as plain values: the grid, and each cell's plan (what its plan.json holds)."""
+        return {"out": str(self.out), "model": self.model, "task": self.task, "methods": list(self.methods),
+                "keep": self.keep, "cells": [cell.describe() for cell in self.cells], "notes": list(self.notes)}
+
+    def describe(self) -> str:
+        """The grid as lines for a person: each cell, and whether an earlier invocation finished it."""
+        lines = [f"compare plan for {self.model} ({self.task}) into {self.out}: {len(self.cells)} cells, methods "
+                 f"{', '.join(self.methods)} and the dense baseline"]
+        for cell in self.cells:
+            done = (self.folder(cell) / RESULT).is_file()
+            steps = cell.train.steps
+            lines.append(f"  {cell.name:<40} {steps} steps{'  (finished: skipped)' if done else ''}")
+        return "\n".join([*lines, *(f"  note: {note}" for note in self.notes)])
 
     def folder(self, cell: Cell) -> Path:
         return self.out / "cells" / cell.name
@@ -149,6 +174,7 @@ def make_plan(request: CompareRequest, out: str | Path) -> Plan:
     plan = Plan(out, request.model, task, tuple(methods), cells, request.keep, calibration,
                 text_calibration(root / CALIBRATION_TEXTS, from_texts) if from_texts else None)
     _check_out(plan, request)
+    plan.given = compare_inputs(plan, request)
     return plan
 
 

@@ -25,12 +25,12 @@ from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import read_json_file
 from ..machine import machine
-from ..outputs.claims import claim_output
+from ..outputs.job import run_job
 from ..outputs.ownership import folder_lock, read_record, record, replaceable, write_marker
 from ..outputs.staging import atomic_write, atomic_write_text, process_state, staged_directory
 from ..version import __version__
 from .cell import Trainer, finished, run_cell, write_json
-from .plan import FORMAT, STUDY, Plan, compare_inputs, make_plan
+from .plan import FORMAT, STUDY, Plan, make_plan
 from .request import DENSE, CompareRequest
 from .study_figures import write_figures
 from .table import markdown, rows
@@ -52,11 +52,8 @@ def compare(request: CompareRequest, out: str | Path, *, train: Trainer, progres
     `stop_after`: each cell's training stops at that step with a checkpoint (as an interruption would; run again to
     resume)."""
     plan = make_plan(request, out)
-    # OUT is claimed cell by cell: invocations on disjoint cells may share it (one per seed, say), and one whose
-    # cells or conversions another running invocation holds is refused at its start (`_record_start`)
-    with claim_output(plan.out, kind="compare", given=compare_inputs(plan, request), existing="continue",
-                      lock=False):
-        return _compare(plan, train=train, progress=progress, stop_after=stop_after, command=command)
+    return run_job(plan, plan.out, lambda claim: _compare(plan, train=train, progress=progress,
+                                                          stop_after=stop_after, command=command))
 
 
 def _compare(plan: Plan, *, train: Trainer, progress: bool, stop_after: int | None, command: str | None) -> dict:

@@ -31,7 +31,7 @@ from ..core.grouped_ffn import CPU_MEMORY
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..machine import PROCESS_BYTES
-from ..outputs.claims import check_claim
+from ..outputs.job import dry_run_job
 from .model_data import calibration_corpus, read_inputs
 from .plan import ConversionPlan
 from .preservation import count_parameters
@@ -93,18 +93,11 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
     }
 
 
-def describe(report: dict) -> str:
-    """The plan as lines for a person."""
+def sizes(report: dict) -> str:
+    """The estimate's sizes as lines for a person (below the plan's own description)."""
     gb = lambda n: f"{n / GB:.2f} GB"   # noqa: E731
     p = report["parameters"]
-    lines = [f"{report['model_class']} ({report['model_type']}) -> {report['num_moe_layers']} MoE layers, "
-             f"{report['num_experts']} experts, top-{report['top_k']}, method {report['method']}",
-             f"  MoE layers: {', '.join(report['moe_layers'])}",
-             f"  route: {report['route']}; dtype {report['dtype']}; "
-             f"{'promises' if report['promised'] else 'does not promise'} the dense function; export "
-             + (report["export_class"] or (f"upcycle format ({report['why_not_export_class']})"
-                                           if report["why_not_export_class"] else report["export"])),
-             f"  parameters: {p['before']['total']:,} -> {p['after']['total']:,} total; "
+    lines = [f"  parameters: {p['before']['total']:,} -> {p['after']['total']:,} total; "
              f"{p['before']['active_per_token']:,} -> {p['after']['active_per_token']:,} active per token",
              "  output on disk: " + ", ".join(f"{k} {gb(v)}" for k, v in report["output_bytes"].items()),
              f"  estimated peak memory ({report['dtype']}): {gb(report['estimated_peak_bytes'])} ("
@@ -122,17 +115,16 @@ def check_fits(plan: ConversionPlan, report: dict | None = None) -> None:
                            f"without OUT: --dry-run)")
 
 
-def dry_run(plan: ConversionPlan, out: str | None = None, *, overwrite: bool = False) -> dict:
+def dry_run(plan: ConversionPlan, out: str | None = None, *, overwrite: bool = False) -> tuple[str, dict]:
     """`upcycle convert --dry-run` of `plan` (made as a run with OUT makes it, with `build=False`: a dry run
-    writes nothing, the model cache too): OUT (when given) checked as the run's claim checks it, the inputs read
-    before the weights read and refused as the run refuses them, and the plan's estimate; no weight is read,
+    writes nothing, the model cache too), through the runner's dry run (`outputs.job.dry_run_job`: OUT, when
+    given, checked as the run's claim checks it, and the run's memory check), then the inputs the run reads before
+    its weights, refused as the run refuses them; returns the description and the estimate. No weight is read,
     nothing is written."""
     report = estimate(plan)
-    if out is not None:
-        check_claim(out, kind="convert", given=plan.given, overwrite=overwrite)
-        check_fits(plan, report)
+    text = dry_run_job(plan, out, check=lambda: check_fits(plan, report), overwrite=overwrite)
     if Path(plan.path).is_dir():       # the inputs the run reads before its weights, and their refusals
         read_inputs(plan)              # (the embedded model's cache, unbuilt here, is read by its run alone)
     elif plan.calibration.data is not None:      # a user's calibration file, as the run's reading refuses it
         calibration_corpus(plan)
-    return report
+    return text + "\n" + sizes(report), report

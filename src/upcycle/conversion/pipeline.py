@@ -24,7 +24,8 @@ from ..checkpoint.loading import load_model
 from ..checkpoint.save_load import mark_upcycled
 from ..config import ConvertConfig
 from ..files import json_text
-from ..outputs.claims import Claim, claim_output
+from ..outputs.claims import Claim
+from ..outputs.job import run_job
 from ..progress import Phases
 from .dry_run import check_fits
 from .in_memory import convert_in_memory
@@ -65,9 +66,9 @@ def convert(cfg: ConvertConfig, out: str | Path | None = None, *, overwrite: boo
     planning_s = time.perf_counter() - started
     if out is None:
         return execute(plan, None, progress, planning_s)
-    check_fits(plan)             # a run that cannot fit the machine is refused before it builds anything
-    with claim_output(out, kind="convert", given=plan.given, overwrite=overwrite) as claim:
-        return execute(plan, claim, progress, planning_s)
+    # a run that cannot fit the machine is refused before it builds anything
+    return run_job(plan, out, lambda claim: execute(plan, claim, progress, planning_s),
+                   check=lambda: check_fits(plan), overwrite=overwrite)
 
 
 def execute(plan: ConversionPlan, claim: Claim | None, progress: bool = True, planning_s: float = 0.0

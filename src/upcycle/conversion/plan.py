@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from ..export.layout import choose_export
 from ..export.protocol import StockClass
 from ..methods import LayerLayout, Method
 from ..outputs.claims import Input, inputs
+from ..outputs.job import NEW_OUTPUT, Claiming
 from .inputs import promises_dense_function
 from .planned import layout_function, planned_model
 from .validate import check_settings, check_sources, resolve_method
@@ -95,6 +97,8 @@ class ConversionPlan:
     settings: dict                                 # the resolved config, as run_config.yaml holds it
     stream: StreamSource | None = None
     opened: tuple | None = None
+    kind: ClassVar[str] = "convert"                # the output's kind (`outputs.job.Plan`)
+    claiming: ClassVar[Claiming] = NEW_OUTPUT
 
     def summary(self) -> dict:
         """The decisions as plain values (what `--dry-run` prints and the executed conversion took)."""
@@ -105,6 +109,18 @@ class ConversionPlan:
                 "export": self.export,
                 "export_class": self.stock.name if self.stock is not None else None,
                 "why_not_export_class": self.why_not_stock}
+
+    def describe(self) -> str:
+        """The decisions as lines for a person (the dry run adds the sizes and the memory estimate)."""
+        model_class = type(self.planned).__name__ if self.planned is not None else self.config.model_type
+        export = (self.stock.name if self.stock is not None else
+                  f"upcycle format ({self.why_not_stock})" if self.why_not_stock else self.export)
+        return "\n".join([
+            f"{model_class} ({self.config.model_type}) -> {len(self.targets)} MoE layers, {self.moe.num_experts} "
+            f"experts, top-{self.moe.top_k}, method {self.method.name}",
+            f"  MoE layers: {', '.join(t.name for t in self.targets)}",
+            f"  route: {self.route}; dtype {self.dtype}; "
+            f"{'promises' if self.promised else 'does not promise'} the dense function; export {export}"])
 
 
 def make_plan(cfg: ConvertConfig, *, writing: bool = True, build: bool = True, recipe: str | None = None,

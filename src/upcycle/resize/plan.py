@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.upcycle_format import MOE_CONFIG
+from ..config import CalibrationConfig
 from ..core.grouped_ffn import CPU_MEMORY
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from ..files import read_json_file
 from ..machine import PROCESS_BYTES
+from ..outputs.claims import Input
+from ..outputs.job import NEW_OUTPUT, Claiming
 from .expert_count import ExpertCount
 
 
@@ -41,11 +45,22 @@ class ResizePlan:
     bytes_on_disk: tuple[int, int]              # before, after
     streaming: bool
     peak_bytes: int                             # the run's estimated peak memory (`plan_resize`)
+    budget: CalibrationConfig | None = None     # the calibration text and its budget (`run.make_resize_plan`)
+    given: list[Input] = field(default_factory=list)     # what OUT must never be
+    claiming: ClassVar[Claiming] = NEW_OUTPUT
 
-    def summary(self) -> str:
+    def summary(self) -> dict:
+        """The decisions as plain values."""
+        return {"kind": self.kind, "model": self.model, "request": asdict(self.request),
+                "layers": {name: list(counts) for name, counts in self.layers.items()},
+                "parameters": list(self.parameters), "bytes_on_disk": list(self.bytes_on_disk),
+                "streaming": self.streaming, "estimated_peak_bytes": self.peak_bytes}
+
+    def describe(self) -> str:
         (p0, p1), (b0, b1) = self.parameters, self.bytes_on_disk
         counts = sorted({f"{e} -> {n}" for e, n in self.layers.values()})
-        how = f"--by {self.request.by}" + (f", --perturb {self.request.perturb}" if self.kind == "grow" else "")
+        how = (f"--add {self.request.add}" if self.request.add is not None else
+               f"--by {self.request.by}" + (f", --perturb {self.request.perturb}" if self.kind == "grow" else ""))
         route = "a block at a time (--streaming)" if self.streaming else "in memory (the whole model loaded)"
         return "\n".join([
             f"{self.kind} plan for {self.model} ({how}), nothing written",
@@ -77,15 +92,15 @@ def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool
             after[0], after[1] = after[0] + count, after[1] + nbytes
             continue
         layer, E = group
-        layers[layer] = (E, request.num_experts)
+        layers[layer] = (E, E + 1 if request.add is not None else request.num_experts)
         owned[layer] = (owned.get(layer, (0, 0))[0] + count, owned.get(layer, (0, 0))[1] + nbytes)
     # what a layer's experts own (rows [E, ...], or E per-expert tensors of one size) scales by N / E, exactly
     largest = 0
     for layer, (count, nbytes) in owned.items():
-        E = layers[layer][0]
-        after[0] += count * request.num_experts // E
-        after[1] += nbytes * request.num_experts // E
-        largest = max(largest, nbytes * max(E, request.num_experts) // E)
+        E, N = layers[layer]
+        after[0] += count * N // E
+        after[1] += nbytes * N // E
+        largest = max(largest, nbytes * max(E, N) // E)
     # in memory the model is loaded whole and each layer rebuilt beside it; streamed, a layer as read and as
     # written (its experts together when perturbed)
     held = 2 * largest if streaming else max(before[1], after[1]) + largest
@@ -96,7 +111,8 @@ def plan_resize(model: str, request: ExpertCount, *, grow: bool, streaming: bool
 def check_fits(plan: ResizePlan) -> None:
     """Refuse a prune or a grow whose estimated peak exceeds this machine's memory, before anything is built."""
     if plan.peak_bytes > CPU_MEMORY:
-        raise UpcycleError(f"{plan.kind} to {plan.request.num_experts} experts needs an estimated "
+        counts = sorted({n for _, n in plan.layers.values()})
+        raise UpcycleError(f"{plan.kind} to {', '.join(map(str, counts))} experts needs an estimated "
                            f"{plan.peak_bytes / 1e9:.1f} GB at its peak, more than this machine's "
                            f"{CPU_MEMORY / 1e9:.1f} GB of memory (the plan without OUT: --dry-run)")
 

@@ -40,7 +40,8 @@ from ..data.model_names import model_inputs
 from ..data.token_ids import embedding_rows
 from ..errors import UpcycleError
 from ..files import file_problem, json_text, read_json_file
-from ..outputs.claims import Input, check_claim, claim_output, inputs
+from ..outputs.claims import Input, inputs
+from ..outputs.job import dry_run_job, run_job
 from ..probe import Probe, ProbeOutput, compare, make_probe, max_positions, probe_output, text_ids
 from ..progress import Phases
 from .add_expert import add_expert, check_finetune
@@ -81,18 +82,30 @@ def resize(model: str, out: str | Path, request: ExpertCount, *, grow: bool, bud
     a text file; None, the embedded Wikipedia train split); `request.add` (a dense fine-tune of the model's base):
     grow by one expert made from it, routed by its own text (`budget.data`, needed); `streaming` (an upcycle
     folder): a block at a time (`streamed.py`). Returns the report."""
-    given = check(model, request, grow=grow, budget=budget, streaming=streaming)      # every weight-free refusal
-    if request.add is None:
-        check_fits(plan_resize(model, request, grow=grow, streaming=streaming))     # before anything is built
-    kind = "grow" if grow else "prune"
-    phases = Phases(7 if streaming else 5, progress, f"upcycle {kind}")
+    plan = make_resize_plan(model, request, grow=grow, budget=budget, streaming=streaming)
+    # a run that cannot fit the machine is refused before anything is built
+    return run_job(plan, out, lambda claim: execute(plan, claim, progress), check=lambda: check_fits(plan),
+                   overwrite=overwrite)
+
+
+def make_resize_plan(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool
+                     ) -> ResizePlan:
+    """The plan of a resize after every refusal that needs no weight (`check`): what it writes (`plan.py`), the
+    calibration budget and the inputs OUT must never be."""
+    given = check(model, request, grow=grow, budget=budget, streaming=streaming)
+    return dataclasses.replace(plan_resize(model, request, grow=grow, streaming=streaming), budget=budget,
+                               given=given)
+
+
+def execute(plan: ResizePlan, claim, progress: bool = True) -> dict:
+    """Carry out `plan` into the claimed OUT (module docstring: load, change, measure, write); the report."""
+    phases = Phases(7 if plan.streaming else 5, progress, f"upcycle {plan.kind}")
     try:
-        with claim_output(out, kind=kind, given=given, overwrite=overwrite) as claim:
-            texts, source = _calibration_texts(budget.data)
-            phases(f"calibration text read: {source}")
-            run = _streamed if streaming else _in_memory
-            report = run(model, request, grow, budget, (texts, source), claim, phases)
-        phases(f"written to {out}")
+        texts, source = _calibration_texts(plan.budget.data)
+        phases(f"calibration text read: {source}")
+        run = _streamed if plan.streaming else _in_memory
+        report = run(plan.model, plan.request, plan.kind == "grow", plan.budget, (texts, source), claim, phases)
+        phases(f"written to {claim.out}")
     finally:
         phases.close()
     return report
@@ -110,21 +123,16 @@ def _not_moe(folder: Path, grow: bool) -> str:
 
 
 def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool,
-            out: str | Path | None = None, overwrite: bool = False) -> ResizePlan:
-    """What `resize` would write (`plan.py`), after every refusal it would make before reading a weight (OUT's,
-    when given, as its claim makes them); nothing is read but configs, headers and the calibration file's
-    existence, nothing is written."""
-    given = check(model, request, grow=grow, budget=budget, streaming=streaming)
-    if out is not None:
-        check_claim(out, kind="grow" if grow else "prune", given=given, overwrite=overwrite)
+            out: str | Path | None = None, overwrite: bool = False) -> str:
+    """What `resize` would write (`plan.py`), described, after every refusal it would make before reading a weight,
+    in its order (the runner's dry run, `outputs.job.dry_run_job`: the memory check and OUT's as its claim makes
+    them, when OUT is given; then the calibration file, read first by the run); nothing is read but configs,
+    headers and the calibration file, nothing is written."""
+    plan = make_resize_plan(model, request, grow=grow, budget=budget, streaming=streaming)
+    text = dry_run_job(plan, out, check=lambda: check_fits(plan), overwrite=overwrite)
     if budget.data is not None:            # the run reads it first: a file it cannot read is refused here too
         _calibration_texts(budget.data)
-    if request.add is not None:
-        raise UpcycleError("--dry-run plans a prune or a grow by --num-experts; --add adds one expert per layer")
-    plan = plan_resize(model, request, grow=grow, streaming=streaming)
-    if out is not None:
-        check_fits(plan)
-    return plan
+    return text
 
 
 def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:

@@ -7,18 +7,21 @@
     memory       the memory plan per device (`memory.plan`): a run that cannot fit is refused here
     inputs       what OUT must never be
 
-`upcycle train --plan` prints the plan (and writes nothing, an existing OUT included: what would happen to it is
-a line of the plan); `train` consumes the same value, so what was printed is what runs.
+`upcycle train --dry-run` (or `--dry-run`) prints the plan (and writes nothing, an existing OUT included: what would
+happen to it is a line of the plan); `train` hands the same value to the runner (`outputs.job.run_job`), so what
+was printed is what runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..config import TrainConfig
 from ..errors import UpcycleError
 from ..outputs.claims import Input
+from ..outputs.job import Claiming
 from .memory.plan import Layout, MemoryPlan, check_fits, describe, local_layout, micro_batch
 from .run.folder import check_request, train_inputs
 from .run.trackers import check_available
@@ -37,14 +40,29 @@ class TrainPlan:
     micro_batch: int
     memory: MemoryPlan | None       # None: no plan could be made for this model (said in one line; not refused)
     given: list[Input]
-    out_refused: str | None = None  # --plan only: why the run would be refused its OUT
+    out_refused: str | None = None  # --dry-run only: why the run would be refused its OUT
+    main_process: bool = True       # accelerate's main process, which holds OUT's lock (the trainer sets it)
+    kind: ClassVar[str] = "train"   # the output's kind (`outputs.job.Plan`)
+
+    @property
+    def claiming(self) -> Claiming:
+        """A resumed run adds to its own OUT; of a distributed run's processes, the main one holds the lock."""
+        return Claiming(existing="continue" if self.resume else "refuse", lock=self.main_process)
+
+    def summary(self) -> dict:
+        """The decisions as plain values."""
+        lay, cfg = self.layout, self.cfg
+        return {"model": cfg.model, "out": str(self.out), "task": self.task, "resume": self.resume,
+                "overwrite": self.overwrite, "stop_after": self.stop_after, "steps": cfg.steps,
+                "batch_size": cfg.batch_size, "processes": lay.processes, "grad_accum": cfg.grad_accum,
+                "micro_batch": self.micro_batch, "out_refused": self.out_refused}
 
     @property
     def task(self) -> str:
         return self.memory.task if self.memory is not None else (self.cfg.task or "from the model")
 
     def describe(self) -> str:
-        """The plan as lines for a person (`upcycle train --plan`)."""
+        """The plan as lines for a person (`upcycle train --dry-run`)."""
         lay, cfg = self.layout, self.cfg
         what = ("refused: " + self.out_refused if self.out_refused else "resume the run in it" if self.resume
                 else "replace the run upcycle wrote there" if self.overwrite else "a new run folder")
@@ -59,7 +77,7 @@ class TrainPlan:
 
 def make_train_plan(cfg: TrainConfig, out: str | Path, *, resume: bool = False, overwrite: bool = False,
                     stop_after: int | None = None, recipe: str | None = None, printing: bool = False) -> TrainPlan:
-    """The plan of training as `cfg` says into `out` (module docstring). `printing` (`--plan`): a run that does not
+    """The plan of training as `cfg` says into `out` (module docstring). `printing` (`--dry-run`): a run that does not
     fit, or an OUT it would be refused, is part of what is printed, not an error; and the activations under
     every checkpointing mode are planned too."""
     out = Path(out).expanduser()

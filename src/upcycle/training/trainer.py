@@ -17,6 +17,7 @@ transformers folder for dense ones)  tensorboard/ or wandb/ (with report_to)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..checkpoint.loading import load_model
 from ..config import TrainConfig, to_dict
 from ..core.moe import moe_layers
 from ..metrics.routing import record_stats
-from ..outputs.claims import claim_output
+from ..outputs.job import run_job
 from ..tasks.evaluate import progress_bars
 from ..tasks.make import make_task
 from .batches_ahead import BatchesAhead
@@ -56,9 +57,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, *, resume: bool = False, ove
     # everything decided from the config alone, the memory plan included: refused before any weight is read
     plan = make_train_plan(cfg, out, resume=resume, overwrite=overwrite, stop_after=stop_after, recipe=recipe)
     accelerator = make_accelerator(cfg)
-    with claim_output(plan.out, kind="train", given=plan.given, overwrite=plan.overwrite,
-                      existing="continue" if resume else "refuse", lock=accelerator.is_main_process):
-        return _train(plan, accelerator, progress)
+    plan = dataclasses.replace(plan, main_process=accelerator.is_main_process)
+    return run_job(plan, plan.out, lambda claim: _train(plan, accelerator, progress), overwrite=plan.overwrite)
 
 
 def _train(plan: TrainPlan, accelerator, progress: bool) -> dict:

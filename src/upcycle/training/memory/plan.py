@@ -1,5 +1,5 @@
 """The memory a training run takes on each device, planned from the model's config before any weight loads:
-what `upcycle train --plan` prints and what `upcycle train` checks before it reads the weights.
+what `upcycle train --dry-run` prints and what `upcycle train` checks before it reads the weights.
 
 The model is built of fake tensors (no memory, no weight read) and two of its training steps run on them
 (`memory_simulation`): every tensor the step makes is followed from creation to release, so the activations,
@@ -330,7 +330,7 @@ PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer":
 
 
 def describe(plan: MemoryPlan, model: str) -> str:
-    """The plan as a table for a person (`upcycle train --plan`)."""
+    """The plan as a table for a person (`upcycle train --dry-run`)."""
     lay = plan.layout
     run = "1 process" if lay.processes == 1 else f"{lay.processes} processes, {lay.sharding.upper()}"
     device = f"{lay.device} ({lay.device_name})" if lay.device != "cpu" else f"cpu ({gb(lay.device_bytes)} of RAM)"
@@ -410,4 +410,4 @@ def check_fits(cfg: TrainConfig, layout: Layout | None = None, *, refuse: bool =
                                                      if cfg.memory_budget != "auto" else "") +
                        ". " + ("What would fit: " + "; ".join(found) if found else
                                "Nothing tried fits (checkpointing, smaller micro-batches, FSDP2 on up to 8 GPUs)") +
-                       ". `upcycle train MODEL OUT --plan` prints the whole plan")
+                       ". `upcycle train MODEL OUT --dry-run` prints the whole plan")
