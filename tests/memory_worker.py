@@ -6,6 +6,7 @@ a padded token (the plan's case: the model's masked attention path). Writes OUT.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -13,10 +14,10 @@ from upcycle.checkpoint.loading import load_model
 from upcycle.config import TrainConfig
 from upcycle.config_reader import build
 from upcycle.tasks.make import make_task
-from upcycle.training.freezing import Freezer
 from upcycle.training.memory.peak import measure_peak
 from upcycle.training.memory.plan import plan_memory
 from upcycle.training.parallel.accelerator import make_accelerator, prepare
+from upcycle.training.parts import assemble
 from upcycle.training.step import StepSetup, micro_batches, train_step
 
 
@@ -29,8 +30,8 @@ def measured(cfg: TrainConfig) -> tuple[int, int]:
     def work() -> None:
         model, _ = load_model(cfg.model)
         model.train()
-        freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        parts = prepare(model, cfg, accelerator, freezer)
+        parts = prepare(model, cfg, accelerator, functools.partial(assemble, cfg=cfg))     # as the trainer does
+        freezer = parts.freezer
         for step in range(3):
             batch = task.train.batch(step)
             if "attention_mask" in batch:

@@ -33,6 +33,7 @@ the CPU, the live tensors of `upcycle.training.memory.peak`) beside the plan's p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -184,10 +185,10 @@ def run_config(args, micro: int) -> TrainConfig:
 def run(name: str, args, device: torch.device) -> dict:
     import gc
 
-    from upcycle.training.freezing import Freezer
     from upcycle.training.memory.peak import measure_peak
     from upcycle.training.memory.plan import Layout, local_layout
     from upcycle.training.parallel.accelerator import make_accelerator, prepare
+    from upcycle.training.parts import assemble
     from upcycle.training.step import StepSetup, train_step
 
     gc.collect()                 # the previous row's model (Accelerate's wrapped forward keeps it in a cycle)
@@ -220,8 +221,7 @@ def run(name: str, args, device: torch.device) -> dict:
     times, state = [], {}
 
     def steps() -> None:
-        freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        parts = prepare(model, cfg, accelerator, freezer)
+        parts = prepare(model, cfg, accelerator, functools.partial(assemble, cfg=cfg))    # as the trainer does
         state["parts"] = parts
         for step in range(args.warmup + args.steps):
             if device.type == "cuda":

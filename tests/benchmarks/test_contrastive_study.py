@@ -197,6 +197,7 @@ def test_the_study_is_its_packaged_recipe_run_through_compare(tmp_path, monkeypa
     assert all("--config minilm-contrastive --set steps=150 " in line for line in lines)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_short_budget_of_the_recipe_gives_the_numbers_the_script_gave(tmp_path):
     """As the study ran before its recipe was packaged: `upcycle compare` with the recipe file the script wrote
     (the budget's keys, warmup 0.05, load balance 0.01, z-loss 0.001). As it runs now: the packaged recipe with

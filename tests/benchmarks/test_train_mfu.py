@@ -64,6 +64,7 @@ def test_the_flop_count_of_the_real_shapes():
     assert train_mfu.flops_per_token(moe, 2048) == 6 * (non_embedding + router + extra) + attention
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_the_tiny_preset_runs(tmp_path):
     out = tmp_path / "mfu.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "train_mfu.py"), "--device", "cpu", "--preset", "tiny",

@@ -90,6 +90,7 @@ def test_a_stock_export_gives_the_numbers_of_the_upcycle_folder(tiny_lm, drop_mo
     assert stock["kl_to_dense"]["all"] == pytest.approx(ours["kl_to_dense"]["all"], rel=1e-3, abs=1e-7)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_training_run_is_analyzed_at_every_checkpoint(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
     train(TrainConfig(model=str(moe), data=str(train_txt), eval_data=str(held), steps=4, batch_size=4,

@@ -20,6 +20,7 @@ def _summary(capsys) -> dict:
     return json.loads(out[out.index("{"):])
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_tiny_clip_protocol(tmp_path, capsys):
     assert main(["tiny-clip", str(tmp_path / "init")]) == 0
     capsys.readouterr()

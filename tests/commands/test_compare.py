@@ -46,6 +46,7 @@ def _steps(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "seconds")} for r in rows]
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_compare_every_cell_skip_and_exact_resume(setup, capsys):
     root, dense, recipe = setup
     a, b = root / "a", root / "b"
@@ -182,6 +183,7 @@ def test_plan_shares_everything_but_the_method_and_its_own_keys(setup, tmp_path)
     assert not (tmp_path / "study").exists()          # planning writes nothing
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_second_invocation_on_cells_a_running_one_holds_is_refused_at_its_start(setup, tmp_path):
     """Invocations into one OUT on disjoint cells run side by side (one per seed); one whose cells or conversions a
     running invocation holds is refused when it starts, under a lock on OUT itself, not when it reaches the first

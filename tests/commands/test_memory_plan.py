@@ -75,6 +75,7 @@ def _within(rows: list[dict]) -> None:
         assert abs(ratio - 1) <= WITHIN, (row["sharding"], row["checkpointing"], row["plan"], row["measured"])
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_the_plan_is_the_peak_one_process_measures(planned_lm, tmp_path):
     """Each activation checkpointing mode, and with the load-balance loss, EESD's teacher and the aux-free bias;
     the modes order as they should (full keeps the least, none the most)."""
@@ -89,6 +90,7 @@ def test_the_plan_is_the_peak_one_process_measures(planned_lm, tmp_path):
     assert rows[3]["parts"]["teacher"] > 0
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @pytest.mark.parametrize("launch", ["ddp", "fsdp2"])
 def test_the_plan_is_the_peak_each_of_two_processes_measures(planned_lm, tmp_path, launch):
     """2 gloo CPU processes, DDP (gradient buckets on top) or FSDP2 (shards, plus the gathered blocks), with and
@@ -126,6 +128,7 @@ def test_plan_prints_and_writes_nothing(planned_lm, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_run_that_cannot_fit_is_refused_before_its_weights_are_read(planned_lm, tmp_path, capsys, monkeypatch):
     import upcycle.training.trainer as trainer
 
@@ -146,6 +149,7 @@ def test_a_run_that_cannot_fit_is_refused_before_its_weights_are_read(planned_lm
           "memory_budget 'lots'")
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_every_family_and_task_plans(tmp_path, family):
     """A plan for a tiny model of every supported family, on its own task (causal LM, the contrastive pair task
     for BERT, CLIP's), larger with more rows and smaller with checkpointing."""

@@ -97,6 +97,7 @@ def test_overwrite_of_a_conversion_never_touches_a_users_file(outputs, tmp_path,
     _intact(planted)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @EXAMPLES
 @given(files=user_files(), resume=st.booleans())
 @example(files=[("wandb/my/notes.txt", b"mine")], resume=False).via("a tracker's folder")

@@ -136,6 +136,7 @@ def test_a_training_run_folder_or_a_missing_one_is_refused_naming_what_to_pass(t
     assert "does not exist" in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @pytest.mark.parametrize("export_class", ["mixtral", "qwen2_moe"])
 def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcycle_folder_computes(
         tiny_lm, tmp_path, export_class):
@@ -159,6 +160,7 @@ def test_a_pruned_stock_folder_stays_its_class_and_computes_what_the_pruned_upcy
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_stock_folder_cannot_grow_but_its_upcycle_folder_grows_and_exports(tiny_lm, tmp_path, capsys):
     """The refusal says what works: grow the upcycle folder, then export the grown one; the grown folder (copies
     with their sources' logits, no router bias) exports to Mixtral, which transformers loads without upcycle and
@@ -489,6 +491,7 @@ def _peak(argv: list[str], cwd) -> tuple[int, int]:
     return code, peak
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @pytest.mark.parametrize(("command", "n"), [("prune", "2"), ("grow", "6")])
 def test_a_streamed_prune_or_grow_holds_far_less_than_the_model(tiny_lm, tmp_path, command, n):
     """A model of 4 MoE blocks whose tensors are ~200 MB: pruned or grown --streaming, the process's anonymous

@@ -78,6 +78,7 @@ def test_a_trained_run_writes_the_modules_into_its_model(minilm_moe, tmp_path):
     assert np.abs(theirs - encode(moe)).max() > 1e-4                         # it is the trained model
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_trained_runs_modules_are_upcycles_own(minilm_moe, tmp_path):
     """A finished run with sentence-transformers' files in its model/ is still upcycle's run: `upcycle train` may
     continue it and `compare` may continue the study holding it (both refused it when the module files were

@@ -148,6 +148,7 @@ ARGS = ["--steps", "6", "--batch-size", "8", "--sequence-length", "32", "--lr", 
         "--set", "eval_tokens=256"]
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_two_process_accelerate_launch_matches_one_process(tiny_lm, tmp_path):
     """2 gloo processes x 4 rows == 1 process x 2 micro-batches of 4 rows: the same global batch, micro-batches
     and gradient average, so the same losses, router losses and aux-free updates at every step."""
@@ -172,6 +173,7 @@ def test_two_process_accelerate_launch_matches_one_process(tiny_lm, tmp_path):
     assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_ctrl_c_checkpoints_and_resume_finishes(tiny_lm, tmp_path):
     _, moe, train_txt, held = tiny_lm
     run = tmp_path / "run"

@@ -109,6 +109,7 @@ def _unfinished(run: Path, copy: Path) -> Path:
     return copy
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_fsdp_two_processes_match_one_process_with_checkpoint_and_resume(tied_moe, tiny_lm, tmp_path):
     """1 process (2 micro-batches of 4 rows) == 2 FSDP processes x 4 rows, 3 steps with a checkpoint at step 2:
     losses, gradient norms, the checkpoint (model, AdamW state, EMA teacher) and the final model, to 1e-5.
@@ -159,6 +160,7 @@ def test_fsdp_refusals(monkeypatch):
     sharding.check_dtypes(model, "no")
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @pytest.mark.parametrize("launch, mode", [("fsdp2", "full"), ("ddp", "moe")])
 def test_activation_checkpointing_under_two_processes(tied_moe, tiny_lm, tmp_path, launch, mode):
     """2 processes (FSDP2 with every block recomputed; DDP with the MoE layers recomputed) compute what 1 process

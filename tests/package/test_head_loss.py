@@ -89,6 +89,7 @@ def test_a_head_it_cannot_fuse_takes_the_models_loss():
         torch.testing.assert_close(causal_lm_loss(model, _batch()), _unfused(model, _batch()))
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_fraction_of_the_memory_at_llama3s_vocabulary():
     """128,256 words x 2,048 tokens: the unfused loss holds float32 logits, their log-softmax and gradient (3 GB);
     the fused one a chunk of them and the two gradients it keeps. Measured live tensor bytes (peak_memory)."""

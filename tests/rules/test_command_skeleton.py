@@ -119,3 +119,31 @@ def test_every_command_with_a_plan_takes_dry_run():
         flags = {flag for action in commands[name]._actions for flag in action.option_strings}
         assert "--dry-run" in flags, name
     assert "--plan" in {f for a in commands["train"]._actions for f in a.option_strings}     # the older name stays
+
+
+def names_used(name: str) -> list[str]:
+    """Modules that name `name` (a call, or a function handed on), imports aside."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Name) and node.id == name:
+                found.add(path.relative_to(PACKAGE).as_posix())
+    return sorted(found)
+
+
+def test_one_function_assembles_a_training_run_for_the_run_and_its_memory_plan():
+    """The freezer, the objective, AdamW and its schedule are made in `training/parts.py` alone; the trainer hands
+    `assemble` to the parallel layer, and the memory plan calls it on its fake model, so the two cannot drift."""
+    for made in ("Freezer", "Objective", "make_optimizer", "make_scheduler"):
+        assert callers_of(made) == ["training/parts.py"], made
+    # the memory plan calls it; the trainer hands it to the parallel layer, which calls it on its layout
+    assert names_used("assemble") == ["training/memory/plan.py", "training/parallel/accelerator.py",
+                                      "training/trainer.py"]
+    from test_import_graph import import_graph
+
+    parallel = {target for module, targets in import_graph().items()
+                if module.startswith("upcycle.training.parallel") for target in targets}
+    assert "upcycle.training.parallel.sharding" in parallel          # the walk saw the layer's imports
+    assert not {m for m in parallel if m.startswith(("upcycle.training.freezing", "upcycle.training.loss",
+                                                     "upcycle.training.optimizer", "upcycle.training.schedule",
+                                                     "upcycle.training.parts"))}

@@ -252,3 +252,19 @@ def test_tasks_are_made_through_their_registry_and_the_loop_asks_only_the_contra
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr") and \
                     node.args and "task" in ast.unparse(node.args[0]):
                 raise AssertionError(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+
+
+def test_the_design_pages_layer_table_is_the_layering_checked_here():
+    """docs/design.md's Layout table names each unit at the layer LAYERS gives it, and every unit once."""
+    import re
+
+    design = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    table = design[design.index("| Layer | Units |"):].split("\n\n")[0]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        layer, units = row.split("|")[1:3]
+        for unit in re.findall(r"`([a-z_]+)`", units):
+            documented[f"upcycle.{unit}"] = int(layer)
+        if "package root" in units:
+            documented["upcycle"] = int(layer)
+    assert documented == LAYERS

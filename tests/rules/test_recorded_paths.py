@@ -10,6 +10,8 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import digest, fails, fake_run, make_tiny
 from upcycle.cli import main
 
@@ -65,6 +67,7 @@ def test_a_cache_that_no_longer_matches_its_record_is_built_again(tmp_path, monk
     assert assets.cache_is_intact(folder)
 
 
+@pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 def test_a_run_is_analyzed_the_same_from_any_directory(lm, tmp_path, monkeypatch):
     from upcycle.analyze.run import AnalyzeOptions, analyze
 

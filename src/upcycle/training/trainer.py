@@ -18,6 +18,7 @@ transformers folder for dense ones)  tensorboard/ or wandb/ (with report_to)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -30,8 +31,8 @@ from ..outputs.job import run_job
 from ..tasks.evaluate import progress_bars
 from ..tasks.make import make_task
 from .batches_ahead import BatchesAhead
-from .freezing import Freezer
 from .parallel.accelerator import make_accelerator, own_forward, prepare
+from .parts import assemble
 from .run.checkpointer import Checkpointer, finite_parameters
 from .run.folder import (
     LOG,
@@ -92,8 +93,8 @@ class _Training:
         self.micro = plan.micro_batch
         if self.is_main and resume_from is None:
             run.record(cfg)
-        self.freezer = Freezer(model, cfg.train, cfg.freeze, cfg.steps)
-        self.parts = prepare(model, cfg, accelerator, self.freezer)
+        self.parts = prepare(model, cfg, accelerator, functools.partial(assemble, cfg=cfg))
+        self.freezer = self.parts.freezer
         self.checkpointer = Checkpointer(run, accelerator, self.parts, keep=cfg.keep_checkpoints)
         self.state = {"step": 0, "tokens": 0} if resume_from is None else self.checkpointer.load(resume_from)
         self.layers = moe_layers(self.parts.inner)   # upcycle's own MoE layers (none: dense or stock MoE)

@@ -41,7 +41,6 @@ from ...config import CHECKPOINTING, TrainConfig
 from ...core.moe import moe_layers
 from ...errors import UpcycleError
 from ...machine import PROCESS_BYTES, launcher_count
-from ..optimizer import make_optimizer
 from .simulation import simulate_steps
 from .trace import block_classes, fake_mode, shapes_only, trace_forward
 
@@ -137,9 +136,7 @@ def micro_batch(cfg: TrainConfig, processes: int) -> int:
 
 
 def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> MemoryPlan:
-    from ..freezing import select
-    from ..loss.objective import Objective
-    from ..parallel.recompute import apply_activation_checkpointing
+    from ..parts import assemble
 
     n, fsdp, autocast = layout.processes, layout.sharding == "fsdp2", autocast_dtype(layout)
     # FSDP2 computes with the weights gathered in the autocast dtype and keeps float32 master shards (Accelerate's
@@ -159,24 +156,23 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> 
 
         check_sequence_length(model, cfg.sequence_length)
     master = torch.float32 if fsdp and autocast is not None else None
-    trained = set(select(model, cfg.train))
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in trained)
     model.train()
     loss = task_loss(task, cfg, micro)
     activations = {}
-    if detail:
-        with mode:
-            trace = trace_forward(model, loss, autocast_dtype=autocast)
-        activations = {m: trace.saved(m) for m in CHECKPOINTING}
 
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    def traced(model: nn.Module) -> None:      # the trainable set chosen, no block checkpointed yet
+        if detail:
+            activations.update({m: trace.saved(m) for trace in [trace_forward(model, loss, autocast_dtype=autocast)]
+                                for m in CHECKPOINTING})
+
     regularizers = dataclasses.replace(cfg.regularizers, dpsl=0.0)     # DPSL's Beta CDF reads values
     with mode:
-        objective = Objective(model, regularizers)
-        optimizer = make_optimizer(model, cfg, **_optimizer_kind(layout))
+        # the run's own parts (`training.parts.assemble`, as the trainer makes them): the same trainable set,
+        # checkpointing, AdamW and objective; sharding is counted below, by the layout
+        parts = assemble(model, cfg, optimizer_kind=_optimizer_kind(layout), regularizers=regularizers,
+                         before_checkpointing=traced)
         with shapes_only():
-            simulation = simulate_steps(model, loss, optimizer, objective, autocast_dtype=autocast,
+            simulation = simulate_steps(model, loss, parts.optimizer, parts.objective, autocast_dtype=autocast,
                                         clip_grad=cfg.clip_grad)
 
     params = _unique_parameters(model)

@@ -1,13 +1,17 @@
 """Where a run computes: the Accelerator (one process, DDP, or FSDP2; DeepSpeed and Megatron refused), and the
-model, optimizer and schedule put on it. Under FSDP the model is sharded first (on CPU processes here with
-`upcycle.training.parallel.sharding`, on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the
-regularizers take its sharded parameters, so the EMA teacher copies each process's shard."""
+run's parts put on it. The parts (freezer, optimizer and schedule, objective) are the trainer's to make
+(`training.parts.assemble`, handed to `prepare`): this layer says when, on which parameters, and with which AdamW
+implementation. Under FSDP the model is sharded (on CPU processes here with `upcycle.training.parallel.sharding`,
+before the optimizer; on GPUs by Accelerate's plugin in `prepare`), then the freezing rules and the regularizers
+take its sharded parameters, so the EMA teacher copies each process's shard."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,12 +19,7 @@ from torch import nn
 from ...config import TrainConfig
 from ...errors import UpcycleError
 from ...machine import launcher_count
-from ..freezing import Freezer
-from ..loss.objective import Objective
-from ..optimizer import make_optimizer
-from ..schedule import make_scheduler
 from . import sharding
-from .recompute import apply_activation_checkpointing
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -108,44 +107,47 @@ def sharding_of(accelerator) -> str | None:
 @dataclass
 class Prepared:
     """The model as the step runs it (`model`: wrapped, maybe compiled) and as checkpoints, the teacher and the
-    losses read it (`inner`), with its optimizer, schedule and objective, the dtypes the final model keeps, and
-    whether it is sharded (FSDP)."""
+    losses read it (`inner`), with its optimizer, schedule, objective and freezer, the dtypes the final model
+    keeps, and whether it is sharded (FSDP)."""
 
     model: nn.Module
     inner: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    objective: Objective
+    objective: Any          # loss.objective.Objective
     dtypes: dict[str, torch.dtype]
     sharded: bool
+    freezer: Any            # freezing.Freezer
 
 
-def prepare(model: nn.Module, cfg: TrainConfig, accelerator, freezer: Freezer) -> Prepared:
-    """Optimizer and schedule; model and optimizer through Accelerate (sharded first under FSDP)."""
+def prepare(model: nn.Module, cfg: TrainConfig, accelerator, assemble: Callable[..., Any]) -> Prepared:
+    """The run's parts made by `assemble` (`training.parts.assemble` with the run's config) on this layout: AdamW
+    fused on a GPU without FSDP, the model sharded before the optimizer on CPU processes; model and optimizer
+    through Accelerate; under FSDP the parts bound to the sharded parameters."""
     sharded_by = sharding_of(accelerator)
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}   # the final model's, under FSDP
-    # without FSDP the objective is built on the CPU before `prepare` moves the model, then moved along
-    objective = Objective(model, cfg.regularizers) if sharded_by is None else None
     if sharded_by is not None:
         sharding.check_dtypes(model, accelerator.mixed_precision)
+    shard = None
     if sharded_by == "cpu":
-        sharding.shard_on_cpu(model, accelerator.num_processes, accelerator.mixed_precision)
-    optimizer = make_optimizer(model, cfg, fused=accelerator.device.type == "cuda" and sharded_by is None)
-    scheduler = make_scheduler(optimizer, cfg)
+        def shard(m: nn.Module) -> None:
+            sharding.shard_on_cpu(m, accelerator.num_processes, accelerator.mixed_precision)
+    fused = accelerator.device.type == "cuda" and sharded_by is None
+    parts = assemble(model, optimizer_kind={"fused": True} if fused else {}, sharded=sharded_by is not None,
+                     shard=shard)
     if sharded_by == "cpu":       # the optimizer only: Accelerate would wrap the sharded model in DDP
-        model, optimizer = model, accelerator.prepare(optimizer)
+        model, optimizer = model, accelerator.prepare(parts.optimizer)
     else:
-        model, optimizer = accelerator.prepare(model, optimizer)
+        model, optimizer = accelerator.prepare(model, parts.optimizer)
     inner = accelerator.unwrap_model(model)
     if cfg.compile:         # the step runs the compiled model; checkpoints, teacher and losses read `inner`
         model = torch.compile(model)
     if sharded_by is not None:
-        freezer.rebind(inner)
-        objective = Objective(inner, cfg.regularizers)
-    else:
-        objective.to(accelerator.device)
-    return Prepared(model, inner, optimizer, scheduler, objective, dtypes, sharded_by is not None)
+        parts.bind(inner)
+    else:                   # built on the CPU before Accelerate moved the model: moved along
+        parts.objective.to(accelerator.device)
+    return Prepared(model, inner, optimizer, parts.scheduler, parts.objective, dtypes, sharded_by is not None,
+                    parts.freezer)
 
 
 def _has_accelerator() -> bool:
