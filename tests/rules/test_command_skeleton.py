@@ -147,3 +147,16 @@ def test_one_function_assembles_a_training_run_for_the_run_and_its_memory_plan()
     assert not {m for m in parallel if m.startswith(("upcycle.training.freezing", "upcycle.training.loss",
                                                      "upcycle.training.optimizer", "upcycle.training.schedule",
                                                      "upcycle.training.parts"))}
+
+
+def test_a_models_task_asks_its_family_once(monkeypatch):
+    """tasks/kind.py decides a model's task with one lookup of its architecture row."""
+    from conftest import make_tiny
+    from upcycle.tasks import kind
+
+    asked = []
+    real = kind.find_family
+    monkeypatch.setattr(kind, "find_family", lambda config: asked.append(config) or real(config))
+    for family, task in (("llama", "causal_lm"), ("bert", "contrastive"), ("clip", "clip")):
+        asked.clear()
+        assert kind.model_task(make_tiny(family)) == task and len(asked) == 1, family

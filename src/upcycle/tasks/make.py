@@ -24,5 +24,7 @@ def task_class(name: str) -> type[Task]:
     return getattr(importlib.import_module(module, __package__), cls)
 
 
-def make_task(cfg: TrainConfig, model: nn.Module, tokenizer) -> Task:
-    return task_class(model_task(model, cfg.task))(cfg, model, tokenizer)
+def make_task(cfg: TrainConfig, model: nn.Module, tokenizer, kind: str | None = None) -> Task:
+    """The task `cfg` trains `model` on: `kind` when a plan decided it (`training.run_plan.TrainPlan.decided_task`),
+    else decided from the model (`kind.model_task`)."""
+    return task_class(kind or model_task(model, cfg.task))(cfg, model, tokenizer)

@@ -58,6 +58,12 @@ class TrainPlan:
                 "micro_batch": self.micro_batch, "out_refused": self.out_refused}
 
     @property
+    def decided_task(self) -> str | None:
+        """The task, as the memory plan decided it from the model's config (None without a memory plan: the
+        run decides it from the loaded model)."""
+        return self.memory.task if self.memory is not None else None
+
+    @property
     def task(self) -> str:
         return self.memory.task if self.memory is not None else (self.cfg.task or "from the model")
 

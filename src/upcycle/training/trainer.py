@@ -75,7 +75,7 @@ def _train(plan: TrainPlan, accelerator, progress: bool) -> dict:
     set_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)
     model.train()
-    task = make_task(cfg, model, tokenizer)
+    task = make_task(cfg, model, tokenizer, kind=plan.decided_task)      # the plan's, decided once
     task.check_forward(plan.micro_batch)
     accelerator.wait_for_everyone()
     with RunFolder(out, accelerator, resume=resume).undone_on_failure() as run:
