@@ -1,6 +1,6 @@
 """The memory plan (`upcycle.training.memory.plan`): made from the model's config alone, within 15 % of the peak a
 run measures (one process, DDP and FSDP2 on gloo CPU processes, with and without activation checkpointing), printed
-by `upcycle train --plan` without writing anything, and a run it says cannot fit refused before a weight is read."""
+by `upcycle train --dry-run` without writing anything, and a run it says cannot fit refused before a weight is read."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`training.run_plan.make_train_plan`: a run's decisions made once, before any weight loads; `--plan` prints the
+"""`training.run_plan.make_train_plan`: a run's decisions made once, before any weight loads; `--dry-run` prints the
 value the loop then consumes."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_the_printed_plan_is_the_plan_the_run_consumes(tiny_lm, tmp_path, capsys
     monkeypatch.setattr(trainer._Training, "__init__", training)
     assert main(argv) == 0
     plan = planned[0]
-    assert plan.describe() in printed           # the same value (--plan also printed each checkpointing mode)
+    assert plan.describe() in printed           # the same value (--dry-run also printed each checkpointing mode)
     assert plan.task == "causal_lm" and plan.micro_batch == 2 and micro == [2]     # 4 rows, 1 process, 2 micro
     assert f"into {out}: a new run folder" in printed
 
