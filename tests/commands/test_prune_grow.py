@@ -593,3 +593,26 @@ def test_a_pruned_qwen3_moe_or_olmoe_folder_loads_without_upcycle_and_is_the_cla
     torch.testing.assert_close(_stock_logits_without_upcycle(pruned, ids, tmp_path), reference, atol=1e-5, rtol=1e-5)
     with torch.no_grad():            # and the cut is not the identity: the source computes otherwise
         assert not torch.allclose(original.eval()(input_ids=ids).logits, reference, atol=1e-3)
+
+
+@pytest.mark.parametrize("command, flags", [("prune", ["--num-experts", "2"]), ("grow", ["--num-experts", "6"]),
+                                            ("grow", ["--add", "{dense}"])])
+def test_the_dry_run_prints_the_plan_the_resize_executes(tiny_lm, tmp_path, capsys, monkeypatch, command, flags):
+    """prune and grow execute the very plan their dry run prints (`run.make_resize_plan`, then the runner): the
+    plan the run hands to its executor is described by the same lines, and holds the same values."""
+    from upcycle.resize import run as resize_run
+
+    dense, moe, train, _ = tiny_lm
+    flags = [f.replace("{dense}", str(dense)) for f in flags]
+    out = tmp_path / "out"
+    assert main([command, str(moe), str(out), *flags, *_flags(train), "--dry-run"]) == 0
+    printed = capsys.readouterr().out.strip()
+    executed = []
+    real = resize_run.execute
+    monkeypatch.setattr(resize_run, "execute", lambda plan, claim, progress=True: executed.append(plan) or
+                        real(plan, claim, progress))
+    assert main([command, str(moe), str(out), *flags, *_flags(train)]) == 0
+    (plan,) = executed
+    assert plan.describe() == printed and plan.kind == command
+    written = json.loads((out / "upcycle_config.json").read_text())["layers"]
+    assert [layer["num_experts"] for layer in written] == [after for _, after in plan.layers.values()]
