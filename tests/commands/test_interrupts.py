@@ -96,8 +96,11 @@ def test_ctrl_c_while_torch_loads_is_a_message_not_a_traceback(tmp_path):
 
     code = ("import sys, upcycle.cli\nprint('ready', 'torch' in sys.modules, flush=True)\n"
             "sys.exit(upcycle.cli.main(['convert', 'default', '--dry-run']))\n")
+    # started as a shell starts a command, Ctrl-C at its default: a library an earlier test loaded into this pytest
+    # worker may leave SIGINT ignored, which a child inherits (it then finished the dry run with exit status 0)
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=tmp_path)
+                               text=True, cwd=tmp_path,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout.readline().split() == ["ready", "False"]        # torch not loaded before main
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)

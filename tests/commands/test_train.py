@@ -179,7 +179,9 @@ def test_ctrl_c_checkpoints_and_resume_finishes(tiny_lm, tmp_path):
     run = tmp_path / "run"
     cmd = [*upcycle_command(), "train", str(moe), str(run), "--data", str(train_txt), "--eval-data", str(held),
            "--steps", "400", "--batch-size", "8", "--sequence-length", "32", "--quiet", "--set", "eval_tokens=256"]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C at its default, as a shell starts a command (a pytest worker may have it ignored: inherited)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = run / "log.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not log.exists() or log.read_text().count("\n") < 4):

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..checkpoint.streamed import StreamSource
-from ..core.architectures import family_of
 from ..core.ffn import FFNWeights
 from ..core.keyed import keyed_generator
 from ..core.moe import MoELayer
@@ -158,7 +157,7 @@ class SourceLayers:
     def __call__(self, visit: BlockVisit, block: nn.Module, replayed: Replayed,
                  timings: Timings) -> tuple[MoELayer, LayerEntry]:
         with timings.phase("upcycle"):
-            plan, target, family = self.plan, visit.target, family_of(self.model.config)
+            plan, target, family = self.plan, visit.target, self.plan.family
             samples = {key: r.sample() for key, r in replayed.samples.items() if r.seen}
             prefix, tcfg = visit.path + ".", tower_cfg(self.model, family, target)
             ffns = [read_ffn(family, block, prefix, tcfg, src.reader, self.stream) for src in self.sources]

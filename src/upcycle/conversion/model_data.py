@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..checkpoint.loading import load_tokenizer
-from ..core.architectures import PIXELS, TOKEN_IDS, family_of
+from ..core.architectures import PIXELS, TOKEN_IDS
 from ..data.assets import DEFAULT_MODEL_NAMES, INSTALL_COMMAND
 from ..data.model_inputs import tensor_batches, text_batches
 from ..data.token_ids import check_token_ids, embedding_rows
@@ -32,7 +32,7 @@ def read_inputs(plan: ConversionPlan) -> ConversionInputs:
         return ConversionInputs(method, args, promised=False, texts=texts, text_source=source, per_source=True)
     data, calibration_source = calibration_corpus(plan)
     tokenizer = load_tokenizer(plan.path)
-    check_model_inputs(plan, config, tokenizer, data)
+    check_model_inputs(plan, tokenizer, data)
     texts = probe_texts(plan.check.text) if tokenizer else None                 # a malformed probe file fails here too
     return ConversionInputs(method, args, plan.promised, tokenizer=tokenizer, texts=texts,
                             text_source=probe_source(plan.check.text),
@@ -40,12 +40,12 @@ def read_inputs(plan: ConversionPlan) -> ConversionInputs:
                             calibration_source=calibration_source)
 
 
-def check_model_inputs(plan: ConversionPlan, config, tokenizer, calibration_data: list | None) -> None:
+def check_model_inputs(plan: ConversionPlan, tokenizer, calibration_data: list | None) -> None:
     """Refuse, before the weights load, data the model cannot take (each tower's input is in its row of the
     architecture table): text for a model with an image tower (it calibrates on image-caption pairs), text
     without a tokenizer, model inputs lacking a tower's input, and a probe text file that would silently be
     replaced by random ids."""
-    family = family_of(config)
+    family, config = plan.family, plan.config
     towers = family.towers_of(config)
     reads = list(dict.fromkeys(tower.input for tower in towers.values()))     # each input once, in tower order
     name = plan.model
