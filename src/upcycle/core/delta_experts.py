@@ -1,0 +1,179 @@
+"""Experts stored as one shared base FFN plus a low-rank delta per expert (PESC, Wu et al. 2024; DeRS, CVPR 2025):
+W_e = W_base + A_e B_e for each of the expert's matrices (gate, up, down), rank r.
+
+Right after upcycling the experts are the dense FFN, and after training they stay close to it, so E full experts
+store (and train) mostly the same numbers. Here a layer holds the dense FFN once and E deltas of 3·r·(D + F)
+parameters each (gated; 2·r·(D + F) plain), instead of E·3·D·F.
+
+It also computes less. The base's input projections run once per token, not once per selected expert, and since
+the down projection is linear,
+    Σ_e w_e (W_down + A_e B_e) h_e = W_down (Σ_e w_e h_e) + Σ_e w_e A_e (B_e h_e),
+so the base's down projection runs once per token too: a top-k layer costs the dense FFN's 3·D·F multiply-adds per
+token plus, per selected expert, 3·r·(D + F) for the deltas (and the activation of its own hidden state).
+
+Shape suffixes as in `moe.py` (T tokens, D model width, F expert width, E experts, N token-slots sorted by expert),
+and R the delta's rank. The deltas start at zero (B drawn, A zero, as LoRA starts), so a new layer computes its base
+FFN exactly; `load_deltas` sets them from a method's perturbation.
+
+This module is the expert kind on its own: its forward has the call signature of `moe.Experts.forward`, and
+`weights()` materializes the E full experts (base + delta) for the checks, the analysis and exports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .ffn import FFNWeights, activation_fn
+from .moe import ExpertShape
+
+
+def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:
+    t = torch.zeros(*shape, dtype=dtype)
+    if not zero:        # Kaiming-uniform as nn.Linear draws its weight, per expert, from the fan-in (the last dim)
+        bound = 1.0 / math.sqrt(shape[-1])
+        t.uniform_(-bound, bound)
+    return nn.Parameter(t)
+
+
+class DeltaExperts(nn.Module):
+    """E experts as a base FFN (`base_*`: the dense FFN's matrices, [F, D] and [D, F]) plus, per matrix, rank-R
+    factors: `a_gate` [E, F, R] and `b_gate` [E, R, D] (gated only), `a_up` / `b_up` alike, `a_down` [E, D, R] and
+    `b_down` [E, R, F]. The base's biases are the experts' (no per-expert bias). `train_base=False` freezes the
+    base: only the deltas train."""
+
+    def __init__(self, num_experts: int, shape: ExpertShape, rank: int, *, dtype: torch.dtype | None = None,
+                 train_base: bool = True) -> None:
+        """E experts of `shape` (the dense FFN's structure, as `moe.Experts` takes it) with rank-`rank` deltas."""
+        super().__init__()
+        E, D, F_, R = num_experts, shape.hidden_size, shape.intermediate_size, rank
+        if R < 1 or R > min(D, F_):
+            raise ValueError(f"delta rank must be between 1 and min(D, F) = {min(D, F_)}, got {R}")
+        gated, bias_in, bias_down = shape.gated, shape.bias_in, shape.bias_down
+        self.activation, self.gated, self.intermediate_size, self.rank = shape.activation, gated, F_, R
+        self.act = activation_fn(shape.activation)
+        self.base_up = nn.Parameter(torch.zeros(F_, D, dtype=dtype))
+        self.base_gate = nn.Parameter(torch.zeros(F_, D, dtype=dtype)) if gated else None
+        self.base_down = nn.Parameter(torch.zeros(D, F_, dtype=dtype))
+        self.base_b_up = nn.Parameter(torch.zeros(F_, dtype=dtype)) if bias_in else None
+        self.base_b_gate = nn.Parameter(torch.zeros(F_, dtype=dtype)) if bias_in and gated else None
+        self.base_b_down = nn.Parameter(torch.zeros(D, dtype=dtype)) if bias_down else None
+        self.a_up, self.b_up = _factor(E, F_, R, dtype=dtype, zero=True), _factor(E, R, D, dtype=dtype, zero=False)
+        self.a_gate = _factor(E, F_, R, dtype=dtype, zero=True) if gated else None
+        self.b_gate = _factor(E, R, D, dtype=dtype, zero=False) if gated else None
+        self.a_down, self.b_down = _factor(E, D, R, dtype=dtype, zero=True), _factor(E, R, F_, dtype=dtype, zero=False)
+        for p in self.base_parameters():
+            p.requires_grad_(train_base)
+
+    @property
+    def num_experts(self) -> int:
+        return self.a_down.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.base_down.shape[0]
+
+    def base_parameters(self) -> list[nn.Parameter]:
+        return [p for p in (self.base_up, self.base_gate, self.base_down, self.base_b_up, self.base_b_gate,
+                            self.base_b_down) if p is not None]
+
+    def _pairs(self) -> dict[str, tuple[nn.Parameter, nn.Parameter, nn.Parameter]]:
+        """matrix -> (its base, A, B)."""
+        pairs = {"w_up": (self.base_up, self.a_up, self.b_up), "w_down": (self.base_down, self.a_down, self.b_down)}
+        if self.gated:
+            pairs["w_gate"] = (self.base_gate, self.a_gate, self.b_gate)
+        return pairs
+
+    @torch.no_grad()
+    def load_base(self, dense: FFNWeights) -> None:
+        """The base FFN from one dense FFN (its matrices and biases; a missing input bias is zero)."""
+        if dense.stacked or dense.gated != self.gated or dense.w_down.shape != self.base_down.shape:
+            raise ValueError(f"a dense FFN of shape {tuple(dense.w_down.shape)} (gated={dense.gated}) does not fit "
+                             f"{tuple(self.base_down.shape)} (gated={self.gated})")
+        for name, (base, _, _) in self._pairs().items():
+            base.copy_(getattr(dense, name))
+        for ours, theirs in ((self.base_b_up, dense.b_up), (self.base_b_gate, dense.b_gate),
+                             (self.base_b_down, dense.b_down)):
+            if ours is not None:
+                ours.copy_(theirs if theirs is not None else torch.zeros_like(ours))
+            elif theirs is not None:
+                raise ValueError("the dense FFN has a bias the layer does not")
+
+    @torch.no_grad()
+    def load_deltas(self, deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each matrix's factors (A [E, rows, R], B [E, R, cols]) for the matrices named (w_up, w_gate, w_down)."""
+        pairs = self._pairs()
+        for name, (a, b) in deltas.items():
+            _, a_ours, b_ours = pairs[name]
+            if a.shape != a_ours.shape or b.shape != b_ours.shape:
+                raise ValueError(f"{name}: factors {tuple(a.shape)} x {tuple(b.shape)} do not fit "
+                                 f"{tuple(a_ours.shape)} x {tuple(b_ours.shape)}")
+            a_ours.copy_(a)
+            b_ours.copy_(b)
+
+    def weights(self, detach: bool = True) -> FFNWeights:
+        """The E full experts, base + A B, stacked (canonical, unfused): what a full-expert layer would hold."""
+        def full(name: str) -> torch.Tensor:
+            base, a, b = self._pairs()[name]
+            w = base.unsqueeze(0) + torch.bmm(a, b)
+            return w.detach() if detach else w
+
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            if b is None:
+                return None
+            b = b.unsqueeze(0).expand(self.num_experts, -1)
+            return b.detach() if detach else b
+
+        return FFNWeights(w_up=full("w_up"), w_down=full("w_down"), activation=self.activation,
+                          w_gate=full("w_gate") if self.gated else None, b_up=bias(self.base_b_up),
+                          b_gate=bias(self.base_b_gate), b_down=bias(self.base_b_down))
+
+    def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
+                counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert (as
+        `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's slots."""
+        counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
+        linear = torch.nn.functional.linear
+        # the base's input projections, once per token
+        up_TF = linear(x_TD, self.base_up, self.base_b_up)
+        gate_TF = linear(x_TD, self.base_gate, self.base_b_gate) if self.gated else None
+        x_ND = x_TD.index_select(0, tokens_N)
+        up_NF = up_TF.index_select(0, tokens_N)
+        gate_NF = gate_TF.index_select(0, tokens_N) if self.gated else None
+        # each expert's low-rank corrections on its slots (a segment of the sorted slots)
+        ups, gates, start = [], [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            x_nD = x_ND[start:start + n]
+            ups.append(linear(linear(x_nD, self.b_up[e]), self.a_up[e]))
+            if self.gated:
+                gates.append(linear(linear(x_nD, self.b_gate[e]), self.a_gate[e]))
+            start += n
+        N = start
+        up_NF = up_NF[:N] + torch.cat(ups) if ups else up_NF[:N]
+        if self.gated:
+            gate_NF = gate_NF[:N] + torch.cat(gates) if gates else gate_NF[:N]
+            h_NF = self.act(gate_NF) * up_NF
+        else:
+            h_NF = self.act(up_NF)
+        w_N1 = weights_N[:N].unsqueeze(1).to(h_NF.dtype)
+        wh_NF = h_NF * w_N1
+        # the base's down projection once per token, on the weighted sum of its slots' hidden states
+        tokens = tokens_N[:N]
+        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens, wh_NF)
+        y_TD = linear(wh_TF, self.base_down)
+        if self.base_b_down is not None:      # each slot adds the bias, weighted, as a full expert would
+            y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens, w_N1) * self.base_b_down
+        # each expert's down delta, on its slots
+        downs, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            downs.append(linear(linear(wh_NF[start:start + n], self.b_down[e]), self.a_down[e]))
+            start += n
+        if downs:
+            y_TD = y_TD.index_add(0, tokens, torch.cat(downs))
+        return y_TD
