@@ -79,9 +79,10 @@ def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path)
     weights = weights.float()
     x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_delta = delta(xa, tokens, weights, counts)
+    wa, wb = weights.clone().requires_grad_(), weights.clone().requires_grad_()     # the router's weights learn
+    y_delta = delta(xa, tokens, wa, counts)
     with forced_kernel_path(path):
-        y_full = full(xb, tokens, weights, counts)
+        y_full = full(xb, tokens, wb, counts)
     # the same sums in two orders (base and delta apart, or the materialized sum): float32 rounding, a few 1e-7 of
     # the largest value over sums of 64 terms; bound 1e-5 of it
     assert (y_delta - y_full).abs().max() <= 1e-5 * y_full.abs().max()
@@ -89,6 +90,7 @@ def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path)
     (y_delta * g).sum().backward()
     (y_full * g).sum().backward()
     assert (xa.grad - xb.grad).abs().max() <= 1e-5 * xb.grad.abs().max()
+    assert (wa.grad - wb.grad).abs().max() <= 1e-5 * wb.grad.abs().max()
     # the base's gradient is the sum of the full experts' (every expert is base + its delta)
     assert (delta.base_down.grad - full.w_down.grad.sum(0)).abs().max() <= 1e-5 * full.w_down.grad.abs().max()
     # a factor's gradient is its expert's full gradient through the product: dL/dA_e = dL/dW_e B_eᵀ

@@ -38,6 +38,26 @@ def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:
     return nn.Parameter(t)
 
 
+class GatedHidden(torch.autograd.Function):
+    """act(gate) * up, keeping only gate and up for the backward pass (act(gate) is made again there): one [N, F]
+    tensor fewer than autograd would keep."""
+
+    @staticmethod
+    def forward(ctx, gate_NF: torch.Tensor, up_NF: torch.Tensor, act) -> torch.Tensor:
+        ctx.save_for_backward(gate_NF, up_NF)
+        ctx.act = act
+        return act(gate_NF) * up_NF
+
+    @staticmethod
+    def backward(ctx, grad_NF: torch.Tensor):
+        gate_NF, up_NF = ctx.saved_tensors
+        with torch.enable_grad():
+            gate = gate_NF.detach().requires_grad_()
+            a_NF = ctx.act(gate)
+            (grad_gate,) = torch.autograd.grad(a_NF, gate, grad_NF * up_NF)
+        return grad_gate, grad_NF * a_NF.detach(), None
+
+
 class DeltaExperts(nn.Module):
     """E experts as a base FFN (`base_*`: the dense FFN's matrices, [F, D] and [D, F]) plus, per matrix, rank-R
     factors: `a_gate` [E, F, R] and `b_gate` [E, R, D] (gated only), `a_up` / `b_up` alike, `a_down` [E, D, R] and
@@ -142,6 +162,7 @@ class DeltaExperts(nn.Module):
         x_ND = x_TD.index_select(0, tokens_N)
         up_NF = up_TF.index_select(0, tokens_N)
         gate_NF = gate_TF.index_select(0, tokens_N) if self.gated else None
+        del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         # each expert's low-rank corrections on its slots (a segment of the sorted slots)
         ups, gates, start = [], [], 0
         for e, n in enumerate(counts):
@@ -156,23 +177,25 @@ class DeltaExperts(nn.Module):
         up_NF = up_NF[:N] + torch.cat(ups) if ups else up_NF[:N]
         if self.gated:
             gate_NF = gate_NF[:N] + torch.cat(gates) if gates else gate_NF[:N]
-            h_NF = self.act(gate_NF) * up_NF
+            h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
         else:
             h_NF = self.act(up_NF)
+        del ups, gates, up_NF, gate_NF              # kept by autograd where the backward needs them, and only there
         w_N1 = weights_N[:N].unsqueeze(1).to(h_NF.dtype)
-        wh_NF = h_NF * w_N1
         # the base's down projection once per token, on the weighted sum of its slots' hidden states
         tokens = tokens_N[:N]
-        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens, wh_NF)
+        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens, h_NF * w_N1)
         y_TD = linear(wh_TF, self.base_down)
         if self.base_b_down is not None:      # each slot adds the bias, weighted, as a full expert would
             y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens, w_N1) * self.base_b_down
-        # each expert's down delta, on its slots
+        # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
+        # the hidden states kept for the backward pass are h's own (no weighted copy of them)
         downs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            downs.append(linear(linear(wh_NF[start:start + n], self.b_down[e]), self.a_down[e]))
+            z_nR = linear(h_NF[start:start + n], self.b_down[e]) * w_N1[start:start + n]
+            downs.append(linear(z_nR, self.a_down[e]))
             start += n
         if downs:
             y_TD = y_TD.index_add(0, tokens, torch.cat(downs))
