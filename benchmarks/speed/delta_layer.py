@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from upcycle.core.delta_experts import DeltaExperts
+from upcycle.core.expert_shape import ExpertShape
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import Experts, ExpertShape
+from upcycle.core.moe import Experts
 from upcycle.machine import machine
 from upcycle.scripts import check_positive, output_file
 from upcycle.training.memory.peak import measure_peak

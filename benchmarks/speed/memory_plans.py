@@ -23,7 +23,8 @@ import torch
 import transformers
 
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.core.moe import ExpertShape, MoELayer
+from upcycle.core.expert_shape import ExpertShape
+from upcycle.core.moe import MoELayer
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
 from upcycle.machine import machine
 from upcycle.scripts import output_file

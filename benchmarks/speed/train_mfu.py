@@ -43,7 +43,8 @@ import torch
 import transformers
 
 from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.core.moe import ExpertShape, MoELayer, moe_layers
+from upcycle.core.expert_shape import ExpertShape
+from upcycle.core.moe import MoELayer, moe_layers
 from upcycle.core.surgery import install, plan_targets, track_padding_masks
 from upcycle.machine import machine
 from upcycle.scripts import output_file

@@ -14,9 +14,10 @@ from conftest import FAMILIES, make_tiny
 from upcycle.config import PlacementConfig
 from upcycle.core.architectures import family_of
 from upcycle.core.delta_experts import DeltaExperts
+from upcycle.core.expert_shape import ExpertShape
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
-from upcycle.core.moe import Experts, ExpertShape
+from upcycle.core.moe import Experts
 from upcycle.core.surgery import plan_targets, tower_cfg
 
 

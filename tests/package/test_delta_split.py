@@ -9,8 +9,8 @@ import torch
 
 from upcycle.core.delta_experts import DeltaExperts
 from upcycle.core.delta_split import split_experts
+from upcycle.core.expert_shape import ExpertShape
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import ExpertShape
 
 E, D, F_ = 4, 16, 24
 

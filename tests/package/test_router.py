@@ -11,8 +11,9 @@ from torch import nn
 
 from conftest import make_tiny
 from upcycle import ConvertConfig, MoEConfig, convert
+from upcycle.core.expert_shape import ExpertShape
 from upcycle.core.ffn import FFNWeights
-from upcycle.core.moe import ExpertShape, MoELayer
+from upcycle.core.moe import MoELayer
 from upcycle.core.router import Router
 from upcycle.errors import UpcycleError
 from upcycle.training.loss.losses import load_balance

@@ -16,8 +16,9 @@ from torch import nn
 from ..checkpoint.skeleton import empty_model
 from ..config import MoEConfig
 from ..core.architectures import family_of
+from ..core.expert_shape import ExpertShape
 from ..core.ffn import FFNWeights
-from ..core.moe import ExpertShape, MoELayer
+from ..core.moe import MoELayer
 from ..core.surgery import Target, install, plan_targets, tower_cfg
 from ..methods import LayerLayout
 

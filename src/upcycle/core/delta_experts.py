@@ -26,8 +26,8 @@ import math
 import torch
 from torch import nn
 
+from .expert_shape import ExpertShape
 from .ffn import FFNWeights, activation_fn
-from .moe import ExpertShape
 
 
 def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..config import MoEConfig
+from .expert_shape import STRUCTURE, ExpertShape
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import ExpertFFN, Slots, compute_dtype, grouped_ffn, tokens_per_call
 from .router import Router, RoutingRecord, count_ids
@@ -52,30 +52,7 @@ def joined_records(model: nn.Module):
             layer.last_record = RoutingRecord.cat(records)
 
 
-@dataclass(frozen=True)
-class ExpertShape:
-    """One expert's structure, that of the dense FFN it comes from: the model width, the expert's width, the
-    activation, whether it is gated, and whether its input and output projections have biases."""
-
-    hidden_size: int
-    intermediate_size: int
-    activation: str
-    gated: bool
-    bias_in: bool = False
-    bias_down: bool = False
-
-    @classmethod
-    def of(cls, weights: FFNWeights) -> ExpertShape:
-        """The shape of stacked FFN weights (a method's output, a dense FFN)."""
-        return cls(weights.hidden_size, weights.intermediate_size, weights.activation, weights.gated,
-                   bias_in=weights.b_up is not None or weights.b_gate is not None, bias_down=weights.b_down is not None)
-
-    def with_width(self, intermediate_size: int) -> ExpertShape:
-        return dataclasses.replace(self, intermediate_size=intermediate_size)
-
-
-# a saved spec's keys (`MoELayer.spec`): the expert's structure, the layer's own, and MoEConfig's
-STRUCTURE = tuple(f.name for f in dataclasses.fields(ExpertShape))
+# a saved spec's keys besides the expert's structure (`expert_shape.STRUCTURE`): the layer's own; then MoEConfig's
 LAYER_KEYS = ("num_shared_experts", "shared_intermediate_size", "router_bias", "output_dropout")
 
 

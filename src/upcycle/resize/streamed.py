@@ -39,7 +39,8 @@ from ..checkpoint.skeleton import empty_model
 from ..checkpoint.streamed import StreamSource
 from ..checkpoint.upcycle_format import MOE_CONFIG, one_line_errors, read_spec, saved_dtype
 from ..checkpoint.writer import ShardedWriter
-from ..core.moe import STRUCTURE, Experts, ExpertShape, MoELayer, moe_layers
+from ..core.expert_shape import STRUCTURE, ExpertShape
+from ..core.moe import Experts, MoELayer, moe_layers
 from ..core.resize import check_growable, copy_groups, pruned_router_bias
 from ..core.router_split import copy_row_offsets
 from ..core.surgery import install, track_padding_masks
