@@ -7,18 +7,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import write_tiny_lm
 from upcycle.cli import main
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dry")
-    dense, train, held = write_tiny_lm(root / "lm")
-    recipe = root / "recipe.yaml"
+def study(tiny_lm, tmp_path_factory):
+    """The shared tiny dense model (conftest's tiny_lm), and a 3-step recipe on its text."""
+    dense, _, train, held = tiny_lm
+    recipe = tmp_path_factory.mktemp("dry") / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"data": str(train), "eval_data": str(held), "steps": 3, "batch_size": 4,
                                       "sequence_length": 32}))
-    return root, dense, recipe, train, held
+    return recipe.parent, dense, recipe, train, held
 
 
 def _compare(dense, recipe, out, *flags) -> list[str]:

@@ -161,11 +161,13 @@ def make_plan(cfg: ConvertConfig, *, writing: bool = True, build: bool = True, r
             stock = choose_export(planned, cfg.export, cfg.export_class)
     # nothing in a merge reproduces one dense model: no promise (each source's text calibrates its own experts)
     promised = not merging and promises_dense_function(method, args, cfg.moe)
-    given = conversion_inputs(cfg.model, cfg.sources, recipe, cfg.check.text, cfg.calibration.data)
+    # a model given in memory is written nowhere: no input to keep OUT away from
+    given = [] if model is not None else conversion_inputs(cfg.model, cfg.sources, recipe, cfg.check.text,
+                                                           cfg.calibration.data)
     return ConversionPlan(
         method, args, promised, route, cfg.model, path, config, family_of(config), dtype, cfg.moe, cfg.placement,
         cfg.check, cfg.calibration, cfg.sources, cfg.seed, cfg.device, cfg.export, parse_size(cfg.shard_size),
-        layout_of, planned, targets, *stock, given if model is None else [],
+        layout_of, planned, targets, *stock, given,
         to_dict(dataclasses.replace(cfg, dtype=dtype)), stream=stream, opened=opened)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from .expert_shape import ExpertShape
 from .ffn import FFNWeights, activation_fn
+from .grouped_ffn import segments
 
 
 def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:
@@ -152,9 +153,10 @@ class DeltaExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
                 counts: torch.Tensor | list[int]) -> torch.Tensor:
-        """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert (as
-        `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's slots."""
-        counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
+        """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert, one per
+        kept slot (as `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's
+        slots."""
+        rows_of = list(segments(counts.tolist() if torch.is_tensor(counts) else list(counts)))
         linear = torch.nn.functional.linear
         # the base's input projections, once per token
         up_TF = linear(x_TD, self.base_up, self.base_b_up)
@@ -164,39 +166,25 @@ class DeltaExperts(nn.Module):
         gate_NF = gate_TF.index_select(0, tokens_N) if self.gated else None
         del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         # each expert's low-rank corrections on its slots (a segment of the sorted slots)
-        ups, gates, start = [], [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            x_nD = x_ND[start:start + n]
-            ups.append(linear(linear(x_nD, self.b_up[e]), self.a_up[e]))
-            if self.gated:
-                gates.append(linear(linear(x_nD, self.b_gate[e]), self.a_gate[e]))
-            start += n
-        N = start
-        up_NF = up_NF[:N] + torch.cat(ups) if ups else up_NF[:N]
+        if rows_of:
+            up_NF = up_NF + torch.cat([linear(linear(x_ND[rows], self.b_up[e]), self.a_up[e]) for e, rows in rows_of])
         if self.gated:
-            gate_NF = gate_NF[:N] + torch.cat(gates) if gates else gate_NF[:N]
+            if rows_of:
+                gate_NF = gate_NF + torch.cat([linear(linear(x_ND[rows], self.b_gate[e]), self.a_gate[e])
+                                               for e, rows in rows_of])
             h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
         else:
             h_NF = self.act(up_NF)
-        del ups, gates, up_NF, gate_NF              # kept by autograd where the backward needs them, and only there
-        w_N1 = weights_N[:N].unsqueeze(1).to(h_NF.dtype)
+        del up_NF, gate_NF              # kept by autograd where the backward needs them, and only there
+        w_N1 = weights_N.unsqueeze(1).to(h_NF.dtype)
         # the base's down projection once per token, on the weighted sum of its slots' hidden states
-        tokens = tokens_N[:N]
-        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens, h_NF * w_N1)
+        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens_N, h_NF * w_N1)
         y_TD = linear(wh_TF, self.base_down)
         if self.base_b_down is not None:      # each slot adds the bias, weighted, as a full expert would
-            y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens, w_N1) * self.base_b_down
+            y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens_N, w_N1) * self.base_b_down
         # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
         # the hidden states kept for the backward pass are h's own (no weighted copy of them)
-        downs, start = [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            z_nR = linear(h_NF[start:start + n], self.b_down[e]) * w_N1[start:start + n]
-            downs.append(linear(z_nR, self.a_down[e]))
-            start += n
-        if downs:
-            y_TD = y_TD.index_add(0, tokens, torch.cat(downs))
+        if rows_of:
+            downs = [linear(linear(h_NF[rows], self.b_down[e]) * w_N1[rows], self.a_down[e]) for e, rows in rows_of]
+            y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs))
         return y_TD

@@ -87,7 +87,7 @@ def _hidden(act, pre_nI: torch.Tensor, gated: bool, grad_h: torch.Tensor | None 
     return act_a * up, grad_pre
 
 
-def _segments(counts: list[int]):
+def segments(counts: list[int]):
     """(expert, slot slice) for every expert that received slots."""
     start = 0
     for e, n in enumerate(counts):
@@ -149,7 +149,7 @@ def _run(x_TD, slots: Slots, ffn: ExpertFFN, keep: list | None):
     def of(t, e):
         return None if t is None else t[e].to(x_TD.dtype)
 
-    for e, rows in _segments(counts):
+    for e, rows in segments(counts):
         idx = tokens_N[rows]
         pre, y = _expert_ffn(act, gated, x_TD[idx], of(w_in, e), of(b_in, e), of(w_down, e), of(b_down, e))
         weights = weights_N[rows, None]
@@ -243,7 +243,7 @@ class GroupedFFN(torch.autograd.Function):
         g_w_down = torch.empty_like(w_down) if need_w_down else None
         g_b_in = w_in.new_empty(w_in.shape[:2]) if ctx.has_bias[0] and need_b_in else None
         g_b_down = w_down.new_empty(w_down.shape[:2]) if ctx.has_bias[1] and need_b_down else None
-        for (e, rows), (pre, y) in zip(_segments(ctx.counts), ctx.kept, strict=True):
+        for (e, rows), (pre, y) in zip(segments(ctx.counts), ctx.kept, strict=True):
             idx = tokens_N[rows]
             gy = gy_TD[idx]
             if g_weights is not None:

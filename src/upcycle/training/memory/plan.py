@@ -161,16 +161,15 @@ def _plan(cfg: TrainConfig, layout: Layout, micro: int, detail: bool, build) -> 
     activations = {}
 
     def traced(model: nn.Module) -> None:      # the trainable set chosen, no block checkpointed yet
-        if detail:
-            activations.update({m: trace.saved(m) for trace in [trace_forward(model, loss, autocast_dtype=autocast)]
-                                for m in CHECKPOINTING})
+        trace = trace_forward(model, loss, autocast_dtype=autocast)
+        activations.update({m: trace.saved(m) for m in CHECKPOINTING})
 
     regularizers = dataclasses.replace(cfg.regularizers, dpsl=0.0)     # DPSL's Beta CDF reads values
     with mode:
         # the run's own parts (`training.parts.assemble`, as the trainer makes them): the same trainable set,
         # checkpointing, AdamW and objective; sharding is counted below, by the layout
         parts = assemble(model, cfg, optimizer_kind=_optimizer_kind(layout), regularizers=regularizers,
-                         before_checkpointing=traced)
+                         before_checkpointing=traced if detail else None)
         with shapes_only():
             simulation = simulate_steps(model, loss, parts.optimizer, parts.objective, autocast_dtype=autocast,
                                         clip_grad=cfg.clip_grad)
