@@ -24,6 +24,7 @@ ROUTER_INITS = ("random", "prompts", "data")           # SourcesConfig.router
 NON_FFN = ("base", "average")                          # SourcesConfig.non_ffn
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")     # ConvertConfig.dtype (besides auto)
 TASKS = ("causal_lm", "clip", "contrastive")           # TrainConfig.task
+EXPERT_KINDS = ("full", "delta")                       # MoEConfig.experts (upcycle.core.delta_experts)
 CHECKPOINTING = ("none", "full", "moe")                # TrainConfig.activation_checkpointing (training.recompute)
 REPORT_TO = ("tensorboard", "wandb")                  # TrainConfig.report_to
 # Held-out tokens of one causal-LM evaluation: training's (TrainConfig.eval_tokens) and `upcycle eval`'s
@@ -181,6 +182,11 @@ class MoEConfig:
     renormalize_after_drop: bool = False
     score: str = choice("softmax", SCORES)   # router score function: softmax, or sigmoid (DeepSeek-V3; normalized)
     route_scale: float = ranged(1.0, 0, math.inf, low_open=True, high_open=True)   # DeepSeek-V3's routed scaling
+    # How the routed experts are stored: full (E whole FFNs) or delta (one base FFN, the dense one at conversion,
+    # plus a rank-`delta_rank` change per expert and matrix: PESC, DeRS); `train_base: false` trains the deltas only
+    experts: str = choice("full", EXPERT_KINDS)
+    delta_rank: int = ranged(16, 1, 2**16)
+    train_base: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "moe.")

@@ -95,8 +95,8 @@ def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path)
     # the base's gradient is the sum of the full experts' (every expert is base + its delta)
     assert (delta.base_down.grad - full.w_down.grad.sum(0)).abs().max() <= 1e-5 * full.w_down.grad.abs().max()
     # a factor's gradient is its expert's full gradient through the product: dL/dA_e = dL/dW_e B_eᵀ
-    want = torch.bmm(full.w_down.grad, delta.b_down.detach().transpose(1, 2))
-    assert (delta.a_down.grad - want).abs().max() <= 1e-5 * want.abs().max()
+    want = torch.bmm(full.w_down.grad, delta.down_b.detach().transpose(1, 2))
+    assert (delta.down_a.grad - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_a_frozen_base_stays_bit_identical_and_holds_no_optimizer_state():
@@ -115,7 +115,7 @@ def test_a_frozen_base_stays_bit_identical_and_holds_no_optimizer_state():
     for name, p in layer.named_parameters():
         if id(p) in base:
             assert torch.equal(p, before[name]) and p.grad is None and p not in optimizer.state, name
-        elif name.startswith("a_"):     # A starts at zero and moves once trained
+        elif name.endswith("_a"):     # A starts at zero and moves once trained
             assert not torch.equal(p, before[name]), name
     assert len(optimizer.state) == len(trainable) == 6          # A and B of gate, up and down
 

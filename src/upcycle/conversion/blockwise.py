@@ -272,7 +272,10 @@ class MethodLayers:
                            normalize_topk=plan.moe.normalize_topk, activations=activations)
         entry = LayerEntry(target.name, target.path, init.info, *similarity_and_diversity(init.experts))
         layer = upcycle_layer(init, plan.moe, dtype=self.layer_dtype or dense.w_up.dtype,
-                              output_dropout=self.family.output_dropout(tcfg))
+                              output_dropout=self.family.output_dropout(tcfg), dense=dense)
+        kept = getattr(layer.experts, "energy_kept", None)
+        if kept is not None:    # delta experts: the least share of an expert's change from the dense FFN kept
+            entry.method_facts = {**entry.method_facts, "delta_energy_kept": {k: round(v, 6) for k, v in kept.items()}}
         clusters = init.token_clusters
         del init            # the method's float32 experts: gone before the check runs beside the layer
         if activations is not None:

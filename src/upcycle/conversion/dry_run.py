@@ -21,6 +21,7 @@ its JSON holds the estimate next to the measured peak.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from ..machine import PROCESS_BYTES
 from ..outputs.job import dry_run_job
 from .model_data import calibration_corpus, read_inputs
 from .plan import ConversionPlan
+from .planned import planned_model
 from .preservation import count_parameters
 from .streaming import write_queue_bytes
 
@@ -81,7 +83,7 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
                 "similarity": 3 * E * E * 8, "calibration": calib}
     per_block = sum(estimate[k] for k in ("block", "moe_block", "write_queue", "method", "similarity"))
     peak = OVERHEAD_BYTES + calib + max(estimate["trunk"], per_block)
-    return {
+    report = {
         **plan.summary(),
         "model_type": config.model_type, "model_class": model_class, "method": method.name,
         "method_args": args, "num_experts": plan.moe.num_experts, "top_k": plan.moe.top_k,
@@ -91,6 +93,22 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
         "largest_moe_block_bytes": block_bytes, "estimated_peak_bytes": peak,
         "estimate_parts_bytes": estimate, "dtype": plan.dtype,
     }
+    if plan.moe.experts == "delta":
+        report["as_full_experts"] = full_experts_sizes(plan, kept)
+    return report
+
+
+def full_experts_sizes(plan: ConversionPlan, kept: set[str]) -> dict:
+    """What the same conversion with full experts (`moe.experts: full`) would count and write: the delta layers'
+    saving, side by side in the dry run."""
+    moe = dataclasses.replace(plan.moe, experts="full")
+    dtype = STORAGE_DTYPES[plan.dtype]
+    model, _ = planned_model(plan.config, moe, plan.placement, plan.layout_of, dtype=dtype)
+    specs = tensor_specs(model)
+    return {"parameters": count_parameters(model),
+            "output_bytes": {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt)
+                                                 for n, shape, dt in specs])
+                             for name, storage in STORAGE_DTYPES.items()}}
 
 
 def sizes(report: dict) -> str:
@@ -102,6 +120,12 @@ def sizes(report: dict) -> str:
              "  output on disk: " + ", ".join(f"{k} {gb(v)}" for k, v in report["output_bytes"].items()),
              f"  estimated peak memory ({report['dtype']}): {gb(report['estimated_peak_bytes'])} ("
              + ", ".join(f"{k} {gb(v)}" for k, v in report["estimate_parts_bytes"].items() if v) + ")"]
+    full = report.get("as_full_experts")
+    if full is not None:
+        lines.append(f"  as full experts (moe.experts: full): {full['parameters']['total']:,} total, "
+                     f"{full['parameters']['active_per_token']:,} active per token; on disk {report['dtype']} "
+                     f"{gb(full['output_bytes'][report['dtype']])} (delta experts: "
+                     f"{gb(report['output_bytes'][report['dtype']])})")
     return "\n".join(lines)
 
 

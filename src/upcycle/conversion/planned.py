@@ -20,12 +20,17 @@ from ..core.expert_shape import ExpertShape
 from ..core.ffn import FFNWeights
 from ..core.moe import MoELayer
 from ..core.surgery import Target, install, plan_targets, tower_cfg
+from ..errors import UpcycleError
 from ..methods import LayerLayout
 
 
 def empty_moe_layer(dense: FFNWeights, layout: LayerLayout, moe: MoEConfig, *, dtype: torch.dtype,
                     output_dropout: float = 0.0) -> MoELayer:
     """An MoE layer of the layout's shapes on the meta device (the router float32, as MoELayer makes it)."""
+    limit = min(dense.hidden_size, layout.routed_width)
+    if moe.experts == "delta" and moe.delta_rank > limit:
+        raise UpcycleError(f"moe.delta_rank must be at most min(model width, expert width) = {limit} (a rank-r "
+                           f"change of a {layout.routed_width} x {dense.hidden_size} matrix), got {moe.delta_rank}")
     with torch.device("meta"):
         return MoELayer(ExpertShape.of(dense).with_width(layout.routed_width), moe,
                         num_shared_experts=1 if layout.shared_width is not None else 0,

@@ -105,12 +105,13 @@ def preservation_tolerance(scale: float, noise: float, dtype: torch.dtype, check
 
 
 def count_parameters(model: nn.Module) -> dict:
-    """Total parameters (shared tensors once) and parameters active per token (k of E routed experts)."""
+    """Total parameters (shared tensors once) and parameters active per token (k of E routed experts; a delta
+    layer's base is active for every token, its deltas k of E)."""
     from ..core.moe import moe_layers
 
     total = sum(p.numel() for p in model.parameters())   # parameters() yields tied tensors once
     inactive = 0
     for layer in moe_layers(model).values():
-        per_expert = layer.experts.weights().num_params()
+        per_expert = layer.experts.parameters_per_expert()
         inactive += (layer.num_experts - layer.top_k) * per_expert
     return {"total": total, "active_per_token": total - inactive}

@@ -23,6 +23,14 @@ def resolve_method(name: str, method_args: dict, moe: MoEConfig, *, merging: boo
     args = method.resolve_args(method_args)
     if not merging:
         method.counts(moe.num_experts, moe.top_k, args)
+    if moe.experts == "delta":
+        if merging:
+            raise UpcycleError("moe.experts delta: a merge's experts come from different models, so each differs "
+                               "from any one base by a full-rank change; merge with full experts, then `upcycle "
+                               "compress` measures what a rank keeps")
+        if method.no_deltas is not None:
+            raise UpcycleError(f"moe.experts delta: method {name!r} cannot be stored as delta experts: "
+                               f"{method.no_deltas}")
     return method, args
 
 

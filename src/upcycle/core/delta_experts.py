@@ -26,7 +26,9 @@ import math
 import torch
 from torch import nn
 
+from .delta_split import split_experts
 from .expert_shape import ExpertShape
+from .expert_stack import ExpertStack
 from .ffn import FFNWeights, activation_fn
 from .grouped_ffn import segments
 
@@ -59,10 +61,16 @@ class GatedHidden(torch.autograd.Function):
         return grad_gate, grad_NF * a_NF.detach(), None
 
 
-class DeltaExperts(nn.Module):
+def expert_segments(counts: torch.Tensor | list[int], slots: int) -> list[tuple[int, slice]]:
+    """(expert, its slice of the sorted slots) for every expert with slots: the counts read on the host (a memory
+    plan's trace, which has no counts to read, replaces this with equal shares of the `slots`)."""
+    return list(segments(counts.tolist() if torch.is_tensor(counts) else list(counts)))
+
+
+class DeltaExperts(ExpertStack):
     """E experts as a base FFN (`base_*`: the dense FFN's matrices, [F, D] and [D, F]) plus, per matrix, rank-R
-    factors: `a_gate` [E, F, R] and `b_gate` [E, R, D] (gated only), `a_up` / `b_up` alike, `a_down` [E, D, R] and
-    `b_down` [E, R, F]. The base's biases are the experts' (no per-expert bias). `train_base=False` freezes the
+    factors: `gate_a` [E, F, R] and `gate_b` [E, R, D] (gated only), `up_a` / `up_b` alike, `down_a` [E, D, R] and
+    `down_b` [E, R, F]. The base's biases are the experts' (no per-expert bias). `train_base=False` freezes the
     base: only the deltas train."""
 
     def __init__(self, num_experts: int, shape: ExpertShape, rank: int, *, dtype: torch.dtype | None = None,
@@ -81,20 +89,45 @@ class DeltaExperts(nn.Module):
         self.base_b_up = nn.Parameter(torch.zeros(F_, dtype=dtype)) if bias_in else None
         self.base_b_gate = nn.Parameter(torch.zeros(F_, dtype=dtype)) if bias_in and gated else None
         self.base_b_down = nn.Parameter(torch.zeros(D, dtype=dtype)) if bias_down else None
-        self.a_up, self.b_up = _factor(E, F_, R, dtype=dtype, zero=True), _factor(E, R, D, dtype=dtype, zero=False)
-        self.a_gate = _factor(E, F_, R, dtype=dtype, zero=True) if gated else None
-        self.b_gate = _factor(E, R, D, dtype=dtype, zero=False) if gated else None
-        self.a_down, self.b_down = _factor(E, D, R, dtype=dtype, zero=True), _factor(E, R, F_, dtype=dtype, zero=False)
+        self.up_a, self.up_b = _factor(E, F_, R, dtype=dtype, zero=True), _factor(E, R, D, dtype=dtype, zero=False)
+        self.gate_a = _factor(E, F_, R, dtype=dtype, zero=True) if gated else None
+        self.gate_b = _factor(E, R, D, dtype=dtype, zero=False) if gated else None
+        self.down_a, self.down_b = _factor(E, D, R, dtype=dtype, zero=True), _factor(E, R, F_, dtype=dtype, zero=False)
+        self.train_base = train_base
         for p in self.base_parameters():
             p.requires_grad_(train_base)
+        # what the last `load_weights` kept of the experts' differences from the base: matrix -> the smallest share
+        # of an expert's residual energy kept (1.0: exact); not saved (a report reads it at conversion)
+        self.energy_kept: dict[str, float] = {}
 
     @property
     def num_experts(self) -> int:
-        return self.a_down.shape[0]
+        return self.down_a.shape[0]
 
     @property
     def hidden_size(self) -> int:
         return self.base_down.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base_down.dtype
+
+    @property
+    def bias_in(self) -> bool:
+        return self.base_b_up is not None
+
+    @property
+    def bias_down(self) -> bool:
+        return self.base_b_down is not None
+
+    @staticmethod
+    def matrix_of(name: str) -> str:
+        """Which matrix a parameter of this module belongs to: gate, up or down (`base_b_up` -> up, `down_a` ->
+        down), for the freezing groups."""
+        return name.removeprefix("base_").removeprefix("b_").split("_")[0]
+
+    def shared_parameters(self) -> list[nn.Parameter]:
+        return self.base_parameters()
 
     def base_parameters(self) -> list[nn.Parameter]:
         return [p for p in (self.base_up, self.base_gate, self.base_down, self.base_b_up, self.base_b_gate,
@@ -102,9 +135,9 @@ class DeltaExperts(nn.Module):
 
     def _pairs(self) -> dict[str, tuple[nn.Parameter, nn.Parameter, nn.Parameter]]:
         """matrix -> (its base, A, B)."""
-        pairs = {"w_up": (self.base_up, self.a_up, self.b_up), "w_down": (self.base_down, self.a_down, self.b_down)}
+        pairs = {"w_up": (self.base_up, self.up_a, self.up_b), "w_down": (self.base_down, self.down_a, self.down_b)}
         if self.gated:
-            pairs["w_gate"] = (self.base_gate, self.a_gate, self.b_gate)
+            pairs["w_gate"] = (self.base_gate, self.gate_a, self.gate_b)
         return pairs
 
     @torch.no_grad()
@@ -121,6 +154,20 @@ class DeltaExperts(nn.Module):
                 ours.copy_(theirs if theirs is not None else torch.zeros_like(ours))
             elif theirs is not None:
                 raise ValueError("the dense FFN has a bias the layer does not")
+
+    @torch.no_grad()
+    def load_weights(self, weights: FFNWeights, base: FFNWeights | None = None) -> None:
+        """Full stacked experts in, as `base` (the dense FFN they came from; default: their mean) plus each
+        expert's difference from it cut to this layer's rank (`delta_split.split_experts`: exact when the
+        differences have at most that rank, a copy's zero differences among them; else their best rank-R
+        approximation, the share kept in `energy_kept`). A base bias is the experts' mean bias."""
+        if weights.num_experts != self.num_experts:
+            raise ValueError(f"{weights.num_experts} experts do not fit a layer of {self.num_experts}")
+        split = split_experts(weights.map(lambda t: t.float()), self.rank,
+                              None if base is None else base.map(lambda t: t.float()))
+        self.load_base(split.base)
+        self.load_deltas(split.deltas)
+        self.energy_kept = {name: float(kept.min()) for name, kept in split.energy.items()}
 
     @torch.no_grad()
     def load_deltas(self, deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -156,7 +203,7 @@ class DeltaExperts(nn.Module):
         """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert, one per
         kept slot (as `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's
         slots."""
-        rows_of = list(segments(counts.tolist() if torch.is_tensor(counts) else list(counts)))
+        rows_of = expert_segments(counts, tokens_N.shape[0])
         linear = torch.nn.functional.linear
         # the base's input projections, once per token
         up_TF = linear(x_TD, self.base_up, self.base_b_up)
@@ -167,10 +214,10 @@ class DeltaExperts(nn.Module):
         del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         # each expert's low-rank corrections on its slots (a segment of the sorted slots)
         if rows_of:
-            up_NF = up_NF + torch.cat([linear(linear(x_ND[rows], self.b_up[e]), self.a_up[e]) for e, rows in rows_of])
+            up_NF = up_NF + torch.cat([linear(linear(x_ND[rows], self.up_b[e]), self.up_a[e]) for e, rows in rows_of])
         if self.gated:
             if rows_of:
-                gate_NF = gate_NF + torch.cat([linear(linear(x_ND[rows], self.b_gate[e]), self.a_gate[e])
+                gate_NF = gate_NF + torch.cat([linear(linear(x_ND[rows], self.gate_b[e]), self.gate_a[e])
                                                for e, rows in rows_of])
             h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
         else:
@@ -185,6 +232,6 @@ class DeltaExperts(nn.Module):
         # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
         # the hidden states kept for the backward pass are h's own (no weighted copy of them)
         if rows_of:
-            downs = [linear(linear(h_NF[rows], self.b_down[e]) * w_N1[rows], self.a_down[e]) for e, rows in rows_of]
+            downs = [linear(linear(h_NF[rows], self.down_b[e]) * w_N1[rows], self.down_a[e]) for e, rows in rows_of]
             y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs))
         return y_TD

@@ -14,11 +14,15 @@ from .moe import MoELayer
 
 def layer_from_weights(experts: FFNWeights, router_ED: torch.Tensor, config: MoEConfig, *,
                        shared: FFNWeights | None = None, router_bias_E: torch.Tensor | None = None,
-                       dtype: torch.dtype | None = None, output_dropout: float = 0.0) -> MoELayer:
-    """An MoE layer holding `experts` (stacked), router rows `router_ED` (and bias), and `shared` experts."""
+                       dtype: torch.dtype | None = None, output_dropout: float = 0.0,
+                       base: FFNWeights | None = None) -> MoELayer:
+    """An MoE layer holding `experts` (stacked), router rows `router_ED` (and bias), and `shared` experts; delta
+    experts (`config.experts: delta`) as `base` (the dense FFN; default their mean) plus low-rank changes."""
     with torch.device(experts.w_up.device):
-        return MoELayer.from_init(experts, router_ED, config=config, shared=shared, router_bias_E=router_bias_E,
-                                  dtype=dtype, output_dropout=output_dropout)
+        layer = MoELayer.from_init(experts, router_ED, config=config, shared=shared, router_bias_E=router_bias_E,
+                                   dtype=dtype, base=base)
+    layer.dropout.p = output_dropout
+    return layer
 
 
 def layer_like(layer: MoELayer, experts: FFNWeights, router_ED: torch.Tensor, router_bias_E: torch.Tensor | None,
@@ -28,7 +32,7 @@ def layer_like(layer: MoELayer, experts: FFNWeights, router_ED: torch.Tensor, ro
     config = MoEConfig(**{**vars(layer.config), "num_experts": experts.num_experts})
     shared = layer.shared_experts.weights() if layer.shared_experts is not None else None
     new = layer_from_weights(experts, router_ED, config, shared=shared, router_bias_E=router_bias_E,
-                             dtype=layer.experts.w_down.dtype, output_dropout=layer.dropout.p)
+                             dtype=layer.experts.dtype, output_dropout=layer.dropout.p)
     with torch.no_grad():
         new.selection_bias.copy_(selection_bias_E)
     return new.train(layer.training)

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
+from .delta_experts import DeltaExperts
 from .expert_shape import STRUCTURE, ExpertShape
+from .expert_stack import ExpertStack
 from .ffn import FFNWeights, activation_fn
-from .grouped_ffn import ExpertFFN, Slots, compute_dtype, grouped_ffn, tokens_per_call
+from .grouped_ffn import ExpertFFN, Slots, grouped_ffn
 from .router import Router, RoutingRecord, count_ids
 from .routing_context import ROUTING, recompute_contexts
 
@@ -56,7 +58,7 @@ def joined_records(model: nn.Module):
 LAYER_KEYS = ("num_shared_experts", "shared_intermediate_size", "router_bias", "output_dropout")
 
 
-class Experts(nn.Module):
+class Experts(ExpertStack):
     """E FFNs with stacked weights, held as one input projection and one output projection per expert.
 
     Gated experts keep gate and up fused, `w_gate_up` [E, 2F, D] (gate rows first), so each expert needs one
@@ -90,9 +92,26 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.w_down.shape[0]
 
+    @property
+    def hidden_size(self) -> int:
+        return self.w_down.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w_down.dtype
+
+    @property
+    def bias_in(self) -> bool:
+        return self.b_in is not None
+
+    @property
+    def bias_down(self) -> bool:
+        return self.b_down is not None
+
     @torch.no_grad()
-    def load_weights(self, weights: FFNWeights) -> None:
-        """Copy canonical (unfused) stacked weights in; a missing gate or up bias is a zero bias."""
+    def load_weights(self, weights: FFNWeights, base: FFNWeights | None = None) -> None:
+        """Copy canonical (unfused) stacked weights in; a missing gate or up bias is a zero bias. (`base`: what
+        delta experts split them against; whole experts hold them as they are.)"""
         if weights.gated != self.gated or weights.w_down.shape != self.w_down.shape:
             raise ValueError(f"experts of shape {tuple(weights.w_down.shape)} (gated={weights.gated}) do not fit "
                              f"{tuple(self.w_down.shape)} (gated={self.gated})")
@@ -129,25 +148,6 @@ class Experts(nn.Module):
         return grouped_ffn(x_TD, Slots(tokens_N, weights_N, counts),
                            ExpertFFN(self.act, self.gated, self.w_in, self.b_in, self.w_down, self.b_down))
 
-    def tokens_per_call(self, x_TD: torch.Tensor, slots_per_token: int) -> int:
-        """How many tokens of `x_TD` one call takes (`grouped_ffn.tokens_per_call`: all of them on a GPU)."""
-        dtype = compute_dtype(x_TD.device, self.w_in.dtype, x_TD.dtype)
-        return tokens_per_call(x_TD.shape[0], slots_per_token, self.w_in.shape, self.w_down.shape, dtype,
-                               x_TD.device)
-
-    def forward_dense(self, x_TD: torch.Tensor, weights_TE: torch.Tensor | None = None) -> torch.Tensor:
-        """Every expert on every token, summed with `weights_TE` (1 when None): shared experts, and the dense
-        all-expert ensemble a distillation teacher computes."""
-        E, T = self.num_experts, x_TD.shape[0]
-        chunk = self.tokens_per_call(x_TD, E)
-        if chunk < T:
-            return torch.cat([self.forward_dense(x_TD[s:s + chunk], None if weights_TE is None else
-                                                 weights_TE[s:s + chunk]) for s in range(0, T, chunk)])
-        tokens_N = torch.arange(T, device=x_TD.device).repeat(E)
-        weights_N = (torch.ones(E * T, device=x_TD.device) if weights_TE is None
-                     else weights_TE.t().reshape(-1))
-        return self.forward(x_TD, tokens_N, weights_N, torch.full((E,), T, device=x_TD.device))
-
 
 class MoELayer(nn.Module):
     """Router + stacked routed experts (+ optional shared experts), installed where a dense FFN was."""
@@ -162,7 +162,9 @@ class MoELayer(nn.Module):
         self.num_experts, self.top_k = config.num_experts, config.top_k
         # The router stays float32 whatever the model's dtype (torchtitan, ST-MoE: routing is precision-sensitive).
         self.router = Router(shape.hidden_size, config, bias=router_bias)
-        self.experts = Experts(config.num_experts, shape, dtype=dtype)
+        self.experts = (DeltaExperts(config.num_experts, shape, config.delta_rank, dtype=dtype,
+                                     train_base=config.train_base)
+                        if config.experts == "delta" else Experts(config.num_experts, shape, dtype=dtype))
         # shared experts have the routed experts' structure: both come from one dense FFN
         self.shared_experts = (
             Experts(num_shared_experts, shape.with_width(shared_intermediate_size or shape.intermediate_size),
@@ -192,9 +194,8 @@ class MoELayer(nn.Module):
         """Constructor arguments that rebuild this layer (saved in upcycle_config.json): its structure, and its
         MoEConfig's keys, flat (files written before the config object hold the same keys, minus newer ones)."""
         e, s = self.experts, self.shared_experts
-        return {"hidden_size": e.w_down.shape[1], "intermediate_size": e.intermediate_size,
-                "activation": e.activation, "gated": e.gated, "bias_in": e.b_in is not None,
-                "bias_down": e.b_down is not None,
+        return {"hidden_size": e.hidden_size, "intermediate_size": e.intermediate_size,
+                "activation": e.activation, "gated": e.gated, "bias_in": e.bias_in, "bias_down": e.bias_down,
                 "num_shared_experts": s.num_experts if s is not None else 0,
                 "shared_intermediate_size": s.intermediate_size if s is not None else None,
                 "router_bias": self.router.bias is not None, "output_dropout": self.dropout.p,
@@ -289,9 +290,11 @@ class MoELayer(nn.Module):
     @classmethod
     def from_init(cls, experts: FFNWeights, router_ED: torch.Tensor, *, config: MoEConfig | None = None,
                   shared: FFNWeights | None = None, router_bias_E: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None, output_dropout: float = 0.0, **options) -> MoELayer:
+                  dtype: torch.dtype | None = None, base: FFNWeights | None = None, **options) -> MoELayer:
         """Build a layer from a method's output (stacked experts, router rows, optional shared experts); the
-        routing options as `config` or as its keys (num_experts defaults to the experts given)."""
+        routing options as `config` or as its keys (num_experts defaults to the experts given). Delta experts
+        (`config.experts: delta`) hold `base` (the dense FFN; default: the experts' mean) and each expert's
+        difference from it, cut to `config.delta_rank`."""
         if config is None:
             config = MoEConfig(**{"num_experts": experts.num_experts, **options})
         elif options:
@@ -301,9 +304,9 @@ class MoELayer(nn.Module):
         layer = cls(ExpertShape.of(experts), config,
                     num_shared_experts=shared.num_experts if shared is not None else 0,
                     shared_intermediate_size=shared.intermediate_size if shared is not None else None,
-                    router_bias=router_bias_E is not None, output_dropout=output_dropout,
+                    router_bias=router_bias_E is not None,
                     dtype=dtype or experts.w_up.dtype)
-        layer.experts.load_weights(experts)
+        layer.experts.load_weights(experts, base)
         if shared is not None:
             layer.shared_experts.load_weights(shared)
         with torch.no_grad():

@@ -38,7 +38,7 @@ from .moe import MoELayer
 def _rebuilt(layer: MoELayer, index_E: torch.Tensor, bias_E: torch.Tensor | None) -> MoELayer:
     """A layer of `layer`'s structure and options whose expert e is `layer`'s expert index_E[e] (router row,
     selection bias and weights), with router bias `bias_E` (None: none)."""
-    index = index_E.to(layer.experts.w_down.device)
+    index = index_E.to(layer.router.weight.device)
     picked = layer.experts.weights().map(lambda t: t.index_select(0, index).clone())
     return layer_like(layer, picked, layer.router.weight.detach().index_select(0, index).clone(), bias_E,
                       layer.selection_bias.index_select(0, index))

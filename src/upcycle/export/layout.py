@@ -109,7 +109,7 @@ def _check_fits(model: nn.Module, wanted: StockClass) -> None:
         if not layer.selection_bias.is_meta and torch.any(layer.selection_bias != 0):   # meta: a plan
             problems.append("a non-zero selection bias (aux-free balancing)")
         e = layer.experts
-        if e.b_in is not None or e.b_down is not None or layer.router.bias is not None:
+        if e.bias_in or e.bias_down or layer.router.bias is not None:
             problems.append("expert or router biases")
         if layer.router.score != "softmax":
             problems.append(f"{layer.router.score} routing (the stock classes route by softmax)")

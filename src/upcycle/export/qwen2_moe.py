@@ -40,7 +40,7 @@ class Qwen2Moe(StockClass):
         import torch
 
         s = layer.shared_experts.weights() if layer.shared_experts is not None else None
-        D = layer.experts.w_down.shape[1]
+        D = layer.experts.hidden_size
         gate = torch.cat(list(s.w_gate)) if s is not None else torch.zeros(1, D, dtype=model.dtype)
         up = torch.cat(list(s.w_up)) if s is not None else torch.zeros(1, D, dtype=model.dtype)
         down = torch.cat(list(s.w_down), dim=1) * 2 if s is not None else torch.zeros(D, 1, dtype=model.dtype)

@@ -51,7 +51,9 @@ class ClusterArgs:
 
 
 @register("cluster", paper="Cluster-aware Upcycling (CVPR 2026, arXiv 2604.13508)", needs_calibration=True,
-          layout=lambda width, args: LayerLayout(width, router_bias=args["pca_factor"] > 1 and args["router_bias"]))
+          layout=lambda width, args: LayerLayout(width, router_bias=args["pca_factor"] > 1 and args["router_bias"]),
+          no_deltas="its experts are truncated SVDs of the dense FFN, each kept to its cluster's directions: each "
+                    "differs from the dense FFN by most of the FFN's rank, not by a low-rank change")
 def cluster(ffn: FFNWeights, layer: LayerInputs, args: ClusterArgs) -> ExpertInit:
     """Experts = per-cluster data-aware truncated SVDs of the FFN's input layers; router = k-means centroids."""
     num_experts, generator, activations = layer.num_experts, layer.generator, layer.activations

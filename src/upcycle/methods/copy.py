@@ -22,7 +22,7 @@ class CopyArgs:
 
 
 @register("copy", paper="Komatsuzaki et al. 2022, Sparse Upcycling, arXiv:2212.05055",
-          preserves_function=lambda args, normalize_topk, dropless: normalize_topk and dropless)
+          preserves_function=lambda args, normalize_topk, dropless: normalize_topk and dropless, no_deltas=None)
 def copy(ffn: FFNWeights, layer: LayerInputs, args: CopyArgs) -> ExpertInit:
     """Every expert is a copy of the dense FFN; router ~ N(0, router_std^2)."""
     num_experts, generator = layer.num_experts, layer.generator

@@ -31,7 +31,7 @@ class DropArgs:
     router_std: float = 0.02
 
 
-@register("drop", paper="Nakamura et al. 2025, Drop-Upcycling, arXiv:2502.19261")
+@register("drop", paper="Nakamura et al. 2025, Drop-Upcycling, arXiv:2502.19261", no_deltas=None)
 def drop(ffn: FFNWeights, layer: LayerInputs, args: DropArgs) -> ExpertInit:
     """Copies of the dense FFN with a per-expert random fraction `ratio` of neurons re-initialized."""
     num_experts, generator = layer.num_experts, layer.generator

@@ -56,7 +56,7 @@ class DropSvdArgs:
 
 @register("drop_svd", paper="Cluster-aware Upcycling (CVPR 2026, arXiv:2604.13508), supplementary",
           preserves_function=lambda args, normalize_topk, dropless: args["fraction"] == 0 and normalize_topk
-          and dropless)
+          and dropless, no_deltas=None)
 def drop_svd(ffn: FFNWeights, layer: LayerInputs, args: DropSvdArgs) -> ExpertInit:
     """Copies of the dense FFN whose weakest `fraction` of singular vectors are redrawn per expert."""
     num_experts, generator = layer.num_experts, layer.generator

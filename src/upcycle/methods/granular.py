@@ -56,7 +56,8 @@ class GranularArgs:
                              "arXiv:2410.07524 (fine-grained experts, virtual groups)",
           preserves_function=lambda args, normalize_topk, dropless: dropless,
           layout=lambda width, args: _layout(width, args["granularity"]),
-          counts=lambda num_experts, top_k, args: _counts(num_experts, top_k, args["granularity"]))
+          counts=lambda num_experts, top_k, args: _counts(num_experts, top_k, args["granularity"]),
+          no_deltas="its experts are slices of the dense FFN's width, narrower than it: no base of their shape")
 def granular(ffn: FFNWeights, layer: LayerInputs, args: GranularArgs) -> ExpertInit:
     """Shards of the dense FFN (F/granularity wide), replicated; virtual-group router; output scale folded in."""
     num_experts, top_k = layer.num_experts, layer.top_k

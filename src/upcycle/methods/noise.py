@@ -29,7 +29,7 @@ class NoiseArgs:
     router_std: float = 0.02
 
 
-@register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)")
+@register("noise", paper="Qwen2 technical report (arXiv:2407.10671); OLMoE (arXiv:2409.02060)", no_deltas=None)
 def noise(ffn: FFNWeights, layer: LayerInputs, args: NoiseArgs) -> ExpertInit:
     """Copies of the dense FFN plus Gaussian noise on a random `fraction` of each weight matrix's entries."""
     num_experts, generator = layer.num_experts, layer.generator

@@ -81,6 +81,9 @@ def same_width(width: int, args: dict) -> LayerLayout:
     return LayerLayout(width)
 
 
+NOT_DENSE_PLUS_CHANGE = "its experts are not the dense FFN plus a change of each"
+
+
 @dataclass(frozen=True)
 class MethodArg:
     name: str
@@ -109,6 +112,9 @@ class Method:
     # (num_experts, top_k, resolved args) -> None, or raises: the counts the method can make (checked with the
     # arguments, before any weight)
     counts: Callable[[int, int, dict], None] = lambda num_experts, top_k, args: None
+    # why its experts cannot be held as the dense FFN plus a low-rank change each (`moe.experts: delta`), or None
+    # when they are the dense FFN plus a change (exact when the change has at most the delta rank)
+    no_deltas: str | None = NOT_DENSE_PLUS_CHANGE
 
     def __call__(self, ffn: FFNWeights, args: dict, **common) -> ExpertInit:
         """Run the method with resolved `args` and the conversion's arguments (`LayerInputs`' fields)."""
@@ -137,10 +143,11 @@ METHODS: dict[str, Method] = {}
 
 def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict, bool, bool], bool] = False,
              needs_calibration: bool = False, layout: Callable[[int, dict], LayerLayout] = same_width,
-             counts: Callable[[int, int, dict], None] | None = None):
+             counts: Callable[[int, int, dict], None] | None = None, no_deltas: str | None = NOT_DENSE_PLUS_CHANGE):
     """Register `fn(ffn, layer, args)` under `name`; the dataclass its `args` parameter names is the method's
     schema; `layout` says the shapes it makes (default: experts as wide as the dense FFN, nothing shared);
-    `counts(num_experts, top_k, args)` refuses the expert counts it cannot make (default: any)."""
+    `counts(num_experts, top_k, args)` refuses the expert counts it cannot make (default: any); `no_deltas` says
+    why its experts cannot be stored as delta experts (None: they are the dense FFN plus a change of each)."""
 
     def wrap(fn: Callable[..., ExpertInit]) -> Callable[..., ExpertInit]:
         if list(inspect.signature(fn).parameters) != ["ffn", "layer", "args"]:
@@ -157,7 +164,7 @@ def register(name: str, *, paper: str, preserves_function: bool | Callable[[dict
         preserves = preserves_function if callable(preserves_function) else (lambda *_: bool(preserves_function))
         summary = (inspect.getdoc(fn) or "").split("\n")[0]
         METHODS[name] = Method(name, fn, paper, summary, args, args_class, needs_calibration, preserves, layout,
-                               *([counts] if counts is not None else []))
+                               **({"counts": counts} if counts is not None else {}), no_deltas=no_deltas)
         return fn
 
     return wrap

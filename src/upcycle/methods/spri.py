@@ -57,7 +57,9 @@ class SpriArgs:
 
 @register("spri", paper="Shan et al. 2026, SVD-Partitioned Residual Initialization (SPRI)",
           preserves_function=lambda args, normalize_topk, dropless: args["rho"] == 0 and args["shared_expert"],
-          layout=lambda width, args: LayerLayout(width, width if args["shared_expert"] else None))
+          layout=lambda width, args: LayerLayout(width, width if args["shared_expert"] else None),
+          no_deltas="its routed experts are disjoint SVD blocks of the dense FFN beside a shared expert: each differs "
+                    "from the dense FFN by most of the FFN's rank, not by a low-rank change")
 def spri(ffn: FFNWeights, layer: LayerInputs, args: SpriArgs) -> ExpertInit:
     """Shared dense expert + routed experts whose one projection is a scaled SVD block of the dense weight."""
     num_experts, top_k, generator = layer.num_experts, layer.top_k, layer.generator

@@ -52,6 +52,22 @@ from .plan import ResizePlan, check_fits, plan_resize
 REPORT = "resize_report.json"
 
 
+def refuse_delta_experts(model: str, verb: str) -> None:
+    """Prune, grow and --add pick, copy or add whole experts, each one's tensors as rows of the layer's; delta
+    experts (`moe.experts: delta`) share one base FFN whose rows are not experts, so their folders are refused."""
+    path = Path(model) / MOE_CONFIG
+    if not path.is_file():
+        return
+    spec = read_json_file(path, MOE_CONFIG)
+    delta = [str(layer.get("block", i)) for i, layer in enumerate(spec.get("layers") or [])
+             if isinstance(layer, dict) and layer.get("experts") == "delta"]
+    if delta:
+        raise UpcycleError(f"{model} holds delta experts (moe.experts: delta; layer {delta[0]}): {verb} works on "
+                           f"full experts, whose tensors it picks, copies or adds by expert, and a delta layer's base "
+                           f"is every expert's; export it (`upcycle export`, full experts) or convert with "
+                           f"moe.experts full")
+
+
 def check_folder(model: str, request: ExpertCount, *, grow: bool) -> dict:
     """The folder's MoE layers as its upcycle_config.json lists them, once the request fits every one (no weight
     is read)."""
@@ -137,6 +153,7 @@ def dry_run(model: str, request: ExpertCount, *, grow: bool, budget: Calibration
 
 def check(model: str, request: ExpertCount, *, grow: bool, budget: CalibrationConfig, streaming: bool) -> list[Input]:
     """Every refusal that needs no weight (module docstring); the inputs OUT must never be."""
+    refuse_delta_experts(model, "grow" if grow else "prune")
     if request.add is not None:
         if not (Path(model) / MOE_CONFIG).is_file():
             if not Path(model).exists() or (Path(model) / "model" / MOE_CONFIG).is_file():

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import FreezeRule
+from ..core.delta_experts import DeltaExperts
 from ..core.moe import moe_layers
 from ..errors import UpcycleError
 from .parallel.sharding import is_dtensor, local
@@ -49,8 +50,16 @@ def _group(model: nn.Module, group: str) -> Selection:
         experts = layer.experts
         F_ = experts.intermediate_size
         routed = {f"{path}.experts.{n}": p for n, p in experts.named_parameters()}
-        in_names = [n for n in routed if n.rsplit(".", 1)[1] in ("w_gate_up", "w_up", "b_gate_up", "b_up")]
-        down_names = [n for n in routed if n.endswith(".w_down") or n.endswith(".b_down")]
+        if isinstance(experts, DeltaExperts):       # base and factors apart per matrix: whole tensors, no rows
+            matrix = {n: DeltaExperts.matrix_of(n.rsplit(".", 1)[1]) for n in routed}
+            in_names = [n for n in routed if matrix[n] in ("gate", "up")]
+            down_names = [n for n in routed if matrix[n] == "down"]
+            if group in ("experts_gate", "experts_up"):
+                picked.update(dict.fromkeys(n for n in routed if matrix[n] == group.removeprefix("experts_")))
+                continue
+        else:
+            in_names = [n for n in routed if n.rsplit(".", 1)[1] in ("w_gate_up", "w_up", "b_gate_up", "b_up")]
+            down_names = [n for n in routed if n.endswith(".w_down") or n.endswith(".b_down")]
         router = [f"{path}.router.{n}" for n, _ in layer.router.named_parameters()]
         if group in ("router", "routed"):
             picked.update(dict.fromkeys(router))
@@ -92,6 +101,14 @@ def select(model: nn.Module, specs: tuple[str, ...] | list[str], where: str = "t
     return out
 
 
+def fixed_parameters(model: nn.Module) -> list[str]:
+    """Parameters no train set or rule can make trainable: the bases of delta experts built with
+    `moe.train_base: false` (the layer's config says so, and the saved spec keeps it)."""
+    return [f"{path}.experts.{n}" for path, layer in moe_layers(model).items()
+            if isinstance(layer.experts, DeltaExperts) and not layer.experts.train_base
+            for n, p in layer.experts.named_parameters() if any(p is b for b in layer.experts.base_parameters())]
+
+
 class Freezer:
     """Applies `train` (once) and timed `FreezeRule`s (each step) to a model's parameters."""
 
@@ -118,6 +135,8 @@ class Freezer:
             else:
                 self.timed.append((round(rule.until * total_steps), chosen))
                 self._rule_of.append(i)
+        for name in fixed_parameters(model):      # delta experts' bases under `moe.train_base: false`
+            trainable.pop(name, None)
         for name, p in self.params.items():
             p.requires_grad_(name in trainable)
         self.trainable = [name for name in self.params if name in trainable]

@@ -34,7 +34,7 @@ from .losses import eesd
 def ensemble_output(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     """sum_i softmax(router(x))_i E_i(x) (+ shared experts): the layer's dense all-expert ensemble."""
     probs_TE = layer.router.dense_weights(x_TD)     # full softmax (or normalized sigmoid affinities), float32
-    x = x_TD.to(layer.experts.w_down.dtype)
+    x = x_TD.to(layer.experts.dtype)
     y_TD = layer.experts.forward_dense(x, probs_TE)      # combine weights stay float32 (the kernel's rule)
     if layer.shared_experts is not None:
         y_TD = y_TD + layer.shared_experts.forward_dense(x)

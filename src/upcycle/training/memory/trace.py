@@ -180,13 +180,22 @@ def _loop(x_TD, slots, ffn, keep=None):
     return x_TD.new_zeros(x_TD.shape[0], w_down.shape[1], dtype=torch.float32)
 
 
+def _equal_segments(counts, slots: int) -> list[tuple[int, slice]]:
+    """Delta experts' slot segments without reading the counts: each expert an equal share of the slots (the
+    factors' work and what they keep depend on the total alone)."""
+    experts = len(counts)
+    share = -(-slots // experts)
+    return [(e, slice(s, min(s + share, slots))) for e, s in enumerate(range(0, slots, share))]
+
+
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
     """What the MoE layer reads of its data replaced by what needs none (module docstring): routing dropless, the
     grouped matmul for every dtype and every batch (the path a GPU takes), and the inference loop a stand-in."""
-    from ...core import grouped_ffn
+    from ...core import delta_experts, grouped_ffn
 
     with mock.patch.object(MoELayer, "route", _dropless_route), \
+            mock.patch.object(delta_experts, "expert_segments", _equal_segments), \
             mock.patch.object(torch.nn.functional, "grouped_mm", _grouped_mm(torch.nn.functional.grouped_mm)), \
             mock.patch.object(grouped_ffn, "_run", _loop), grouped_ffn.forced_kernel_path("grouped_mm"):
         yield
