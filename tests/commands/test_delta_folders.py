@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import upcycle
 from conftest import fails, make_tiny
 from upcycle.cli import main
-from upcycle.config_reader import build
 from upcycle.config import ConvertConfig
+from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert
 from upcycle.core.delta_experts import DeltaExperts
 from upcycle.core.moe import moe_layers
@@ -70,8 +70,8 @@ def test_a_delta_folder_exports_full_experts_with_its_logits(export_class, every
 
 
 def test_a_frozen_base_stays_bit_identical_through_training_and_gets_no_optimizer_state(lm, tmp_path):
-    from upcycle.training.parts import assemble
     from conftest import train_config
+    from upcycle.training.parts import assemble
 
     dense, _, train, held = lm
     moe = tmp_path / "moe"
