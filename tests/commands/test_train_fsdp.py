@@ -181,3 +181,28 @@ def test_activation_checkpointing_under_two_processes(tied_moe, tiny_lm, tmp_pat
     one, two = tmp_path / "one", tmp_path / "two"
     _same_steps(_steps(one), _steps(two))
     _close(load_file(str(one / "model" / "model.safetensors")), load_file(str(two / "model" / "model.safetensors")))
+
+
+@pytest.mark.slow      # over 15 s on 2 cores: the slow tier
+@pytest.mark.parametrize("train_base", [True, False])
+def test_delta_experts_under_fsdp2_compute_what_one_process_does(tiny_lm, tmp_path, train_base):
+    """Delta experts (`moe.experts: delta`, rank 4) trained on 2 FSDP2 processes: the losses, gradient norms and
+    final model of 1 process, to ATOL (the delta factors shard along their expert dim, the base along its rows);
+    with the base frozen it comes out bit-identical."""
+    from upcycle import ConvertConfig, MoEConfig, convert
+
+    dense, _, train_txt, held = tiny_lm
+    moe = tmp_path / "moe"
+    convert(ConvertConfig(model=str(dense), method="drop", moe=MoEConfig(num_experts=4, top_k=2, experts="delta",
+                                                                         delta_rank=4, train_base=train_base)),
+            moe, progress=False)
+    data = [str(moe), "--data", str(train_txt), "--eval-data", str(held), *ARGS]
+    _alone(["train", data[0], str(tmp_path / "one"), *data[1:], "--grad-accum", "2"])
+    _launch(["train", data[0], str(tmp_path / "two"), *data[1:]])
+    one, two = tmp_path / "one", tmp_path / "two"
+    _same_steps(_steps(one), _steps(two))
+    final = load_file(str(two / "model" / "model.safetensors"))
+    _close(load_file(str(one / "model" / "model.safetensors")), final)
+    start = load_file(str(moe / "model.safetensors"))
+    bases = [k for k in start if ".experts.base_" in k]
+    assert bases and all(torch.equal(start[k], final[k]) != train_base for k in bases)

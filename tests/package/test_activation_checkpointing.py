@@ -23,9 +23,10 @@ REGULARIZERS = RegularizerConfig(load_balance=0.01, z_loss=0.001, limoe_local=0.
                                  aux_free_rate=0.01)
 
 
-def _upcycled(kind: str) -> torch.nn.Module:
+def _upcycled(kind: str, experts: str = "full") -> torch.nn.Module:
     model = make_tiny(kind)
-    upcycle_model(model, ConvertConfig(method="drop", moe=MoEConfig(num_experts=4, top_k=2),
+    upcycle_model(model, ConvertConfig(method="drop", moe=MoEConfig(num_experts=4, top_k=2, experts=experts,
+                                                                    delta_rank=4),
                                        check=CheckConfig(per_layer=False), device="cpu"), progress=False)
     return model
 
@@ -85,14 +86,15 @@ def _step(base: torch.nn.Module, mode: str, loss_fn, batch: dict) -> dict:
                         for n, p in layer.named_parameters()}}
 
 
-@pytest.mark.parametrize("kind, loss_fn", [("llama", _causal_lm), ("clip", _clip), ("bert", _pairs)])
-def test_checkpointing_changes_nothing_but_memory(kind, loss_fn):
+@pytest.mark.parametrize("kind, loss_fn, experts", [("llama", _causal_lm, "full"), ("clip", _clip, "full"),
+                                                    ("bert", _pairs, "full"), ("llama", _causal_lm, "delta")])
+def test_checkpointing_changes_nothing_but_memory(kind, loss_fn, experts):
     """Without early stopping, the recomputation runs each checkpointed part to its end, forward hooks included
     (torch stops it early by default, once the tensors the backward needs are made again, which can leave a hook
     unrun): both ways nothing is counted twice."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    base = _upcycled(kind)
+    base = _upcycled(kind, experts)
     batch = _batch(kind)
     plain = _step(base, "none", loss_fn, batch)
     assert set(plain["loss"]) == {"task", "load_balance", "z_loss", "limoe_local", "dpsl", "eesd", "total"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from upcycle.config import MoEConfig
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.moe import MoELayer
 from upcycle.core.routing_context import padding_mask
@@ -90,3 +91,32 @@ def test_upcycle_train_runs_compiled(tiny_lm, tmp_path):
     compiled = train(TrainConfig(**base, compile=True), tmp_path / "compiled", progress=False)
     assert compiled["step"] == 2
     assert compiled["eval_after"]["perplexity"] == pytest.approx(eager["eval_after"]["perplexity"], rel=1e-3)
+
+
+def test_a_delta_layer_compiles_to_its_eager_output_and_gradients_breaking_only_where_it_reads_the_counts():
+    """Delta experts read their slot counts on the host (one segment per expert), as the float32 loop does: a
+    break there, named; the compiled layer's output and gradients are the eager layer's (aot_eager: the same
+    kernels, so equal up to float32 reassociation in the traced graph)."""
+    g = torch.Generator().manual_seed(0)
+    E, D, F_ = 4, 32, 64
+    dense = FFNWeights(w_up=torch.randn(F_, D, generator=g), w_gate=torch.randn(F_, D, generator=g),
+                       w_down=torch.randn(D, F_, generator=g), activation="silu")
+    experts = dense.repeat(E).map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g))
+    config = MoEConfig(num_experts=E, top_k=2, experts="delta", delta_rank=4)
+    layer = MoELayer.from_init(experts, torch.randn(E, D, generator=g), config=config, base=dense)
+    x = torch.randn(2, 16, D, generator=g)
+    explained = _explain(layer, x)
+    where = {f.line.strip() for b in explained.break_reasons for f in b.user_stack[-1:]}
+    assert explained.graph_break_count >= 1 and any("tolist" in line for line in where), where
+    compiled = torch.compile(layer, backend="aot_eager")
+    outputs = []
+    for run in (layer, compiled):
+        layer.zero_grad(set_to_none=True)
+        y = run(x)
+        y.pow(2).sum().backward()
+        outputs.append((y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}))
+    (y0, g0), (y1, g1) = outputs
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and any(n.endswith("_a") for n in g0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-4, msg=name)

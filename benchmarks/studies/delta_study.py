@@ -1,0 +1,199 @@
+"""What delta experts cost in quality (docs/delta-experts.md): the copy-upcycled model trained with full experts,
+with delta experts of rank 16 and 64 (base trained, and base frozen), and the dense model continued, through
+`upcycle compare`, on the embedded SmolLM2-135M (causal LM, held-out perplexity) and the embedded all-MiniLM-L6-v2
+(in-batch contrastive, pair retrieval MRR); then `upcycle compress` of each trained full-expert model at rank 16
+and 64: the KL to it and the perplexity lost.
+
+    .venv/bin/python benchmarks/studies/delta_study.py --task lm --seeds 0         # the runs (resumable)
+    .venv/bin/python benchmarks/studies/delta_study.py --collect                   # JSON and figure from WORK
+
+Arms, each one `upcycle compare MODEL WORK/TASK/ARM --methods copy --seeds S --config RECIPE --set BUDGET
+--num-experts 8 --top-k 2 --every 2 [--convert-set moe.experts=delta ...]` (compare adds the dense-continued
+baseline to each; it is the same run in every arm, and the collection reads it from the full arm):
+    full          full experts
+    delta16       --convert-set moe.experts=delta --convert-set moe.delta_rank=16
+    delta64       the same at rank 64
+    delta16-frozen, delta64-frozen   and --convert-set moe.train_base=false
+Budgets are those of the expert-count study (LM: 12 steps of 4 x 256 tokens; contrastive: 60 steps of 64 pairs x
+64 tokens). Writes benchmarks/results/delta_study/ (delta_study.json, delta_study.png, the machine, every command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from upcycle.cli import main as upcycle
+from upcycle.machine import machine
+from upcycle.scripts import note, output_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "delta_study"
+ARMS = {
+    "full": [],
+    "delta16": ["moe.experts=delta", "moe.delta_rank=16"],
+    "delta64": ["moe.experts=delta", "moe.delta_rank=64"],
+    "delta16-frozen": ["moe.experts=delta", "moe.delta_rank=16", "moe.train_base=false"],
+    "delta64-frozen": ["moe.experts=delta", "moe.delta_rank=64", "moe.train_base=false"],
+}
+COMPRESS_RANKS = (16, 64)
+TASKS = {
+    "lm": {"model": "default", "recipe": "smollm2-copy", "steps": 12, "budget": ["batch_size=4", "eval_tokens=4096"]},
+    "contrastive": {"model": "minilm", "recipe": "minilm-contrastive", "steps": 60,
+                    "budget": ["sequence_length=64", "eval_pairs=512", "eval_every=60"]},
+}
+COMMANDS: list[str] = []
+
+
+def run(*argv: str) -> None:
+    """One upcycle command, in this process (its exit status checked), recorded for the results."""
+    COMMANDS.append("upcycle " + " ".join(argv))
+    started = time.perf_counter()
+    status = upcycle(list(argv))
+    if status != 0:
+        sys.exit(f"upcycle {' '.join(argv)} exited {status}")
+    print(f"[{time.perf_counter() - started:6.1f} s] upcycle {' '.join(argv[:3])} ...", flush=True)
+
+
+def compare(work: Path, task: str, arm: str, seed: int) -> None:
+    spec = TASKS[task]
+    sets = [flag for s in [*spec["budget"], f"steps={spec['steps']}"] for flag in ("--set", s)]
+    converts = [flag for s in ARMS[arm] for flag in ("--convert-set", s)]
+    run("compare", spec["model"], str(work / task / arm), "--methods", "copy", "--seeds", str(seed), "--config",
+        spec["recipe"], *sets, *converts, "--num-experts", "8", "--top-k", "2", "--every", "2", "--keep", "models",
+        "--quiet")
+
+
+def trained(work: Path, task: str, arm: str, seed: int) -> Path:
+    return work / task / arm / "cells" / f"copy-eesd-none-seed-{seed}" / "run" / "model"
+
+
+def compress(work: Path, task: str, seed: int) -> None:
+    for rank in COMPRESS_RANKS:
+        out = work / task / "compress" / f"r{rank}-seed-{seed}"
+        if not (out / "compress_report.json").is_file():
+            if not out.parent.is_dir():
+                out.parent.mkdir(parents=True)
+                note(out.parent)
+            run("compress", str(trained(work, task, "full", seed)), str(out), "--rank", str(rank), "--overwrite",
+                "--quiet")
+        if task == "contrastive" and not out.with_suffix(".eval.json").is_file():
+            run("eval", str(out), "--task", "contrastive", "--pairs", "512", "--out",
+                str(out.with_suffix(".eval.json")), "--quiet")
+            note(out.with_suffix(".eval.json"))
+
+
+def score(task: str, evaluation: dict) -> float:
+    return evaluation["perplexity"] if task == "lm" else evaluation["query_to_document"]["MRR"]
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def cells(work: Path, task: str, arm: str) -> dict:
+    """The arm's finished cells, every seed run so far (each cell's cell.json, written when it finishes)."""
+    found = {}
+    for path in sorted((work / task / arm / "cells").glob("*/cell.json")):
+        cell = json.loads(path.read_text())
+        if cell.get("evals"):
+            found[cell["name"]] = cell
+    return found
+
+
+def collect(work: Path) -> dict:
+    result = {"machine": machine(), "collected": time.strftime("%Y-%m-%d %H:%M:%S"), "tasks": {}}
+    for task in TASKS:
+        rows = {}
+        for arm in ARMS:
+            found = cells(work, task, arm)
+            for cell in found.values():
+                label = "dense" if cell["method"] == "dense" else f"copy {arm}"
+                if label == "dense" and arm != "full":
+                    continue
+                rows.setdefault(label, {"seeds": [], "end": [], "parameters": cell.get("parameters")})
+                rows[label]["seeds"].append(cell["seed"])
+                rows[label]["end"].append(score(task, cell["evals"][-1]))
+        for rank in COMPRESS_RANKS:
+            for report in sorted((work / task / "compress").glob(f"r{rank}-seed-*/compress_report.json")):
+                row = rows.setdefault(f"copy full, compressed r{rank}", {"seeds": [], "end": [], "kl": []})
+                row["seeds"].append(int(report.parent.name.rsplit("-", 1)[1]))
+                data = json.loads(report.read_text())
+                row["kl"].append(data["kl_to_source"])
+                row["end"].append(data["held_out_perplexity"]["after"] if task == "lm" else score(
+                    task, json.loads(report.parent.with_suffix(".eval.json").read_text())))
+        if rows:
+            result["tasks"][task] = {
+                "quality": "held-out perplexity (lower is better)" if task == "lm" else
+                "pair retrieval MRR, query to document (higher is better)",
+                "budget": {"recipe": TASKS[task]["recipe"], "set": TASKS[task]["budget"],
+                           "steps": TASKS[task]["steps"]},
+                "rows": {name: {**{k: v for k, v in row.items() if k not in ("end", "kl")},
+                                "quality": spread(row["end"]), **({"kl": spread(row["kl"])} if row.get("kl") else {})}
+                         for name, row in rows.items()}}
+    return result
+
+
+def figure(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        rows = result["tasks"][task]["rows"]
+        names = list(rows)
+        means = [rows[n]["quality"]["mean"] for n in names]
+        stds = [rows[n]["quality"]["std"] for n in names]
+        ax.barh(range(len(names)), means, xerr=stds, color="#4c72b0")
+        ax.set_yticks(range(len(names)), [f"{n} ({len(rows[n]['quality']['values'])} seeds)" for n in names])
+        ax.set_xlabel(result["tasks"][task]["quality"])
+        low, high = min(means), max(means)
+        ax.set_xlim(low - 0.1 * (high - low + 1e-9) - max(stds), high + 0.1 * (high - low + 1e-9) + max(stds))
+        ax.set_title(task)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=output_folder, default=str(ROOT / "out" / "delta-study"))
+    parser.add_argument("--task", choices=TASKS, nargs="+", default=list(TASKS))
+    parser.add_argument("--arms", choices=ARMS, nargs="+", default=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--collect", action="store_true")
+    args = parser.parse_args()
+    work = Path(args.work)
+    if args.collect:
+        result = collect(work)
+        recorded = work / "commands.json"
+        result["commands"] = json.loads(recorded.read_text()) if recorded.is_file() else []
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "delta_study.json").write_text(json.dumps(result, indent=1) + "\n")
+        figure(result, RESULTS / "delta_study.png")
+        print(f"wrote {RESULTS}")
+        return
+    from upcycle.scripts import claim_work
+
+    claim_work(work)
+    recorded = work / "commands.json"
+    COMMANDS.extend(json.loads(recorded.read_text()) if recorded.is_file() else [])
+    for task in args.task:
+        for seed in args.seeds:
+            for arm in args.arms:
+                compare(work, task, arm, seed)
+                recorded.write_text(json.dumps(COMMANDS, indent=1) + "\n")
+                note(recorded)
+            if "full" in args.arms:
+                compress(work, task, seed)
+
+
+if __name__ == "__main__":
+    main()
