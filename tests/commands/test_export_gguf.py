@@ -36,6 +36,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package writes and reads GGU
 VOCAB = 264        # the byte-level alphabet (256) and the toy merges and specials fit
 CASES = {  # case: (source, export class, normalize_topk as the arch computes it, method)
     "llama": ("mistral", "mixtral", True, "drop"),
+    "llama-delta": ("mistral", "mixtral", True, "drop-delta"),     # delta experts, written as full ones
     "qwen2moe": ("llama", "qwen2_moe", False, "drop"),               # the stand-in shared expert (width 1, zero)
     "qwen2moe-shared": ("llama", "qwen2_moe", False, "spri"),        # SPRI's real shared expert
     "qwen3moe": ("qwen3", "qwen3_moe", True, "drop"),
@@ -72,6 +73,8 @@ def upcycled(kind: str, normalize_topk: bool = True, every: int = 1, method: str
     model = make_tiny(kind)
     model.resize_token_embeddings(VOCAB, mean_resizing=False)
     moe = {"num_experts": 4, "top_k": 2, "normalize_topk": normalize_topk}
+    if method.endswith("-delta"):       # the dense FFN plus rank-4 changes (`moe.experts: delta`)
+        method, moe = method.removesuffix("-delta"), {**moe, "experts": "delta", "delta_rank": 4}
     upcycle_model(model, build(ConvertConfig, {"method": method, "placement": {"every": every}, "moe": moe,
                                                "check": {"tokens": 16}}), progress=False)
     return model.eval()

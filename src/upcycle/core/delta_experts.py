@@ -212,13 +212,23 @@ class DeltaExperts(ExpertStack):
         up_NF = up_TF.index_select(0, tokens_N)
         gate_NF = gate_TF.index_select(0, tokens_N) if self.gated else None
         del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
-        # each expert's low-rank corrections on its slots (a segment of the sorted slots)
+        # each expert's low-rank corrections on its slots (a segment of the sorted slots), the slots split into
+        # the experts' segments (split's backward is one concatenation; slicing's fills a zero [N, ·] per expert)
+        experts, sizes = [e for e, _ in rows_of], [rows.stop - rows.start for _, rows in rows_of]
         if rows_of:
-            up_NF = up_NF + torch.cat([linear(linear(x_ND[rows], self.up_b[e]), self.up_a[e]) for e, rows in rows_of])
+            parts = x_ND.split(sizes)
+            if self.gated:      # one product with gate's and up's B stacked: x read once per expert
+                R = self.rank
+                both = [linear(x, torch.cat([self.gate_b[e], self.up_b[e]])) for e, x in zip(experts, parts,
+                                                                                             strict=True)]
+                gate_NF = gate_NF + torch.cat([linear(xb[:, :R], self.gate_a[e])
+                                               for e, xb in zip(experts, both, strict=True)])
+                up_NF = up_NF + torch.cat([linear(xb[:, R:], self.up_a[e])
+                                           for e, xb in zip(experts, both, strict=True)])
+            else:
+                up_NF = up_NF + torch.cat([linear(linear(x, self.up_b[e]), self.up_a[e])
+                                           for e, x in zip(experts, parts, strict=True)])
         if self.gated:
-            if rows_of:
-                gate_NF = gate_NF + torch.cat([linear(linear(x_ND[rows], self.gate_b[e]), self.gate_a[e])
-                                               for e, rows in rows_of])
             h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
         else:
             h_NF = self.act(up_NF)
@@ -232,6 +242,7 @@ class DeltaExperts(ExpertStack):
         # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
         # the hidden states kept for the backward pass are h's own (no weighted copy of them)
         if rows_of:
-            downs = [linear(linear(h_NF[rows], self.down_b[e]) * w_N1[rows], self.down_a[e]) for e, rows in rows_of]
+            downs = [linear(linear(h, self.down_b[e]) * w, self.down_a[e])
+                     for e, h, w in zip(experts, h_NF.split(sizes), w_N1.split(sizes), strict=True)]
             y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs))
         return y_TD
