@@ -7,6 +7,7 @@ and its dry run alike, before anything is written."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -94,6 +95,12 @@ def test_a_frozen_base_stays_bit_identical_through_training_and_gets_no_optimize
             assert not moved, name
         elif name.endswith("_a"):       # A starts at zero: training moves it
             assert moved, name
+    # the analysis reads delta experts as the full experts they make: the trained deltas part them
+    assert main(["analyze", str(run), str(tmp_path / "analysis"), "--data", str(held), "--quiet"]) == 0
+    last = json.loads((tmp_path / "analysis" / "analysis.json").read_text())["snapshots"][-1]
+    assert len(last["layers"]) == 4
+    assert all(0 < layer["diversity"] and layer["weight_similarity"]["all"]["mean"] < 1
+               for layer in last["layers"].values())
 
 
 @pytest.mark.parametrize("method", ["cluster", "spri", "granular"])

@@ -41,6 +41,39 @@ def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:
     return nn.Parameter(t)
 
 
+class GatheredLowRank(torch.autograd.Function):
+    """out[s] = base_TF[tokens_N[s]] + A_e xb_N[s] for each slot s of expert e's segment: a base projection
+    gathered per slot with each slot's rank-R correction added in place (one [N, F] buffer; a concatenation of
+    per-expert corrections and a sum would write two more). Its backward is the gather's (an index_add) and, per
+    segment, the two products of the correction."""
+
+    @staticmethod
+    def forward(ctx, base_TF: torch.Tensor, tokens_N: torch.Tensor, xb_NR: torch.Tensor, a_EFR: torch.Tensor,
+                segments: list[tuple[int, slice]]) -> torch.Tensor:
+        out_NF = base_TF.index_select(0, tokens_N)
+        for e, rows in segments:
+            torch.addmm(out_NF[rows], xb_NR[rows], a_EFR[e].t(), out=out_NF[rows])
+        ctx.save_for_backward(tokens_N, xb_NR, a_EFR)
+        ctx.segments, ctx.base_shape = segments, base_TF.shape
+        return out_NF
+
+    @staticmethod
+    def backward(ctx, grad_NF: torch.Tensor):
+        tokens_N, xb_NR, a_EFR = ctx.saved_tensors
+        grad_base = grad_xb = grad_a = None
+        if ctx.needs_input_grad[0]:
+            grad_base = grad_NF.new_zeros(ctx.base_shape).index_add_(0, tokens_N, grad_NF)
+        if ctx.needs_input_grad[2]:
+            grad_xb = xb_NR.new_empty(xb_NR.shape)
+            for e, rows in ctx.segments:
+                torch.mm(grad_NF[rows], a_EFR[e], out=grad_xb[rows])
+        if ctx.needs_input_grad[3]:
+            grad_a = torch.zeros_like(a_EFR)
+            for e, rows in ctx.segments:
+                torch.mm(grad_NF[rows].t(), xb_NR[rows], out=grad_a[e])
+        return grad_base, None, grad_xb, grad_a, None
+
+
 class GatedHidden(torch.autograd.Function):
     """act(gate) * up, keeping only gate and up for the backward pass (act(gate) is made again there): one [N, F]
     tensor fewer than autograd would keep."""
@@ -209,25 +242,18 @@ class DeltaExperts(ExpertStack):
         up_TF = linear(x_TD, self.base_up, self.base_b_up)
         gate_TF = linear(x_TD, self.base_gate, self.base_b_gate) if self.gated else None
         x_ND = x_TD.index_select(0, tokens_N)
-        up_NF = up_TF.index_select(0, tokens_N)
-        gate_NF = gate_TF.index_select(0, tokens_N) if self.gated else None
-        del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
-        # each expert's low-rank corrections on its slots (a segment of the sorted slots), the slots split into
-        # the experts' segments (split's backward is one concatenation; slicing's fills a zero [N, ·] per expert)
+        # each expert's low-rank input corrections on its slots (a segment of the sorted slots): B_e x for gate and
+        # up in one product per expert (x read once), then A_e (B_e x) added to the gathered base projections
         experts, sizes = [e for e, _ in rows_of], [rows.stop - rows.start for _, rows in rows_of]
-        if rows_of:
-            parts = x_ND.split(sizes)
-            if self.gated:      # one product with gate's and up's B stacked: x read once per expert
-                R = self.rank
-                both = [linear(x, torch.cat([self.gate_b[e], self.up_b[e]])) for e, x in zip(experts, parts,
-                                                                                             strict=True)]
-                gate_NF = gate_NF + torch.cat([linear(xb[:, :R], self.gate_a[e])
-                                               for e, xb in zip(experts, both, strict=True)])
-                up_NF = up_NF + torch.cat([linear(xb[:, R:], self.up_a[e])
-                                           for e, xb in zip(experts, both, strict=True)])
-            else:
-                up_NF = up_NF + torch.cat([linear(linear(x, self.up_b[e]), self.up_a[e])
-                                           for e, x in zip(experts, parts, strict=True)])
+        b_in = torch.cat([self.gate_b, self.up_b], 1) if self.gated else self.up_b      # [E, 2R or R, D]
+        # split, not sliced: split's backward is one concatenation, slicing's a zero [N, D] per expert
+        xb_NR = torch.cat([linear(x, b_in[e]) for e, x in zip(experts, x_ND.split(sizes), strict=True)]) \
+            if rows_of else x_ND.new_zeros(0, b_in.shape[1])
+        R = self.rank
+        up_NF = GatheredLowRank.apply(up_TF, tokens_N, xb_NR[:, -R:], self.up_a, rows_of)
+        gate_NF = GatheredLowRank.apply(gate_TF, tokens_N, xb_NR[:, :R], self.gate_a, rows_of) \
+            if self.gated else None
+        del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         if self.gated:
             h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
         else:
