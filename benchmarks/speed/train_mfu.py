@@ -10,6 +10,8 @@ Rows (`--models`):
   dense              LlamaForCausalLM
   upcycle_every_2    the dense model copy-upcycled, 8 experts top-2, every other block
   upcycle_every_1    the same, every block
+  upcycle_delta16_every_2, upcycle_delta64_every_2   upcycle_every_2 with delta experts (`moe.experts: delta`):
+                     the dense FFN plus a rank-16 (64) change per expert and matrix
   qwen3_moe_every_2  transformers' Qwen3MoeForCausalLM of upcycle_every_2's shapes (decoder_sparse_step 2, the dense
                      blocks' FFN F wide, experts F wide; head_dim D / heads), experts_implementation grouped_mm
   mixtral_every_1    transformers' MixtralForCausalLM of upcycle_every_1's shapes, grouped_mm
@@ -56,8 +58,8 @@ PRESETS = {  # layers, hidden, intermediate, heads, kv heads, vocabulary
     "tiny": (2, 64, 128, 4, 2, 512),
 }
 EXPERTS, TOP_K = 8, 2
-MODELS = ("dense", "upcycle_every_2", "upcycle_every_1", "qwen3_moe_every_2", "mixtral_every_1",
-          "torchtitan_qwen3_every_1")
+MODELS = ("dense", "upcycle_every_2", "upcycle_every_1", "upcycle_delta16_every_2", "upcycle_delta64_every_2",
+          "qwen3_moe_every_2", "mixtral_every_1", "torchtitan_qwen3_every_1")
 # dense bf16 tensor-core peak per GPU (NVIDIA's data sheets, without sparsity); MFU is measured against these
 PEAK_FLOPS = {"H200": 989e12, "H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 PCIe": 756e12, "A100": 312e12}
 FIT_SHARE = 0.92        # of the device's memory the picked micro-batch's plan may take (the allocator's own slack)
@@ -96,12 +98,13 @@ def build(name: str, preset: str, dtype: torch.dtype, *, weights: bool = True) -
     if name == "dense":
         return model
     every = int(name.rsplit("_", 1)[1])
+    moe = moe_config(name)
     if weights:
         from upcycle.config import CheckConfig, ConvertConfig
         from upcycle.conversion.pipeline import upcycle_model
 
         device = next(model.parameters()).device
-        upcycle_model(model, ConvertConfig(method="copy", moe=MoEConfig(num_experts=EXPERTS, top_k=TOP_K),
+        upcycle_model(model, ConvertConfig(method="copy", moe=moe,
                                            placement=PlacementConfig(every=every), device=str(device),
                                            check=CheckConfig(sequences=1, tokens=16, per_layer=False,
                                                              end_to_end=False)),
@@ -109,10 +112,17 @@ def build(name: str, preset: str, dtype: torch.dtype, *, weights: bool = True) -
         return model
     _, hidden, inter, *_ = PRESETS[preset]
     for target in plan_targets(model, PlacementConfig(every=every)):
-        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True),
-                                             MoEConfig(num_experts=EXPERTS, top_k=TOP_K), dtype=dtype))
+        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True), moe, dtype=dtype))
     track_padding_masks(model)
     return model
+
+
+def moe_config(name: str) -> MoEConfig:
+    """An upcycled row's MoE: full experts, or delta experts of the rank its name gives (upcycle_delta16_every_2)."""
+    kind = name.split("_")[1]
+    if kind.startswith("delta"):
+        return MoEConfig(num_experts=EXPERTS, top_k=TOP_K, experts="delta", delta_rank=int(kind.removeprefix("delta")))
+    return MoEConfig(num_experts=EXPERTS, top_k=TOP_K)
 
 
 def flops_per_token(model: torch.nn.Module, sequence_length: int) -> int:
@@ -120,7 +130,8 @@ def flops_per_token(model: torch.nn.Module, sequence_length: int) -> int:
     head) + 12 x layers x attention width x sequence length (module docstring)."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
-    inactive = sum((layer.num_experts - layer.top_k) * layer.experts.weights().num_params()
+    # a delta layer's base serves every token; its factors, like full experts, k of E
+    inactive = sum((layer.num_experts - layer.top_k) * layer.experts.parameters_per_expert()
                    for layer in moe_layers(model).values())
     for block in _stock_moe_blocks(model):          # transformers' MoE classes: k of E experts active
         experts = block.experts

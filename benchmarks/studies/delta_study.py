@@ -185,8 +185,8 @@ def main() -> None:
     claim_work(work)
     recorded = work / "commands.json"
     COMMANDS.extend(json.loads(recorded.read_text()) if recorded.is_file() else [])
-    for task in args.task:
-        for seed in args.seeds:
+    for seed in args.seeds:             # a seed of every task before the next seed: rows come in evenly
+        for task in args.task:
             for arm in args.arms:
                 compare(work, task, arm, seed)
                 recorded.write_text(json.dumps(COMMANDS, indent=1) + "\n")

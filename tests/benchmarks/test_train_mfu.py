@@ -29,7 +29,7 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
 
 
-@pytest.mark.parametrize("name", ["dense", "upcycle_every_2", "qwen3_moe_every_2"])
+@pytest.mark.parametrize("name", ["dense", "upcycle_every_2", "upcycle_delta16_every_2", "qwen3_moe_every_2"])
 def test_the_flop_count_is_what_torch_counts(name):
     """One forward and backward of the causal-LM loss (the fused head), attention on sdpa's math backend (whose
     matmuls the counter sees; the fused kernels' FLOPs are the same): within 2 % of the formula. The difference
