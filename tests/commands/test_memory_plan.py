@@ -90,6 +90,26 @@ def test_the_plan_is_the_peak_one_process_measures(planned_lm, tmp_path):
     assert rows[3]["parts"]["teacher"] > 0
 
 
+@pytest.mark.slow      # over 15 s on 2 cores: the slow tier
+def test_the_plan_of_delta_experts_is_the_peak_one_process_measures(planned_lm, tmp_path):
+    """Delta experts (rank 8), the base trained and frozen, planned from the config (the trace stands in equal
+    shares of the slots for the counts it cannot read) and measured: within the bound; a frozen base holds less."""
+    from upcycle import ConvertConfig, MoEConfig, convert
+    from upcycle.config import CheckConfig
+
+    moe, text = planned_lm
+    configs = []
+    for train_base in (True, False):
+        out = tmp_path / f"delta-{train_base}"
+        convert(ConvertConfig(model=str(moe.parent / "dense"), method="copy", check=CheckConfig(text=str(text)),
+                              moe=MoEConfig(num_experts=4, top_k=2, experts="delta", delta_rank=8,
+                                            train_base=train_base)), out, progress=False)
+        configs.append(_config(out, text))
+    (rows,) = _measure(configs, tmp_path)
+    _within(rows)
+    assert rows[1]["measured"] < rows[0]["measured"]
+
+
 @pytest.mark.slow      # over 15 s on 2 cores (tests/durations.json): the slow tier
 @pytest.mark.parametrize("launch", ["ddp", "fsdp2"])
 def test_the_plan_is_the_peak_each_of_two_processes_measures(planned_lm, tmp_path, launch):

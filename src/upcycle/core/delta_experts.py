@@ -89,7 +89,9 @@ class GatedHidden(torch.autograd.Function):
         gate_NF, up_NF = ctx.saved_tensors
         with torch.enable_grad():
             gate = gate_NF.detach().requires_grad_()
-            a_NF = ctx.act(gate)
+            # the module's forward, not the module: hooks on a module call (a FLOP counter's module tracker) must not
+            # see this inner graph, whose autograd.grad runs inside the outer backward
+            a_NF = ctx.act.forward(gate)
             (grad_gate,) = torch.autograd.grad(a_NF, gate, grad_NF * up_NF)
         return grad_gate, grad_NF * a_NF.detach(), None
 
