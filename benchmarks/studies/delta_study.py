@@ -61,6 +61,9 @@ def run(*argv: str) -> None:
 
 def compare(work: Path, task: str, arm: str, seed: int) -> None:
     spec = TASKS[task]
+    if not (work / task).is_dir():          # the task's folder made and recorded as the study's
+        (work / task).mkdir()
+        note(work / task)
     sets = [flag for s in [*spec["budget"], f"steps={spec['steps']}"] for flag in ("--set", s)]
     converts = [flag for s in ARMS[arm] for flag in ("--convert-set", s)]
     run("compare", spec["model"], str(work / task / arm), "--methods", "copy", "--seeds", str(seed), "--config",
