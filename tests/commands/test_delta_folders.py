@@ -138,11 +138,13 @@ def test_a_rank_beyond_the_matrices_is_refused_and_the_dry_run_shows_the_saving(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv", [["prune", "--num-experts", "2"], ["grow", "--num-experts", "6"]])
-def test_prune_and_grow_refuse_delta_folders_with_the_reason(argv, tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("argv", [["prune", "--num-experts", "2"], ["grow", "--num-experts", "6"],
+                                  ["grow", "--add", "FINETUNE", "--calibration", "TEXT"]])
+def test_prune_grow_and_add_refuse_delta_folders_with_the_reason(argv, tiny_llama, tmp_path, capsys):
     moe = tmp_path / "moe"
     convert(cfg(tiny_llama), moe, progress=False)
-    verb, *rest = argv
+    (tmp_path / "text.txt").write_text("some text to route by\n")
+    verb, *rest = [{"FINETUNE": str(tiny_llama), "TEXT": str(tmp_path / "text.txt")}.get(a, a) for a in argv]
     for extra in ([], ["--dry-run"]):
         fails(capsys, [verb, str(moe), str(tmp_path / "out"), *rest, *extra], "holds delta experts")
     assert not (tmp_path / "out").exists()
