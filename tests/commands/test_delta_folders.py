@@ -54,9 +54,10 @@ def test_a_copy_as_delta_experts_is_the_dense_model_and_loads_back_compact(kind,
     assert sum(p.numel() for p in loaded.parameters()) == report["parameters"]["after"]["total"]
 
 
-@pytest.mark.parametrize("export_class, every", [("qwen2_moe", 2), ("mixtral", 1)])
-def test_a_delta_folder_exports_full_experts_with_its_logits(export_class, every, tmp_path):
-    make_tiny("llama").save_pretrained(tmp_path / "dense")
+@pytest.mark.parametrize("kind, export_class, every", [("llama", "qwen2_moe", 2), ("llama", "mixtral", 1),
+                                                      ("qwen3", "qwen3_moe", 2)])
+def test_a_delta_folder_exports_full_experts_with_its_logits(kind, export_class, every, tmp_path):
+    make_tiny(kind).save_pretrained(tmp_path / "dense")
     convert(cfg(tmp_path / "dense", method="noise", placement={"every": every}), tmp_path / "moe", progress=False)
     ours = upcycle.load(tmp_path / "moe")
     assert any(layer.experts.down_a.abs().sum() > 0 for layer in moe_layers(ours).values())    # real deltas
