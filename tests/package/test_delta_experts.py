@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import FAMILIES, make_tiny
 from upcycle.config import PlacementConfig
 from upcycle.core.architectures import family_of
-from upcycle.core.delta_experts import DeltaExperts
+from upcycle.core.delta_experts import DeltaExperts, low_rank_path
 from upcycle.core.expert_shape import ExpertShape
 from upcycle.core.ffn import FFNWeights
 from upcycle.core.grouped_ffn import forced_kernel_path
@@ -68,11 +68,12 @@ def test_zero_deltas_compute_the_dense_ffn(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])          # a gated FFN; a plain one with biases
 @pytest.mark.parametrize("path", ["grouped_mm", "loop"])
-def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path):
-    """In float32, the dtype both paths run in (grouped_mm takes no float64)."""
+def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path, monkeypatch):
+    """In float32, the dtype both paths run in (grouped_mm takes no float64); on the grouped path the delta layer
+    reads no slot count on the host."""
     dense = dense_of(kind).map(lambda t: t.float())
     E, k, T = 4, 2, 11
-    delta = delta_like(dense, E, rank=3).float()
+    delta = delta_like(dense, E, rank=4).float()       # 4 float32 columns: 16-byte rows, as grouped_mm needs
     random_deltas(delta)
     full = Experts(E, ExpertShape.of(dense), dtype=torch.float32)
     full.load_weights(delta.weights())
@@ -81,8 +82,13 @@ def test_a_delta_layer_is_the_full_layer_of_its_materialized_experts(kind, path)
     x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     wa, wb = weights.clone().requires_grad_(), weights.clone().requires_grad_()     # the router's weights learn
-    y_delta = delta(xa, tokens, wa, counts)
-    with forced_kernel_path(path):
+    if path == "grouped_mm":            # the counts stay where they are: no per-expert segments are read
+        import upcycle.core.delta_experts as module
+
+        monkeypatch.setattr(module, "expert_segments", lambda *a: pytest.fail("the grouped path read the counts"))
+    with forced_kernel_path(path):      # both kinds on the path: the delta layer's low-rank products as well
+        assert low_rank_path(x.device, torch.float32, 4, dense.hidden_size, dense.intermediate_size) == path
+        y_delta = delta(xa, tokens, wa, counts)
         y_full = full(xb, tokens, wb, counts)
     # the same sums in two orders (base and delta apart, or the materialized sum): float32 rounding, a few 1e-7 of
     # the largest value over sums of 64 terms; bound 1e-5 of it

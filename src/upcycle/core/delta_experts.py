@@ -30,7 +30,8 @@ from .delta_split import split_experts
 from .expert_shape import ExpertShape
 from .expert_stack import ExpertStack
 from .ffn import FFNWeights, activation_fn
-from .grouped_ffn import segments
+from .grouped_ffn import can_group, segments
+from .routing_context import ROUTING
 
 
 def _factor(*shape: int, dtype: torch.dtype | None, zero: bool) -> nn.Parameter:
@@ -94,6 +95,22 @@ class GatedHidden(torch.autograd.Function):
             a_NF = ctx.act.forward(gate)
             (grad_gate,) = torch.autograd.grad(a_NF, gate, grad_NF * up_NF)
         return grad_gate, grad_NF * a_NF.detach(), None
+
+
+def low_rank_path(device: torch.device, dtype: torch.dtype, rank: int, hidden: int, width: int) -> str:
+    """How a delta layer runs its experts' low-rank products: "grouped_mm" (one call per product for all experts,
+    the slot counts never read on the host) on a GPU where torch's grouped_mm takes these shapes (rows 16-byte
+    aligned), "loop" (per expert, in place; the faster on the CPU) elsewhere; a path forced for tests and
+    benchmarks (`grouped_ffn.forced_kernel_path`) where it can run. Under torch.compile, grouped_mm's compile-time
+    kernel takes bfloat16 alone."""
+    can = can_group((1, rank, hidden), (1, hidden, width), dtype, device.type,
+                    hasattr(torch.nn.functional, "grouped_mm"))
+    if not can or (dtype != torch.bfloat16 and torch.compiler.is_compiling()):
+        return "loop"
+    forced = ROUTING.kernel_path
+    if forced is not None:
+        return forced
+    return "grouped_mm" if device.type == "cuda" else "loop"
 
 
 def expert_segments(counts: torch.Tensor | list[int], slots: int) -> list[tuple[int, slice]]:
@@ -237,24 +254,40 @@ class DeltaExperts(ExpertStack):
                 counts: torch.Tensor | list[int]) -> torch.Tensor:
         """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert, one per
         kept slot (as `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's
-        slots."""
-        rows_of = expert_segments(counts, tokens_N.shape[0])
+        slots: per expert in a loop (`expert_segments`: the counts read on the host), or all experts in one
+        grouped_mm per product (on a GPU: nothing read on the host), as `low_rank_path` picks."""
         linear = torch.nn.functional.linear
+        grouped = low_rank_path(x_TD.device, self.dtype, self.rank, self.hidden_size, self.intermediate_size) \
+            == "grouped_mm"
+        if grouped:
+            offsets = (counts if torch.is_tensor(counts) else torch.tensor(counts, device=x_TD.device)).cumsum(
+                0, dtype=torch.int32)
+            rows_of = None
+        else:
+            rows_of = expert_segments(counts, tokens_N.shape[0])
         # the base's input projections, once per token
         up_TF = linear(x_TD, self.base_up, self.base_b_up)
         gate_TF = linear(x_TD, self.base_gate, self.base_b_gate) if self.gated else None
         x_ND = x_TD.index_select(0, tokens_N)
-        # each expert's low-rank input corrections on its slots (a segment of the sorted slots): B_e x for gate and
-        # up in one product per expert (x read once), then A_e (B_e x) added to the gathered base projections
-        experts, sizes = [e for e, _ in rows_of], [rows.stop - rows.start for _, rows in rows_of]
+        # each expert's low-rank input corrections on its slots: B_e x for gate and up in one product (x read once),
+        # then A_e (B_e x) added to the gathered base projections
         b_in = torch.cat([self.gate_b, self.up_b], 1) if self.gated else self.up_b      # [E, 2R or R, D]
-        # split, not sliced: split's backward is one concatenation, slicing's a zero [N, D] per expert
-        xb_NR = torch.cat([linear(x, b_in[e]) for e, x in zip(experts, x_ND.split(sizes), strict=True)]) \
-            if rows_of else x_ND.new_zeros(0, b_in.shape[1])
         R = self.rank
-        up_NF = GatheredLowRank.apply(up_TF, tokens_N, xb_NR[:, -R:], self.up_a, rows_of)
-        gate_NF = GatheredLowRank.apply(gate_TF, tokens_N, xb_NR[:, :R], self.gate_a, rows_of) \
-            if self.gated else None
+        if grouped:
+            gm = torch.nn.functional.grouped_mm
+            xb_NR = gm(x_ND, b_in.transpose(-2, -1), offs=offsets)
+            up_NF = up_TF.index_select(0, tokens_N) + gm(xb_NR[:, -R:].contiguous(), self.up_a.transpose(-2, -1),
+                                                         offs=offsets)
+            gate_NF = gate_TF.index_select(0, tokens_N) + gm(
+                xb_NR[:, :R].contiguous(), self.gate_a.transpose(-2, -1), offs=offsets) if self.gated else None
+        else:
+            experts, sizes = [e for e, _ in rows_of], [rows.stop - rows.start for _, rows in rows_of]
+            # split, not sliced: split's backward is one concatenation, slicing's a zero [N, D] per expert
+            xb_NR = torch.cat([linear(x, b_in[e]) for e, x in zip(experts, x_ND.split(sizes), strict=True)]) \
+                if rows_of else x_ND.new_zeros(0, b_in.shape[1])
+            up_NF = GatheredLowRank.apply(up_TF, tokens_N, xb_NR[:, -R:], self.up_a, rows_of)
+            gate_NF = GatheredLowRank.apply(gate_TF, tokens_N, xb_NR[:, :R], self.gate_a, rows_of) \
+                if self.gated else None
         del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         if self.gated:
             h_NF = GatedHidden.apply(gate_NF, up_NF, self.act)     # keeps gate and up, not act(gate) too
@@ -269,7 +302,10 @@ class DeltaExperts(ExpertStack):
             y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens_N, w_N1) * self.base_b_down
         # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
         # the hidden states kept for the backward pass are h's own (no weighted copy of them)
-        if rows_of:
+        if grouped:
+            hb_NR = gm(h_NF, self.down_b.transpose(-2, -1), offs=offsets) * w_N1
+            y_TD = y_TD.index_add(0, tokens_N, gm(hb_NR, self.down_a.transpose(-2, -1), offs=offsets))
+        elif rows_of:
             downs = [linear(linear(h, self.down_b[e]) * w, self.down_a[e])
                      for e, h, w in zip(experts, h_NF.split(sizes), w_N1.split(sizes), strict=True)]
             y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs))
