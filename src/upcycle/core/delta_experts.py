@@ -26,11 +26,12 @@ import math
 import torch
 from torch import nn
 
+from .autocast import autocast_off
 from .delta_split import split_experts
 from .expert_shape import ExpertShape
 from .expert_stack import ExpertStack
 from .ffn import FFNWeights, activation_fn
-from .grouped_ffn import can_group, segments
+from .grouped_ffn import ACCUMULATOR, can_group, compute_dtype, segments
 from .routing_context import ROUTING
 
 
@@ -95,6 +96,11 @@ class GatedHidden(torch.autograd.Function):
             a_NF = ctx.act.forward(gate)
             (grad_gate,) = torch.autograd.grad(a_NF, gate, grad_NF * up_NF)
         return grad_gate, grad_NF * a_NF.detach(), None
+
+
+# every tensor a delta layer may hold (None where its FFN has no gate or no bias)
+PARAMETERS = ("base_up", "base_gate", "base_down", "base_b_up", "base_b_gate", "base_b_down", "up_a", "up_b", "gate_a",
+              "gate_b", "down_a", "down_b")
 
 
 def low_rank_path(device: torch.device, dtype: torch.dtype, rank: int, hidden: int, width: int) -> str:
@@ -252,12 +258,23 @@ class DeltaExperts(ExpertStack):
 
     def forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
                 counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """The layer's output in x's dtype, computed as the full experts compute theirs (`grouped_ffn.grouped_ffn`):
+        in the autocast dtype when autocast is on (the parameters cast once per forward, autocast then off, so that
+        every product of the layer takes one dtype), else in the wider of the parameters' and the input's."""
+        dtype = compute_dtype(x_TD.device, self.dtype, x_TD.dtype)
+        with autocast_off(x_TD.device.type):
+            params = {name: None if t is None else t.to(dtype)
+                      for name in PARAMETERS for t in [getattr(self, name)]}
+            return self._forward(x_TD.to(dtype), tokens_N, weights_N, counts, params).to(x_TD.dtype)
+
+    def _forward(self, x_TD: torch.Tensor, tokens_N: torch.Tensor, weights_N: torch.Tensor,
+                 counts: torch.Tensor | list[int], p: dict) -> torch.Tensor:
         """y[t] = Σ over token t's slots s of weights_N[s] · expert_s(x[t]); slots sorted by expert, one per
         kept slot (as `moe.Experts.forward` takes them). The base runs once per token, each delta on its expert's
         slots: per expert in a loop (`expert_segments`: the counts read on the host), or all experts in one
         grouped_mm per product (on a GPU: nothing read on the host), as `low_rank_path` picks."""
         linear = torch.nn.functional.linear
-        grouped = low_rank_path(x_TD.device, self.dtype, self.rank, self.hidden_size, self.intermediate_size) \
+        grouped = low_rank_path(x_TD.device, x_TD.dtype, self.rank, self.hidden_size, self.intermediate_size) \
             == "grouped_mm"
         if grouped:
             offsets = (counts if torch.is_tensor(counts) else torch.tensor(counts, device=x_TD.device)).cumsum(
@@ -266,27 +283,27 @@ class DeltaExperts(ExpertStack):
         else:
             rows_of = expert_segments(counts, tokens_N.shape[0])
         # the base's input projections, once per token
-        up_TF = linear(x_TD, self.base_up, self.base_b_up)
-        gate_TF = linear(x_TD, self.base_gate, self.base_b_gate) if self.gated else None
+        up_TF = linear(x_TD, p["base_up"], p["base_b_up"])
+        gate_TF = linear(x_TD, p["base_gate"], p["base_b_gate"]) if self.gated else None
         x_ND = x_TD.index_select(0, tokens_N)
         # each expert's low-rank input corrections on its slots: B_e x for gate and up in one product (x read once),
         # then A_e (B_e x) added to the gathered base projections
-        b_in = torch.cat([self.gate_b, self.up_b], 1) if self.gated else self.up_b      # [E, 2R or R, D]
+        b_in = torch.cat([p["gate_b"], p["up_b"]], 1) if self.gated else p["up_b"]      # [E, 2R or R, D]
         R = self.rank
         if grouped:
             gm = torch.nn.functional.grouped_mm
             xb_NR = gm(x_ND, b_in.transpose(-2, -1), offs=offsets)
-            up_NF = up_TF.index_select(0, tokens_N) + gm(xb_NR[:, -R:].contiguous(), self.up_a.transpose(-2, -1),
+            up_NF = up_TF.index_select(0, tokens_N) + gm(xb_NR[:, -R:].contiguous(), p["up_a"].transpose(-2, -1),
                                                          offs=offsets)
             gate_NF = gate_TF.index_select(0, tokens_N) + gm(
-                xb_NR[:, :R].contiguous(), self.gate_a.transpose(-2, -1), offs=offsets) if self.gated else None
+                xb_NR[:, :R].contiguous(), p["gate_a"].transpose(-2, -1), offs=offsets) if self.gated else None
         else:
             experts, sizes = [e for e, _ in rows_of], [rows.stop - rows.start for _, rows in rows_of]
             # split, not sliced: split's backward is one concatenation, slicing's a zero [N, D] per expert
             xb_NR = torch.cat([linear(x, b_in[e]) for e, x in zip(experts, x_ND.split(sizes), strict=True)]) \
                 if rows_of else x_ND.new_zeros(0, b_in.shape[1])
-            up_NF = GatheredLowRank.apply(up_TF, tokens_N, xb_NR[:, -R:], self.up_a, rows_of)
-            gate_NF = GatheredLowRank.apply(gate_TF, tokens_N, xb_NR[:, :R], self.gate_a, rows_of) \
+            up_NF = GatheredLowRank.apply(up_TF, tokens_N, xb_NR[:, -R:], p["up_a"], rows_of)
+            gate_NF = GatheredLowRank.apply(gate_TF, tokens_N, xb_NR[:, :R], p["gate_a"], rows_of) \
                 if self.gated else None
         del up_TF, gate_TF              # [T, F] each: gathered, not kept (the backward needs only the indices)
         if self.gated:
@@ -295,18 +312,21 @@ class DeltaExperts(ExpertStack):
             h_NF = self.act(up_NF)
         del up_NF, gate_NF              # kept by autograd where the backward needs them, and only there
         w_N1 = weights_N.unsqueeze(1).to(h_NF.dtype)
-        # the base's down projection once per token, on the weighted sum of its slots' hidden states
-        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1]).index_add(0, tokens_N, h_NF * w_N1)
-        y_TD = linear(wh_TF, self.base_down)
-        if self.base_b_down is not None:      # each slot adds the bias, weighted, as a full expert would
-            y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1).index_add(0, tokens_N, w_N1) * self.base_b_down
+        # the base's down projection once per token, on the weighted sum of its slots' hidden states; sums in
+        # float32 as the full experts' (`grouped_ffn.ACCUMULATOR`), so that a bfloat16 layer rounds each term once
+        acc = torch.promote_types(h_NF.dtype, ACCUMULATOR)
+        wh_TF = h_NF.new_zeros(x_TD.shape[0], h_NF.shape[1], dtype=acc).index_add(0, tokens_N, (h_NF * w_N1).to(acc))
+        y_TD = linear(wh_TF.to(h_NF.dtype), p["base_down"]).to(acc)
+        if p["base_b_down"] is not None:      # each slot adds the bias, weighted, as a full expert would
+            y_TD = y_TD + x_TD.new_zeros(x_TD.shape[0], 1, dtype=acc).index_add(
+                0, tokens_N, w_N1.to(acc)) * p["base_b_down"]
         # each expert's down delta, on its slots: A_e (w · B_e h), the weight applied to the rank-R product so that
         # the hidden states kept for the backward pass are h's own (no weighted copy of them)
         if grouped:
-            hb_NR = gm(h_NF, self.down_b.transpose(-2, -1), offs=offsets) * w_N1
-            y_TD = y_TD.index_add(0, tokens_N, gm(hb_NR, self.down_a.transpose(-2, -1), offs=offsets))
+            hb_NR = gm(h_NF, p["down_b"].transpose(-2, -1), offs=offsets) * w_N1
+            y_TD = y_TD.index_add(0, tokens_N, gm(hb_NR, p["down_a"].transpose(-2, -1), offs=offsets).to(acc))
         elif rows_of:
-            downs = [linear(linear(h, self.down_b[e]) * w, self.down_a[e])
+            downs = [linear(linear(h, p["down_b"][e]) * w, p["down_a"][e])
                      for e, h, w in zip(experts, h_NF.split(sizes), w_N1.split(sizes), strict=True)]
-            y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs))
+            y_TD = y_TD.index_add(0, tokens_N, torch.cat(downs).to(acc))
         return y_TD
