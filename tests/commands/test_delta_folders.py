@@ -149,3 +149,22 @@ def test_prune_grow_and_add_refuse_delta_folders_with_the_reason(argv, tiny_llam
     for extra in ([], ["--dry-run"]):
         fails(capsys, [verb, str(moe), str(tmp_path / "out"), *rest, *extra], "holds delta experts")
     assert not (tmp_path / "out").exists()
+
+
+def test_every_method_that_declares_deltas_converts_to_them_and_the_listing_says_which(tiny_llama, capsys):
+    """The registry's declaration (`register(no_deltas=...)`) is what the conversion does: each method declared
+    as the dense FFN plus a change converts to delta experts (the share of each change kept in its report), each
+    other is refused; `upcycle methods` lists the same."""
+    from upcycle.methods import METHODS
+
+    assert main(["methods"]) == 0
+    listing = capsys.readouterr().out
+    for name, method in METHODS.items():
+        shown = listing.split(f"{name}: ", 1)[1].split("as delta experts (moe.experts: delta): ", 1)[1]
+        assert shown.startswith("yes" if method.no_deltas is None else "no"), name
+        if method.no_deltas is not None or method.needs_calibration:
+            continue
+        result = convert(cfg(tiny_llama, method=name), progress=False)
+        assert all(isinstance(layer.experts, DeltaExperts) for layer in moe_layers(result.model).values())
+        kept = [layer["delta_energy_kept"] for layer in result.report.to_dict()["layers"]]
+        assert kept and all(0 <= v <= 1 for k in kept for v in k.values()), name
