@@ -142,25 +142,32 @@ def collect(work: Path) -> dict:
     return result
 
 
+ORDER = ("dense", "copy full", *(f"copy {arm}" for arm in ARMS if arm != "full"),
+         *(f"copy full, compressed r{rank}" for rank in COMPRESS_RANKS))
+
+
 def figure(result: dict, path: Path) -> None:
+    """Per task, each row's seeds as dots and their mean ± std as a bar, the dense model's mean as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(result["tasks"])
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         rows = result["tasks"][task]["rows"]
-        names = list(rows)
-        means = [rows[n]["quality"]["mean"] for n in names]
-        stds = [rows[n]["quality"]["std"] for n in names]
-        ax.barh(range(len(names)), means, xerr=stds, color="#4c72b0")
+        names = [n for n in ORDER if n in rows][::-1]
+        for i, name in enumerate(names):
+            q = rows[name]["quality"]
+            ax.scatter(q["values"], [i] * len(q["values"]), color="#4c72b0", s=14, zorder=3)
+            ax.errorbar(q["mean"], i, xerr=q["std"], fmt="|", color="black", markersize=14, capsize=3, zorder=2)
+        if "dense" in rows:
+            ax.axvline(rows["dense"]["quality"]["mean"], color="gray", ls="--", lw=1)
         ax.set_yticks(range(len(names)), [f"{n} ({len(rows[n]['quality']['values'])} seeds)" for n in names])
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.set_xlabel(result["tasks"][task]["quality"])
-        low, high = min(means), max(means)
-        ax.set_xlim(low - 0.1 * (high - low + 1e-9) - max(stds), high + 0.1 * (high - low + 1e-9) + max(stds))
-        ax.set_title(task)
+        ax.set_title({"lm": "SmolLM2-135M, causal LM", "contrastive": "all-MiniLM-L6-v2, contrastive"}[task])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
