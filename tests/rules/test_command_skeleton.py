@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from upcycle.conversion.plan import ConversionPlan
+from upcycle.resize.compress import CompressPlan
 from upcycle.resize.plan import ResizePlan
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "upcycle"
@@ -48,7 +49,7 @@ def test_the_finder_sees_a_config_parameter(tmp_path):
 
 
 def test_the_plans_hold_no_config_object():
-    for plan in (ConversionPlan, ResizePlan):
+    for plan in (ConversionPlan, ResizePlan, CompressPlan):
         types = {field.name: str(field.type) for field in dataclasses.fields(plan)}
         assert len(types) > 5 and not [name for name, t in types.items()
                                        if any(config in t for config in WHOLE_CONFIGS)], plan
@@ -98,11 +99,12 @@ def test_forward_hooks_are_let_go_by_one_helper():
 
 
 PLANNING = {"convert": "conversion/pipeline.py", "train": "training/trainer.py", "prune": "resize/run.py",
-            "grow": "resize/run.py", "compare": "compare/study.py", "analyze": "analyze/run.py"}
+            "grow": "resize/run.py", "compress": "resize/compress.py", "compare": "compare/study.py",
+            "analyze": "analyze/run.py"}
 
 
 def test_one_runner_claims_every_planned_commands_output():
-    """convert, train, prune/grow, compare and analyze run their plan through `outputs.job.run_job` (check, claim
+    """convert, train, prune/grow, compress, compare and analyze run their plan through `outputs.job.run_job` (check, claim
     OUT, execute); none of their packages claims an output another way."""
     assert sorted(set(PLANNING.values())) == [m for m in callers_of("run_job") if not m.startswith("outputs/")]
     for package in ("conversion", "training", "resize", "compare", "analyze"):
