@@ -23,6 +23,7 @@ from upcycle.config_reader import build
 from upcycle.conversion.pipeline import convert
 from upcycle.core.delta_experts import DeltaExperts
 from upcycle.core.moe import moe_layers
+from upcycle.metrics.experts import similarity_and_diversity
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -166,5 +167,8 @@ def test_every_method_that_declares_deltas_converts_to_them_and_the_listing_says
             continue
         result = convert(cfg(tiny_llama, method=name), progress=False)
         assert all(isinstance(layer.experts, DeltaExperts) for layer in moe_layers(result.model).values())
-        kept = [layer["delta_energy_kept"] for layer in result.report.to_dict()["layers"]]
-        assert kept and all(0 <= v <= 1 for k in kept for v in k.values()), name
+        entries = result.report.to_dict()["layers"]
+        assert entries and all(0 <= v <= 1 for e in entries for v in e["delta_energy_kept"].values()), name
+        # the report's similarity is that of the experts the layers hold (the method's cut to the rank)
+        held = [similarity_and_diversity(layer.experts.weights()) for layer in moe_layers(result.model).values()]
+        assert [(e["expert_similarity"], e["diversity"]) for e in entries] == held, name

@@ -104,8 +104,8 @@ PLANNING = {"convert": "conversion/pipeline.py", "train": "training/trainer.py",
 
 
 def test_one_runner_claims_every_planned_commands_output():
-    """convert, train, prune/grow, compress, compare and analyze run their plan through `outputs.job.run_job` (check, claim
-    OUT, execute); none of their packages claims an output another way."""
+    """convert, train, prune/grow, compress, compare and analyze run their plan through `outputs.job.run_job`
+    (check, claim OUT, execute); none of their packages claims an output another way."""
     assert sorted(set(PLANNING.values())) == [m for m in callers_of("run_job") if not m.startswith("outputs/")]
     for package in ("conversion", "training", "resize", "compare", "analyze"):
         claiming = [m for m in callers_of("claim_output") if m.startswith(package + "/")]

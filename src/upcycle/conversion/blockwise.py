@@ -274,8 +274,10 @@ class MethodLayers:
         layer = upcycle_layer(init, plan.moe, dtype=self.layer_dtype or dense.w_up.dtype,
                               output_dropout=self.family.output_dropout(tcfg), dense=dense)
         kept = getattr(layer.experts, "energy_kept", None)
-        if kept is not None:    # delta experts: the least share of an expert's change from the dense FFN kept
+        if kept is not None:    # delta experts: the least share of an expert's change from the dense FFN kept,
+            #                     and the similarity of the experts the layer holds (not the method's, cut to rank)
             entry.method_facts = {**entry.method_facts, "delta_energy_kept": {k: round(v, 6) for k, v in kept.items()}}
+            entry.expert_similarity, entry.diversity = similarity_and_diversity(layer.experts.weights())
         clusters = init.token_clusters
         del init            # the method's float32 experts: gone before the check runs beside the layer
         if activations is not None:
