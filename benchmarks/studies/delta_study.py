@@ -127,7 +127,8 @@ def collect(work: Path) -> dict:
                 row = rows.setdefault(f"copy full, compressed r{rank}", {"seeds": [], "end": [], "kl": []})
                 row["seeds"].append(int(report.parent.name.rsplit("-", 1)[1]))
                 data = json.loads(report.read_text())
-                row["kl"].append(data["kl_to_source"])
+                # an encoder's output is no distribution: its distance is the largest difference of the output
+                row["kl"].append(data["kl_to_source"] if task == "lm" else data["max_abs_logit_diff"])
                 row["end"].append(data["held_out_perplexity"]["after"] if task == "lm" else score(
                     task, json.loads(report.parent.with_suffix(".eval.json").read_text())))
         if rows:
@@ -136,8 +137,12 @@ def collect(work: Path) -> dict:
                 "pair retrieval MRR, query to document (higher is better)",
                 "budget": {"recipe": TASKS[task]["recipe"], "set": TASKS[task]["budget"],
                            "steps": TASKS[task]["steps"]},
+                "distance_to_source": "KL of the compressed model to the trained full-expert one (nats per token, the "
+                                      "report's probe)" if task == "lm" else
+                "max |difference| of the last hidden state from the trained full-expert model's (the report's probe)",
                 "rows": {name: {**{k: v for k, v in row.items() if k not in ("end", "kl")},
-                                "quality": spread(row["end"]), **({"kl": spread(row["kl"])} if row.get("kl") else {})}
+                                "quality": spread(row["end"]),
+                                **({"distance_to_source": spread(row["kl"])} if row.get("kl") else {})}
                          for name, row in rows.items()}}
     return result
 
