@@ -15,7 +15,8 @@ baseline to each; it is the same run in every arm, and the collection reads it f
     delta64       the same at rank 64
     delta16-frozen, delta64-frozen   and --convert-set moe.train_base=false
 Budgets are those of the expert-count study (LM: 12 steps of 4 x 256 tokens; contrastive: 60 steps of 64 pairs x
-64 tokens). Writes benchmarks/results/delta_study/ (delta_study.json, delta_study.png, the machine, every command).
+64 tokens). A compressed model is evaluated as the cells end (`upcycle eval`: 4,096 held-out tokens in rows of 256;
+512 held-out pairs), so its row reads beside theirs. Writes benchmarks/results/delta_study/ (delta_study.json, delta_study.png, the machine, every command).
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ def compress(work: Path, task: str, seed: int) -> None:
                 note(out.parent)
             run("compress", str(trained(work, task, "full", seed)), str(out), "--rank", str(rank), "--overwrite",
                 "--quiet")
-        if task == "contrastive" and not out.with_suffix(".eval.json").is_file():
-            run("eval", str(out), "--task", "contrastive", "--pairs", "512", "--out",
-                str(out.with_suffix(".eval.json")), "--quiet")
+        if not out.with_suffix(".eval.json").is_file():     # the held-out evaluation the compare cells end on
+            budget = ["--task", "contrastive", "--pairs", "512"] if task == "contrastive" else \
+                ["--tokens", "4096", "--sequence-length", "256"]
+            run("eval", str(out), *budget, "--out", str(out.with_suffix(".eval.json")), "--quiet")
             note(out.with_suffix(".eval.json"))
 
 
@@ -129,8 +131,7 @@ def collect(work: Path) -> dict:
                 data = json.loads(report.read_text())
                 # an encoder's output is no distribution: its distance is the largest difference of the output
                 row["kl"].append(data["kl_to_source"] if task == "lm" else data["max_abs_logit_diff"])
-                row["end"].append(data["held_out_perplexity"]["after"] if task == "lm" else score(
-                    task, json.loads(report.parent.with_suffix(".eval.json").read_text())))
+                row["end"].append(score(task, json.loads(report.parent.with_suffix(".eval.json").read_text())))
         if rows:
             result["tasks"][task] = {
                 "quality": "held-out perplexity (lower is better)" if task == "lm" else
