@@ -16,7 +16,8 @@ baseline to each; it is the same run in every arm, and the collection reads it f
     delta16-frozen, delta64-frozen   and --convert-set moe.train_base=false
 Budgets are those of the expert-count study (LM: 12 steps of 4 x 256 tokens; contrastive: 60 steps of 64 pairs x
 64 tokens). A compressed model is evaluated as the cells end (`upcycle eval`: 4,096 held-out tokens in rows of 256;
-512 held-out pairs), so its row reads beside theirs. Writes benchmarks/results/delta_study/ (delta_study.json, delta_study.png, the machine, every command).
+512 held-out pairs), so its row reads beside theirs. Writes benchmarks/results/delta_study/ (delta_study.json,
+delta_study.png, the machine, every command).
 """
 
 from __future__ import annotations
