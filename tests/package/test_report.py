@@ -30,9 +30,10 @@ NOISE = 1e-4
 
 
 # Keys added to the report since those fixtures: whether the conversion streamed, whether the end-to-end check ran, each
-# layer's own check against the dense FFN, and the files a streaming export wrote. Everything else is as before.
+# layer's own check against the dense FFN, the files a streaming export wrote, and how the experts are stored (the MoE
+# config's experts, delta_rank, train_base). Everything else is as before.
 ADDED = {"streamed", "end_to_end", "max_abs_diff", "relative_diff", "probe_tokens", "allowed_max_abs_diff",
-         "layer_rounding_noise", "passed", "files"}
+         "layer_rounding_noise", "passed", "files", "experts", "delta_rank", "train_base"}
 
 
 def same(expected, actual, where: str) -> None:
