@@ -22,12 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
+from memory_plans import GPU_BYTES, upcycled_llama
+from memory_plans import SHAPES as MEMORY_SHAPES
 
-from upcycle.config import MoEConfig, PlacementConfig, RegularizerConfig, TrainConfig
-from upcycle.core.expert_shape import ExpertShape
-from upcycle.core.moe import MoELayer
-from upcycle.core.surgery import install, plan_targets, track_padding_masks
+from upcycle.config import MoEConfig, RegularizerConfig, TrainConfig
 from upcycle.machine import machine
 from upcycle.scripts import output_file
 from upcycle.training.memory.plan import Layout, plan_memory
@@ -35,8 +33,8 @@ from upcycle.training.memory.plan import Layout, plan_memory
 RESULTS = Path(__file__).parents[1] / "results" / "delta_plans.json"
 SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocabulary, tied
     "smollm2-1.7b": (24, 2048, 8192, 32, 32, 49152, True),
-    "llama3.2-1b": (16, 2048, 8192, 32, 8, 128256, True),
-    "llama3-8b": (32, 4096, 14336, 32, 8, 128256, False),
+    "llama3.2-1b": MEMORY_SHAPES["llama3.2-1b"],
+    "llama3-8b": MEMORY_SHAPES["llama3.1-8b"],          # Llama-3-8B's shapes are Llama-3.1-8B's
 }
 EXPERTS = {  # name -> MoEConfig keys
     "full": {"experts": "full"},
@@ -44,20 +42,10 @@ EXPERTS = {  # name -> MoEConfig keys
     "delta r64": {"experts": "delta", "delta_rank": 64},
     "delta r16, frozen base": {"experts": "delta", "delta_rank": 16, "train_base": False},
 }
-GPU_BYTES = 85_520_809_984          # an H100 80GB's torch.cuda.get_device_properties(0).total_memory
 
 
 def build(shape: str, experts: str, dtype: torch.dtype) -> torch.nn.Module:
-    layers, hidden, inter, heads, kv, vocab, tied = SHAPES[shape]
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                      tie_word_embeddings=tied, max_position_embeddings=8192)
-    model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
-    moe = MoEConfig(num_experts=8, top_k=2, **EXPERTS[experts])
-    for target in plan_targets(model, PlacementConfig(every=2)):
-        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True), moe, dtype=dtype))
-    track_padding_masks(model)
-    return model
+    return upcycled_llama(SHAPES[shape], dtype, MoEConfig(num_experts=8, top_k=2, **EXPERTS[experts]))
 
 
 def main() -> None:

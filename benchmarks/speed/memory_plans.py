@@ -41,14 +41,19 @@ LAYOUTS = ((1, "single"), (2, "fsdp2"), (8, "fsdp2"))
 
 
 def build(shape: str, dtype: torch.dtype) -> torch.nn.Module:
-    layers, hidden, inter, heads, kv, vocab, tied = SHAPES[shape]
+    return upcycled_llama(SHAPES[shape], dtype, MoEConfig(num_experts=8, top_k=2))
+
+
+def upcycled_llama(dims: tuple, dtype: torch.dtype, moe: MoEConfig) -> torch.nn.Module:
+    """A Llama of `dims` (layers, hidden, intermediate, heads, kv heads, vocabulary, tied) whose every other block's
+    FFN is an MoE layer of `moe`, empty (the plan traces it on fake tensors)."""
+    layers, hidden, inter, heads, kv, vocab, tied = dims
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                       tie_word_embeddings=tied, max_position_embeddings=8192)
     model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
     for target in plan_targets(model, PlacementConfig(every=2)):
-        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True),
-                                             MoEConfig(num_experts=8, top_k=2), dtype=dtype))
+        install(model, target.path, MoELayer(ExpertShape(hidden, inter, "silu", gated=True), moe, dtype=dtype))
     track_padding_masks(model)
     return model
 

@@ -32,13 +32,15 @@ in about an hour and a half (LM: 12 training steps of 4 x 256 tokens, then 8 aft
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from upcycle.cli import main as upcycle
+from study_commands import run_upcycle
+
 from upcycle.machine import machine
 from upcycle.scripts import note, output_folder
 
@@ -58,14 +60,7 @@ TASKS = {
 COMMANDS: list[str] = []
 
 
-def run(*argv: str) -> None:
-    """One upcycle command, in this process (its exit status checked), recorded for the results."""
-    COMMANDS.append("upcycle " + " ".join(argv))
-    started = time.perf_counter()
-    status = upcycle(list(argv))
-    if status != 0:
-        sys.exit(f"upcycle {' '.join(argv)} exited {status}")
-    print(f"[{time.perf_counter() - started:6.1f} s] upcycle {' '.join(argv[:3])} ...", flush=True)
+run = functools.partial(run_upcycle, COMMANDS)      # one upcycle command, in this process, recorded
 
 
 def folder(path: Path) -> Path:

@@ -62,9 +62,7 @@ def estimate(plan: ConversionPlan, *, calibration_tokens: int | None = None) -> 
     # layers' routers and selection biases (float32 in every dtype) and integer buffers keep theirs
     kept = {f"{path}.{name}" for path, layer in layers.items()
             for name, _ in [*layer.router.state_dict(prefix="router.").items(), ("selection_bias", None)]}
-    sizes = {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt)
-                                 for n, shape, dt in specs])
-             for name, storage in STORAGE_DTYPES.items()}
+    sizes = bytes_by_storage(specs, dtype, kept)
     moe_sizes = bytes_by_block(specs, block_list)
     element = torch.empty((), dtype=dtype).element_size()
     block_bytes = max((moe_sizes[t.path] for t in targets), default=0)
@@ -104,11 +102,14 @@ def full_experts_sizes(plan: ConversionPlan, kept: set[str]) -> dict:
     moe = dataclasses.replace(plan.moe, experts="full")
     dtype = STORAGE_DTYPES[plan.dtype]
     model, _ = planned_model(plan.config, moe, plan.placement, plan.layout_of, dtype=dtype)
-    specs = tensor_specs(model)
-    return {"parameters": count_parameters(model),
-            "output_bytes": {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt)
-                                                 for n, shape, dt in specs])
-                             for name, storage in STORAGE_DTYPES.items()}}
+    return {"parameters": count_parameters(model), "output_bytes": bytes_by_storage(tensor_specs(model), dtype, kept)}
+
+
+def bytes_by_storage(specs, dtype: torch.dtype, kept: set[str]) -> dict[str, int]:
+    """The bytes written in each storage dtype: the tensors in the plan's `dtype` take it, the `kept` ones (routers,
+    selection biases) and integer buffers keep their own."""
+    return {name: output_bytes([(n, shape, storage if dt == dtype and n not in kept else dt) for n, shape, dt in specs])
+            for name, storage in STORAGE_DTYPES.items()}
 
 
 def sizes(report: dict) -> str:

@@ -97,7 +97,7 @@ def plan_compress(model: str, rank: int) -> CompressPlan:
             raise UpcycleError(f"--rank must be at most min(model width, expert width) = {limit} (layer {name}), "
                                f"got {rank}")
         with torch.device("meta"):
-            delta = DeltaExperts(experts.num_experts, _shape(experts), rank)
+            delta = DeltaExperts(experts.num_experts, ExpertShape.of(experts.weights()), rank)
         layers[name] = (sum(p.numel() for p in experts.parameters()), sum(p.numel() for p in delta.parameters()))
     if not layers:
         raise UpcycleError(f"{model} has no MoE layer to compress")
@@ -106,11 +106,6 @@ def plan_compress(model: str, rank: int) -> CompressPlan:
     element = next(iter(moe_layers(skeleton).values())).experts.dtype.itemsize
     given = [Input(what, path) for what, path in model_inputs(model)]
     return CompressPlan(model, rank, layers, (before, after), element, given)
-
-
-def _shape(experts) -> ExpertShape:
-    return ExpertShape(experts.hidden_size, experts.intermediate_size, experts.activation, experts.gated,
-                       experts.bias_in, experts.bias_down)
 
 
 def compress(model: str, out: str | Path, rank: int, *, overwrite: bool = False, progress: bool = True) -> dict:
@@ -127,8 +122,9 @@ def dry_run(model: str, rank: int, out: str | Path | None = None, *, overwrite: 
 def compress_layer(layer: MoELayer, rank: int) -> dict:
     """`layer`'s full experts replaced in place by their mean plus rank-`rank` deltas; what the split kept."""
     experts = layer.experts
-    split = split_experts(experts.weights(), rank)
-    delta = DeltaExperts(experts.num_experts, _shape(experts), rank, dtype=experts.dtype).to(
+    weights = experts.weights()
+    split = split_experts(weights, rank)
+    delta = DeltaExperts(experts.num_experts, ExpertShape.of(weights), rank, dtype=experts.dtype).to(
         layer.router.weight.device)
     delta.load_base(split.base)
     delta.load_deltas(split.deltas)
