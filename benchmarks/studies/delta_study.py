@@ -5,7 +5,7 @@ with delta experts of rank 16 and 64 (base trained, and base frozen), and the de
 and 64: the KL to it and the perplexity lost.
 
     .venv/bin/python benchmarks/studies/delta_study.py --task lm --seeds 0         # the runs (resumable)
-    .venv/bin/python benchmarks/studies/delta_study.py --collect                   # JSON and figure from WORK
+    .venv/bin/python benchmarks/studies/delta_study.py --collect                   # JSON and figure from the records
 
 Arms, each one `upcycle compare MODEL WORK/TASK/ARM --methods copy --seeds S --config RECIPE --set BUDGET
 --num-experts 8 --top-k 2 --every 2 [--convert-set moe.experts=delta ...]` (compare adds the dense-continued
@@ -16,8 +16,12 @@ baseline to each; it is the same run in every arm, and the collection reads it f
     delta16-frozen, delta64-frozen   and --convert-set moe.train_base=false
 Budgets are those of the expert-count study (LM: 12 steps of 4 x 256 tokens; contrastive: 60 steps of 64 pairs x
 64 tokens). A compressed model is evaluated as the cells end (`upcycle eval`: 4,096 held-out tokens in rows of 256;
-512 held-out pairs), so its row reads beside theirs. Writes benchmarks/results/delta_study/ (delta_study.json,
-delta_study.png, the machine, every command).
+512 held-out pairs), so its row reads beside theirs.
+
+Each finished cell and compression leaves a small record in benchmarks/results/delta_study/records/ (its score,
+parameters, distance, the command that made it), and the collection reads those records, not WORK: the study runs
+for hours, so seeds run on different days and machines add up, and a seed already recorded is not run again.
+Writes benchmarks/results/delta_study/ (delta_study.json, delta_study.png, the machines, every command).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from upcycle.scripts import note, output_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "delta_study"
+RECORDS = RESULTS / "records"
 ARMS = {
     "full": [],
     "delta16": ["moe.experts=delta", "moe.delta_rank=16"],
@@ -55,7 +61,27 @@ COMMANDS: list[str] = []
 run = functools.partial(run_upcycle, COMMANDS)      # one upcycle command, in this process, recorded
 
 
+def record(task: str, row: str, seed: int, **fields) -> None:
+    """A finished cell's or compression's record, written once (a second run of the seed is skipped, not added)."""
+    path = RECORDS / task / f"{row.replace(' ', '-').replace(',', '')}-seed-{seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"task": task, "row": row, "seed": seed, **fields, "machine": machine()}, indent=1)
+                    + "\n")
+
+
+def recorded(task: str, row: str, seed: int) -> bool:
+    return any(r["row"] == row and r["seed"] == seed for r in records(task))
+
+
+def records(task: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((RECORDS / task).glob("*.json"))]
+
+
 def compare(work: Path, task: str, arm: str, seed: int) -> None:
+    """The arm's cells for one seed, recorded: the copy cell, and for the full arm the dense-continued one (compare
+    runs it in every arm; one record of it is enough)."""
+    if recorded(task, f"copy {arm}", seed):
+        return
     spec = TASKS[task]
     if not (work / task).is_dir():          # the task's folder made and recorded as the study's
         (work / task).mkdir()
@@ -65,6 +91,12 @@ def compare(work: Path, task: str, arm: str, seed: int) -> None:
     run("compare", spec["model"], str(work / task / arm), "--methods", "copy", "--seeds", str(seed), "--config",
         spec["recipe"], *sets, *converts, "--num-experts", "8", "--top-k", "2", "--every", "2", "--keep", "models",
         "--quiet")
+    for path in sorted((work / task / arm / "cells").glob(f"*-seed-{seed}/cell.json")):
+        cell = json.loads(path.read_text())
+        row = "dense" if cell["method"] == "dense" else f"copy {arm}"
+        if cell.get("evals") and (row != "dense" or arm == "full"):
+            record(task, row, seed, quality=score(task, cell["evals"][-1]), parameters=cell.get("parameters"),
+                   command=COMMANDS[-1])
 
 
 def trained(work: Path, task: str, arm: str, seed: int) -> Path:
@@ -72,19 +104,30 @@ def trained(work: Path, task: str, arm: str, seed: int) -> Path:
 
 
 def compress(work: Path, task: str, seed: int) -> None:
+    """The seed's trained full-expert model compressed at each rank and evaluated as the cells end, recorded."""
     for rank in COMPRESS_RANKS:
+        row = f"copy full, compressed r{rank}"
+        if recorded(task, row, seed):
+            continue
+        source = trained(work, task, "full", seed)
+        if not source.is_dir():
+            sys.exit(f"{row}, seed {seed}: the trained full-expert model is not in {source} (the full arm was "
+                     f"recorded on another machine); remove its record in {RECORDS / task} to run the arm again")
         out = work / task / "compress" / f"r{rank}-seed-{seed}"
-        if not (out / "compress_report.json").is_file():
-            if not out.parent.is_dir():
-                out.parent.mkdir(parents=True)
-                note(out.parent)
-            run("compress", str(trained(work, task, "full", seed)), str(out), "--rank", str(rank), "--overwrite",
-                "--quiet")
-        if not out.with_suffix(".eval.json").is_file():     # the held-out evaluation the compare cells end on
-            budget = ["--task", "contrastive", "--pairs", "512"] if task == "contrastive" else \
-                ["--tokens", "4096", "--sequence-length", "256"]
-            run("eval", str(out), *budget, "--out", str(out.with_suffix(".eval.json")), "--quiet")
-            note(out.with_suffix(".eval.json"))
+        if not out.parent.is_dir():
+            out.parent.mkdir(parents=True)
+            note(out.parent)
+        run("compress", str(source), str(out), "--rank", str(rank), "--overwrite", "--quiet")
+        commands = [COMMANDS[-1]]
+        budget = ["--task", "contrastive", "--pairs", "512"] if task == "contrastive" else \
+            ["--tokens", "4096", "--sequence-length", "256"]
+        run("eval", str(out), *budget, "--out", str(out.with_suffix(".eval.json")), "--overwrite", "--quiet")
+        note(out.with_suffix(".eval.json"))
+        report = json.loads((out / "compress_report.json").read_text())
+        # an encoder's output is no distribution: its distance is the largest difference of the output
+        record(task, row, seed, quality=score(task, json.loads(out.with_suffix(".eval.json").read_text())),
+               distance_to_source=report["kl_to_source"] if task == "lm" else report["max_abs_logit_diff"],
+               command=[*commands, COMMANDS[-1]])
 
 
 def score(task: str, evaluation: dict) -> float:
@@ -96,37 +139,23 @@ def spread(values: list[float]) -> dict:
             "values": values}
 
 
-def cells(work: Path, task: str, arm: str) -> dict:
-    """The arm's finished cells, every seed run so far (each cell's cell.json, written when it finishes)."""
-    found = {}
-    for path in sorted((work / task / arm / "cells").glob("*/cell.json")):
-        cell = json.loads(path.read_text())
-        if cell.get("evals"):
-            found[cell["name"]] = cell
-    return found
-
-
-def collect(work: Path) -> dict:
-    result = {"machine": machine(), "collected": time.strftime("%Y-%m-%d %H:%M:%S"), "tasks": {}}
+def collect() -> dict:
+    """Every task's rows from the records: each row's seeds, its quality's mean, std and values, and for the
+    compressed rows their distance to the source."""
+    result = {"collected": time.strftime("%Y-%m-%d %H:%M:%S"), "machines": [], "tasks": {}}
+    commands = []
     for task in TASKS:
         rows = {}
-        for arm in ARMS:
-            found = cells(work, task, arm)
-            for cell in found.values():
-                label = "dense" if cell["method"] == "dense" else f"copy {arm}"
-                if label == "dense" and arm != "full":
-                    continue
-                rows.setdefault(label, {"seeds": [], "end": [], "parameters": cell.get("parameters")})
-                rows[label]["seeds"].append(cell["seed"])
-                rows[label]["end"].append(score(task, cell["evals"][-1]))
-        for rank in COMPRESS_RANKS:
-            for report in sorted((work / task / "compress").glob(f"r{rank}-seed-*/compress_report.json")):
-                row = rows.setdefault(f"copy full, compressed r{rank}", {"seeds": [], "end": [], "kl": []})
-                row["seeds"].append(int(report.parent.name.rsplit("-", 1)[1]))
-                data = json.loads(report.read_text())
-                # an encoder's output is no distribution: its distance is the largest difference of the output
-                row["kl"].append(data["kl_to_source"] if task == "lm" else data["max_abs_logit_diff"])
-                row["end"].append(score(task, json.loads(report.parent.with_suffix(".eval.json").read_text())))
+        for rec in sorted(records(task), key=lambda r: r["seed"]):
+            row = rows.setdefault(rec["row"], {"seeds": [], "end": [], "kl": [], "parameters": rec.get("parameters")})
+            row["seeds"].append(rec["seed"])
+            row["end"].append(rec["quality"])
+            if "distance_to_source" in rec:
+                row["kl"].append(rec["distance_to_source"])
+            if rec["machine"] not in result["machines"]:
+                result["machines"].append(rec["machine"])
+            commands += [c for c in ([rec["command"]] if isinstance(rec["command"], str) else rec["command"])
+                         if c not in commands]
         if rows:
             result["tasks"][task] = {
                 "quality": "held-out perplexity (lower is better)" if task == "lm" else
@@ -136,10 +165,12 @@ def collect(work: Path) -> dict:
                 "distance_to_source": "KL of the compressed model to the trained full-expert one (nats per token, the "
                                       "report's probe)" if task == "lm" else
                 "max |difference| of the last hidden state from the trained full-expert model's (the report's probe)",
-                "rows": {name: {**{k: v for k, v in row.items() if k not in ("end", "kl")},
+                "rows": {name: {"seeds": row["seeds"],
+                                **({"parameters": row["parameters"]} if row["parameters"] else {}),
                                 "quality": spread(row["end"]),
-                                **({"distance_to_source": spread(row["kl"])} if row.get("kl") else {})}
+                                **({"distance_to_source": spread(row["kl"])} if row["kl"] else {})}
                          for name, row in rows.items()}}
+    result["commands"] = commands
     return result
 
 
@@ -181,30 +212,24 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--collect", action="store_true")
     args = parser.parse_args()
-    work = Path(args.work)
     if args.collect:
-        result = collect(work)
-        recorded = work / "commands.json"
-        result["commands"] = json.loads(recorded.read_text()) if recorded.is_file() else []
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        result = collect()
+        if not result["tasks"]:
+            sys.exit(f"no records in {RECORDS}: run the study first")
         (RESULTS / "delta_study.json").write_text(json.dumps(result, indent=1) + "\n")
         figure(result, RESULTS / "delta_study.png")
         print(f"wrote {RESULTS}")
         return
     from upcycle.scripts import claim_work
 
+    work = Path(args.work)
     claim_work(work)
-    recorded = work / "commands.json"
-    COMMANDS.extend(json.loads(recorded.read_text()) if recorded.is_file() else [])
     for seed in args.seeds:             # a seed of every task before the next seed: rows come in evenly
         for task in args.task:
             for arm in args.arms:
                 compare(work, task, arm, seed)
-                recorded.write_text(json.dumps(COMMANDS, indent=1) + "\n")
-                note(recorded)
-            if "full" in args.arms:
-                compress(work, task, seed)
-
+                if arm == "full":       # compressed while the trained model is at hand
+                    compress(work, task, seed)
 
 if __name__ == "__main__":
     main()
