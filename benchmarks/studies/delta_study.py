@@ -152,8 +152,9 @@ def collect() -> dict:
             row["end"].append(rec["quality"])
             if "distance_to_source" in rec:
                 row["kl"].append(rec["distance_to_source"])
-            if rec["machine"] not in result["machines"]:
-                result["machines"].append(rec["machine"])
+            kind = {k: v for k, v in rec["machine"].items() if k != "load_average"}   # the machine, not its moment
+            if kind not in result["machines"]:
+                result["machines"].append(kind)
             commands += [c for c in ([rec["command"]] if isinstance(rec["command"], str) else rec["command"])
                          if c not in commands]
         if rows:
