@@ -139,6 +139,17 @@ def spread(values: list[float]) -> dict:
             "values": values}
 
 
+def paired(row: dict, full: dict | None, name: str) -> dict:
+    """The row's quality minus the full-expert row's, seed by seed: a seed fixes the data order and the
+    initialization of every row alike, so the seeds move the rows together and the paired difference is the
+    comparison the seeds can settle (its spread is smaller than either row's)."""
+    if full is None or name == "copy full":
+        return {}
+    by_seed = dict(zip(full["seeds"], full["end"], strict=True))
+    differences = [q - by_seed[s] for s, q in zip(row["seeds"], row["end"], strict=True) if s in by_seed]
+    return {"minus_copy_full": spread(differences)} if differences else {}
+
+
 def collect() -> dict:
     """Every task's rows from the records: each row's seeds, its quality's mean, std and values, and for the
     compressed rows their distance to the source."""
@@ -169,7 +180,8 @@ def collect() -> dict:
                 "rows": {name: {"seeds": row["seeds"],
                                 **({"parameters": row["parameters"]} if row["parameters"] else {}),
                                 "quality": spread(row["end"]),
-                                **({"distance_to_source": spread(row["kl"])} if row["kl"] else {})}
+                                **({"distance_to_source": spread(row["kl"])} if row["kl"] else {}),
+                                **paired(row, rows.get("copy full"), name)}
                          for name, row in rows.items()}}
     result["commands"] = commands
     return result
@@ -180,27 +192,35 @@ ORDER = ("dense", "copy full", *(f"copy {arm}" for arm in ARMS if arm != "full")
 
 
 def figure(result: dict, path: Path) -> None:
-    """Per task, each row's seeds as dots and their mean ± std as a bar, the dense model's mean as a dashed line."""
+    """Per task two panels: each row's seeds as dots and their mean ± std as a bar, the dense model's mean dashed;
+    and each row minus the full-expert row, seed by seed (the comparison the seeds settle), zero dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(result["tasks"])
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(13, 4 * len(tasks)), squeeze=False)
+    for (left, right), task in zip(axes, tasks, strict=True):
         rows = result["tasks"][task]["rows"]
         names = [n for n in ORDER if n in rows][::-1]
-        for i, name in enumerate(names):
-            q = rows[name]["quality"]
-            ax.scatter(q["values"], [i] * len(q["values"]), color="#4c72b0", s=14, zorder=3)
-            ax.errorbar(q["mean"], i, xerr=q["std"], fmt="|", color="black", markersize=14, capsize=3, zorder=2)
-        if "dense" in rows:
-            ax.axvline(rows["dense"]["quality"]["mean"], color="gray", ls="--", lw=1)
-        ax.set_yticks(range(len(names)), [f"{n} ({len(rows[n]['quality']['values'])} seeds)" for n in names])
-        ax.ticklabel_format(axis="x", useOffset=False)
-        ax.set_xlabel(result["tasks"][task]["quality"])
-        ax.set_title({"lm": "SmolLM2-135M, causal LM", "contrastive": "all-MiniLM-L6-v2, contrastive"}[task])
+        for ax, key, line in ((left, "quality", rows.get("dense", {}).get("quality", {}).get("mean")),
+                              (right, "minus_copy_full", 0.0)):
+            for i, name in enumerate(names):
+                if key in rows[name]:
+                    q = rows[name][key]
+                    ax.scatter(q["values"], [i] * len(q["values"]), color="#4c72b0", s=14, zorder=3)
+                    ax.errorbar(q["mean"], i, xerr=q["std"], fmt="|", color="black", markersize=14, capsize=3,
+                                zorder=2)
+            if line is not None:
+                ax.axvline(line, color="gray", ls="--", lw=1)
+            ax.ticklabel_format(axis="x", useOffset=False)
+        left.set_yticks(range(len(names)), [f"{n} ({len(rows[n]['quality']['values'])} seeds)" for n in names])
+        right.set_yticks(range(len(names)), [""] * len(names))
+        left.set_xlabel(result["tasks"][task]["quality"])
+        right.set_xlabel("minus copy full, seed by seed")
+        left.set_title({"lm": "SmolLM2-135M, causal LM", "contrastive": "all-MiniLM-L6-v2, contrastive"}[task])
+        right.set_title("paired with the full-expert run of the same seed")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -31,9 +31,11 @@ def test_the_table_is_collected_from_every_seeds_records(records):
     assert rows["dense"]["seeds"] == [0, 1, 2] and rows["dense"]["quality"]["values"] == [34.8, 35.0, 34.9]
     assert rows["copy full"]["quality"]["mean"] == statistics.fmean([34.9, 35.1, 34.7])
     assert rows["copy full"]["quality"]["std"] == statistics.stdev([34.9, 35.1, 34.7])
-    assert rows["copy full"]["parameters"] == {"total": 3}
+    assert rows["copy full"]["parameters"] == {"total": 3} and "minus_copy_full" not in rows["copy full"]
+    assert rows["dense"]["minus_copy_full"]["values"] == pytest.approx([-0.1, -0.1, 0.2])    # seed by seed
     compressed = rows["copy full, compressed r16"]
     assert compressed["seeds"] == [1] and compressed["distance_to_source"]["values"] == [7e-6]
+    assert compressed["minus_copy_full"]["values"] == pytest.approx([35.2 - 35.1])            # seed 1's full row
     assert "parameters" not in compressed and "contrastive" not in result["tasks"]
     assert result["commands"] == ["upcycle compare a", "upcycle compress b", "upcycle eval c"]
     assert result["machines"] == [{"cpus": 2}]           # one machine, whatever its load when each cell ended
