@@ -182,3 +182,33 @@ def test_under_autocast_a_delta_layer_computes_in_bfloat16_as_its_full_experts_d
     assert 0 < error <= 3 * full_error, (error, full_error)       # bfloat16 was used, and about as well as theirs
     y.pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in delta.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the grouped path's own device)")
+def test_on_a_gpu_a_delta_layer_runs_grouped_and_computes_as_its_full_experts_do(monkeypatch):
+    """The path a GPU takes unforced: grouped_mm for every low-rank product, no slot count read on the host; under
+    bfloat16 autocast its error against the float32 full-expert layer is of the order of the full experts' own under
+    the same autocast (the CPU test's bound above, 3x their root-mean-square error)."""
+    import upcycle.core.delta_experts as module
+
+    dense = dense_of("llama").map(lambda t: t.float())
+    E, k, T = 4, 2, 64
+    delta = delta_like(dense, E, rank=8).float()
+    random_deltas(delta)
+    full = Experts(E, ExpertShape.of(dense), dtype=torch.float32)
+    full.load_weights(delta.weights())
+    delta, full = delta.cuda(), full.cuda()
+    tokens, weights, counts = (t.cuda() for t in routed(T, E, k))
+    weights = weights.float()
+    x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4)).cuda()
+    assert low_rank_path(x.device, torch.bfloat16, 8, dense.hidden_size, dense.intermediate_size) == "grouped_mm"
+    exact = full(x, tokens, weights, counts).detach()
+    monkeypatch.setattr(module, "expert_segments", lambda *a: pytest.fail("the grouped path read the counts"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = delta(x, tokens, weights, counts)
+        y_full = full(x, tokens, weights, counts)
+    error, full_error = ((y - exact).pow(2).mean().sqrt(), (y_full - exact).pow(2).mean().sqrt())
+    assert y.dtype == torch.float32 and 0 < error <= 3 * full_error, (error, full_error)
+    y.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()
+               for p in delta.parameters())
