@@ -61,16 +61,20 @@ COMMANDS: list[str] = []
 run = functools.partial(run_upcycle, COMMANDS)      # one upcycle command, in this process, recorded
 
 
+def record_path(task: str, row: str, seed: int) -> Path:
+    return RECORDS / task / f"{row.replace(' ', '-').replace(',', '')}-seed-{seed}.json"
+
+
 def record(task: str, row: str, seed: int, **fields) -> None:
     """A finished cell's or compression's record, written once (a second run of the seed is skipped, not added)."""
-    path = RECORDS / task / f"{row.replace(' ', '-').replace(',', '')}-seed-{seed}.json"
+    path = record_path(task, row, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"task": task, "row": row, "seed": seed, **fields, "machine": machine()}, indent=1)
                     + "\n")
 
 
 def recorded(task: str, row: str, seed: int) -> bool:
-    return any(r["row"] == row and r["seed"] == seed for r in records(task))
+    return record_path(task, row, seed).is_file()
 
 
 def records(task: str) -> list[dict]:
@@ -118,16 +122,16 @@ def compress(work: Path, task: str, seed: int) -> None:
             out.parent.mkdir(parents=True)
             note(out.parent)
         run("compress", str(source), str(out), "--rank", str(rank), "--overwrite", "--quiet")
-        commands = [COMMANDS[-1]]
         budget = ["--task", "contrastive", "--pairs", "512"] if task == "contrastive" else \
             ["--tokens", "4096", "--sequence-length", "256"]
-        run("eval", str(out), *budget, "--out", str(out.with_suffix(".eval.json")), "--overwrite", "--quiet")
-        note(out.with_suffix(".eval.json"))
+        evaluation = out.with_suffix(".eval.json")
+        run("eval", str(out), *budget, "--out", str(evaluation), "--overwrite", "--quiet")
+        note(evaluation)
         report = json.loads((out / "compress_report.json").read_text())
         # an encoder's output is no distribution: its distance is the largest difference of the output
-        record(task, row, seed, quality=score(task, json.loads(out.with_suffix(".eval.json").read_text())),
+        record(task, row, seed, quality=score(task, json.loads(evaluation.read_text())),
                distance_to_source=report["kl_to_source"] if task == "lm" else report["max_abs_logit_diff"],
-               command=[*commands, COMMANDS[-1]])
+               command=COMMANDS[-2:])                  # the compress and the eval
 
 
 def score(task: str, evaluation: dict) -> float:

@@ -156,6 +156,29 @@ def test_the_rank_and_the_factors_shapes_are_checked():
         layer.load_base(dense_of("gpt2"))
 
 
+def autocast_case(T: int, device: str = "cpu") -> tuple[DeltaExperts, Experts, tuple]:
+    """A float32 rank-8 delta layer (random deltas), the full-expert layer of its materialized experts, and the
+    layers' inputs: T tokens routed top-2 of 4 experts; all on `device`."""
+    dense = dense_of("llama").map(lambda t: t.float())
+    delta = delta_like(dense, 4, rank=8).float()
+    random_deltas(delta)
+    full = Experts(4, ExpertShape.of(dense), dtype=torch.float32)
+    full.load_weights(delta.weights())
+    tokens, weights, counts = routed(T, 4, 2)
+    x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4))
+    return delta.to(device), full.to(device), tuple(t.to(device) for t in (x, tokens, weights.float(), counts))
+
+
+def bfloat16_errors(delta: DeltaExperts, full: Experts, inputs: tuple) -> tuple[torch.Tensor, float, float]:
+    """The delta layer's output under bfloat16 autocast, its root-mean-square error against the float32 full-expert
+    layer, and the full experts' own error under the same autocast."""
+    exact = full(*inputs).detach()
+    with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
+        y = delta(*inputs)
+        y_full = full(*inputs)
+    return y, (y - exact).pow(2).mean().sqrt(), (y_full - exact).pow(2).mean().sqrt()
+
+
 @pytest.mark.parametrize("path", ["grouped_mm", "loop"])
 def test_under_autocast_a_delta_layer_computes_in_bfloat16_as_its_full_experts_do(path):
     """Mixed precision (float32 parameters, bfloat16 autocast): the products in bfloat16, the output in the input's
@@ -164,21 +187,10 @@ def test_under_autocast_a_delta_layer_computes_in_bfloat16_as_its_full_experts_d
     materialized W_e, the delta layer the base and each correction apart: about two roundings where the full
     experts make one), so the bound is on the root-mean-square error: measured 1.04-1.92x the full experts' over 30
     seeds, both paths, gated and plain FFNs; 3x here."""
-    dense = dense_of("llama").map(lambda t: t.float())
-    E, k, T = 4, 2, 16
-    delta = delta_like(dense, E, rank=8).float()
-    random_deltas(delta)
-    full = Experts(E, ExpertShape.of(dense), dtype=torch.float32)
-    full.load_weights(delta.weights())
-    tokens, weights, counts = routed(T, E, k)
-    x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4))
+    delta, full, inputs = autocast_case(16)
     with forced_kernel_path(path):
-        exact = full(x, tokens, weights.float(), counts).detach()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = delta(x, tokens, weights.float(), counts)
-            y_full = full(x, tokens, weights.float(), counts)
+        y, error, full_error = bfloat16_errors(delta, full, inputs)
     assert y.dtype == torch.float32
-    error, full_error = ((y - exact).pow(2).mean().sqrt(), (y_full - exact).pow(2).mean().sqrt())
     assert 0 < error <= 3 * full_error, (error, full_error)       # bfloat16 was used, and about as well as theirs
     y.pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in delta.parameters())
@@ -191,23 +203,11 @@ def test_on_a_gpu_a_delta_layer_runs_grouped_and_computes_as_its_full_experts_do
     the same autocast (the CPU test's bound above, 3x their root-mean-square error)."""
     import upcycle.core.delta_experts as module
 
-    dense = dense_of("llama").map(lambda t: t.float())
-    E, k, T = 4, 2, 64
-    delta = delta_like(dense, E, rank=8).float()
-    random_deltas(delta)
-    full = Experts(E, ExpertShape.of(dense), dtype=torch.float32)
-    full.load_weights(delta.weights())
-    delta, full = delta.cuda(), full.cuda()
-    tokens, weights, counts = (t.cuda() for t in routed(T, E, k))
-    weights = weights.float()
-    x = torch.randn(T, dense.hidden_size, generator=torch.Generator().manual_seed(4)).cuda()
-    assert low_rank_path(x.device, torch.bfloat16, 8, dense.hidden_size, dense.intermediate_size) == "grouped_mm"
-    exact = full(x, tokens, weights, counts).detach()
+    delta, full, inputs = autocast_case(64, "cuda")
+    assert low_rank_path(inputs[0].device, torch.bfloat16, 8, delta.hidden_size, delta.intermediate_size) \
+        == "grouped_mm"
     monkeypatch.setattr(module, "expert_segments", lambda *a: pytest.fail("the grouped path read the counts"))
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = delta(x, tokens, weights, counts)
-        y_full = full(x, tokens, weights, counts)
-    error, full_error = ((y - exact).pow(2).mean().sqrt(), (y_full - exact).pow(2).mean().sqrt())
+    y, error, full_error = bfloat16_errors(delta, full, inputs)
     assert y.dtype == torch.float32 and 0 < error <= 3 * full_error, (error, full_error)
     y.pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()
